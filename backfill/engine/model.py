@@ -1,0 +1,171 @@
+"""Llama-family decoder over a paged KV cache, executed one layer at a time.
+
+One forward pass takes a flattened mixed batch: every scheduled token of every sequence in
+one [T] vector. Decoding sequences (one new token each) share one batched attention call;
+sequences in (chunked) prefill attend one at a time. Between layers the caller's safepoint
+may abort the pass (ConServe §4.3): the KV written so far belongs to positions the
+scheduler has not committed, so it is simply overwritten when the work is redone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from backfill.engine.config import ModelConfig
+from backfill.engine.kv_pool import KVBlockPool
+
+
+class StepAborted(Exception):
+    """Raised inside forward when the safepoint asks to abort; carries the layer reached."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"step aborted before layer {layer}")
+        self.layer = layer
+
+
+@dataclass
+class PrefillSpan:
+    """Tokens [token_start, token_start + num_tokens) of the flat batch belong to one sequence
+    whose first new token sits at absolute position start_pos."""
+
+    token_start: int
+    num_tokens: int
+    start_pos: int
+    block_ids: torch.Tensor  # [blocks covering start_pos + num_tokens]
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor        # [T] absolute position of each token
+    slot_mapping: torch.Tensor     # [T] flat KV slot (block * block_size + offset) of each token
+    decode_token_index: torch.Tensor | None  # [Bd] where the decode tokens sit in the flat batch
+    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
+    decode_key_mask: torch.Tensor | None     # [Bd, 1, 1, max_blocks * block_size] True = attend
+    prefills: list[PrefillSpan]
+    logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
+
+
+Safepoint = Callable[[int], bool]
+
+
+class LlamaModel:
+    """Weights as plain tensors; no nn.Module machinery on the hot path (gpt-fast style)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
+            self.layers.append(dict(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                               w(p + "self_attn.v_proj.weight")]).contiguous(),
+                o=w(p + "self_attn.o_proj.weight"),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64)
+                                                / config.head_dim))
+        t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
+
+    @property
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.final_norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        return n + sum(t.numel() for layer in self.layers for t in layer.values())
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_parameters * self.embed.element_size()
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
+                safepoint: Safepoint | None = None) -> torch.Tensor:
+        """Run all layers on the flat batch; return fp32 logits [N, vocab] for meta.logits_index."""
+        cfg = self.config
+        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = n_q * hd, n_kv * hd
+        num_tokens = input_ids.shape[0]
+        h = self.embed.index_select(0, input_ids)
+        cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        for li, layer in enumerate(self.layers):
+            if safepoint is not None and li > 0 and safepoint(li):
+                raise StepAborted(li)
+            x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"])
+            q = self._rope(qkv[:, :q_size].view(num_tokens, n_q, hd), cos, sin)
+            k = self._rope(qkv[:, q_size:q_size + kv_size].view(num_tokens, n_kv, hd), cos, sin)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
+            k_cache = kv.k[li].view(-1, n_kv, hd)
+            v_cache = kv.v[li].view(-1, n_kv, hd)
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+            attn = self._attention(q, li, meta, kv)
+            h = h + F.linear(attn, layer["o"])
+            x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["down"])
+        if safepoint is not None and safepoint(cfg.num_layers):
+            raise StepAborted(cfg.num_layers)
+        last = h.index_select(0, meta.logits_index)
+        last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
+        cfg = self.config
+        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bs = kv.block_size
+        out = torch.empty_like(q)
+        if meta.decode_token_index is not None:
+            tables = meta.decode_block_tables
+            batch, max_blocks = tables.shape
+            # [Bd, blocks, block_size, kv_heads, hd] -> [Bd, kv_heads, ctx, hd]
+            flat = tables.view(-1)
+            keys = kv.k[li].index_select(0, flat).view(batch, max_blocks * bs, n_kv, hd).transpose(1, 2)
+            values = kv.v[li].index_select(0, flat).view(batch, max_blocks * bs, n_kv, hd).transpose(1, 2)
+            qd = q.index_select(0, meta.decode_token_index).unsqueeze(2)  # [Bd, n_q, 1, hd]
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_key_mask,
+                                               enable_gqa=n_q != n_kv)
+            out.index_copy_(0, meta.decode_token_index, o.squeeze(2))
+        for span in meta.prefills:
+            ctx = span.start_pos + span.num_tokens
+            keys = kv.k[li].index_select(0, span.block_ids).view(-1, n_kv, hd)[:ctx].transpose(0, 1).unsqueeze(0)
+            values = kv.v[li].index_select(0, span.block_ids).view(-1, n_kv, hd)[:ctx].transpose(0, 1).unsqueeze(0)
+            qp = q[span.token_start:span.token_start + span.num_tokens].transpose(0, 1).unsqueeze(0)
+            if span.start_pos == 0:
+                o = F.scaled_dot_product_attention(qp, keys, values, is_causal=True, enable_gqa=n_q != n_kv)
+            else:
+                # Chunked prefill: query i sits at start_pos + i and sees keys up to there.
+                qpos = torch.arange(span.start_pos, ctx, device=q.device).unsqueeze(1)
+                kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=kpos <= qpos,
+                                                   enable_gqa=n_q != n_kv)
+            out[span.token_start:span.token_start + span.num_tokens] = o.squeeze(0).transpose(0, 1)
+        return out.view(q.shape[0], n_q * hd)

@@ -1,0 +1,129 @@
+"""Executes one scheduled step: a mixed batch of prefill chunks and decode tokens.
+
+The runner is the schedulers' whole view of the model: give it chunks (which tokens of which
+sequence, where its KV blocks are), optionally a safepoint called between layers, and get
+logits back - or StepOutput.aborted when the safepoint said stop. Block allocation and host
+copies go through `runner.kv` (KVBlockPool).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backfill.engine.config import ModelConfig
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import AttentionMetadata, LlamaModel, PrefillSpan, Safepoint, StepAborted
+
+
+@dataclass
+class SeqChunk:
+    """Feed token_ids to one sequence whose first start_pos tokens are already in the KV cache.
+
+    block_table must already cover start_pos + len(token_ids) tokens.
+    """
+
+    seq_id: int | str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    want_logits: bool = True
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start_pos > 0
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None          # [N, vocab] fp32, rows in order of chunks wanting logits
+    logit_seq_ids: list[int | str]
+    aborted: bool = False
+    aborted_at_layer: int | None = None
+    duration_s: float = 0.0
+    num_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVBlockPool) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None) -> StepOutput:
+        start = time.perf_counter()
+        if not chunks:
+            return StepOutput(None, [], duration_s=0.0)
+        input_ids, meta, logit_ids = self._prepare(chunks)
+        try:
+            logits = self.model.forward(input_ids, meta, self.kv, safepoint)
+        except StepAborted as abort:
+            return StepOutput(None, [], aborted=True, aborted_at_layer=abort.layer,
+                              duration_s=time.perf_counter() - start, num_tokens=int(input_ids.shape[0]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepOutput(logits, logit_ids, duration_s=time.perf_counter() - start,
+                          num_tokens=int(input_ids.shape[0]))
+
+    def _prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata, list]:
+        bs = self.kv.block_size
+        max_pos = self.config.max_position_embeddings
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_index: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        logits_index: list[int] = []
+        logit_ids: list[int | str] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            end = chunk.start_pos + n
+            if n == 0:
+                raise ValueError(f"chunk for sequence {chunk.seq_id} has no tokens")
+            if end > max_pos:
+                raise ValueError(f"sequence {chunk.seq_id} reaches position {end} beyond {max_pos}")
+            if len(chunk.block_table) * bs < end:
+                raise ValueError(f"sequence {chunk.seq_id}: block table holds {len(chunk.block_table) * bs} "
+                                 f"tokens, step needs {end}")
+            first = len(ids)
+            ids.extend(chunk.token_ids)
+            for p in range(chunk.start_pos, end):
+                positions.append(p)
+                slots.append(chunk.block_table[p // bs] * bs + p % bs)
+            if chunk.is_decode:
+                decode_index.append(first)
+                decode_tables.append(chunk.block_table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                used = chunk.block_table[: -(-end // bs)]
+                prefills.append(PrefillSpan(first, n, chunk.start_pos,
+                                            torch.tensor(used, dtype=torch.long, device=self.device)))
+            if chunk.want_logits:
+                logits_index.append(first + n - 1)
+                logit_ids.append(chunk.seq_id)
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_token_index=None, decode_block_tables=None, decode_key_mask=None,
+            prefills=prefills,
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
+        )
+        if decode_index:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_token_index = torch.tensor(decode_index, dtype=torch.long, device=dev)
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev).unsqueeze(1)
+            meta.decode_key_mask = (key_pos < lens).view(len(decode_index), 1, 1, width * bs)
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, logit_ids

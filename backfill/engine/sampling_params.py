@@ -1,0 +1,63 @@
+"""Per-request sampling parameters, validated where they enter the system."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from backfill.errors import InvalidSamplingError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 disables top-p.
+    stop_token_ids end generation without being shown; stop strings end it and are cut from
+    the text. max_tokens counts output tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs so the object stays hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop) if not isinstance(self.stop, str) else (self.stop,))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise InvalidSamplingError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise InvalidSamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise InvalidSamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidSamplingError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSamplingError("stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise InvalidSamplingError(f"at most 16 stop strings, got {len(self.stop)}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingError("stop_token_ids must be non-negative")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidSamplingError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def greedy_params(cls, max_tokens: int = 16, **kw) -> "SamplingParams":
+        return cls(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,1 @@
+"""The co-serving scheduler loop and the in-process API the server and benchmarks use."""

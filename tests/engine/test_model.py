@@ -1,0 +1,125 @@
+"""The paged-attention model against HF transformers' Llama on tiny random weights."""
+
+import pytest
+import torch
+
+from backfill.engine.config import ModelConfig
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.runner import ModelRunner, SeqChunk
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_reference(cfg: ModelConfig):
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(hf_cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_config):
+    hf = _hf_reference(tiny_config)
+    model = LlamaModel(tiny_config, dict(hf.state_dict()))
+    return hf, ModelRunner(model, KVBlockPool(tiny_config, num_blocks=128, block_size=8))
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_prefill_logits_match_hf(setup):
+    hf, runner = setup
+    ids = _prompt(37, 0)
+    table = runner.kv.allocate(runner.kv.blocks_needed(len(ids)))
+    out = runner.execute([SeqChunk("a", ids, 0, table)])
+    torch.testing.assert_close(out.logits[0], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    runner.kv.free(table)
+
+
+def test_chunked_prefill_equals_whole_prefill(setup):
+    hf, runner = setup
+    ids = _prompt(45, 1)
+    table = runner.kv.allocate(runner.kv.blocks_needed(len(ids)))
+    for start, end in [(0, 11), (11, 12), (12, 30)]:
+        runner.execute([SeqChunk("a", ids[start:end], start, table, want_logits=False)])
+    out = runner.execute([SeqChunk("a", ids[30:], 30, table)])
+    torch.testing.assert_close(out.logits[0], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    runner.kv.free(table)
+
+
+def test_mixed_batch_equals_one_at_a_time(setup):
+    hf, runner = setup
+    prompts = [_prompt(n, 10 + n) for n in (5, 17, 33, 8)]
+    tables = [runner.kv.allocate(runner.kv.blocks_needed(len(p) + 1)) for p in prompts]
+    # Sequences 0 and 1 are already prefilled and decode; 2 and 3 prefill in the same step.
+    for i in (0, 1):
+        runner.execute([SeqChunk(i, prompts[i][:-1], 0, tables[i], want_logits=False)])
+    chunks = [SeqChunk(0, prompts[0][-1:], len(prompts[0]) - 1, tables[0]),
+              SeqChunk(2, prompts[2], 0, tables[2]),
+              SeqChunk(1, prompts[1][-1:], len(prompts[1]) - 1, tables[1]),
+              SeqChunk(3, prompts[3][:4], 0, tables[3])]
+    out = runner.execute(chunks)
+    assert out.logit_seq_ids == [0, 2, 1, 3]
+    expected = [prompts[0], prompts[2], prompts[1], prompts[3][:4]]
+    for row, ids in enumerate(expected):
+        torch.testing.assert_close(out.logits[row], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    for t in tables:
+        runner.kv.free(t)
+
+
+def test_abort_at_safepoint_then_rerun_equals_no_abort(setup):
+    _, runner = setup
+    ids = _prompt(20, 3)
+    clean = runner.kv.allocate(3)
+    runner.execute([SeqChunk("c", ids, 0, clean, want_logits=False)])
+    expected = runner.execute([SeqChunk("c", [7], 20, clean)]).logits
+
+    table = runner.kv.allocate(3)
+    runner.execute([SeqChunk("x", ids, 0, table, want_logits=False)])
+    seen = []
+
+    def stop_at_two(layer: int) -> bool:
+        seen.append(layer)
+        return layer == 2
+
+    aborted = runner.execute([SeqChunk("x", [9], 20, table)], safepoint=stop_at_two)
+    assert aborted.aborted and aborted.aborted_at_layer == 2 and aborted.logits is None
+    assert seen == [1, 2]
+    # The aborted step wrote KV for position 20 in layers 0-1 only; re-running overwrites it.
+    rerun = runner.execute([SeqChunk("x", [7], 20, table)], safepoint=lambda layer: False)
+    torch.testing.assert_close(rerun.logits, expected)
+    runner.kv.free(clean)
+    runner.kv.free(table)
+
+
+def test_bfloat16_close_to_fp32(setup, tiny_config):
+    hf, _ = setup
+    runner = ModelRunner(LlamaModel(tiny_config, dict(hf.state_dict()), dtype=torch.bfloat16),
+                         KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
+    ids = _prompt(12, 4)
+    out = runner.execute([SeqChunk("b", ids, 0, runner.kv.allocate(2))])
+    ref = _hf_logits(hf, ids)[-1]
+    assert out.logits.dtype == torch.float32
+    assert (out.logits[0] - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+
+
+def test_runner_rejects_short_block_table(setup):
+    _, runner = setup
+    with pytest.raises(ValueError, match="block table"):
+        runner.execute([SeqChunk("s", list(range(3, 30)), 0, [0])])
+
+
+def test_runner_rejects_positions_beyond_context(setup, tiny_config):
+    _, runner = setup
+    with pytest.raises(ValueError, match="beyond"):
+        runner.execute([SeqChunk("s", [3], tiny_config.max_position_embeddings, list(range(100)))])
