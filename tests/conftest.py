@@ -13,3 +13,36 @@ def tiny_config() -> ModelConfig:
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random Llama weights under HF names (std 0.02 for matrices, ones for norms)."""
+    g = torch.Generator().manual_seed(seed)
+    hd = cfg.head_dim
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) * (3.0 / cols ** 0.5)
+
+    w = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g),
+         "model.norm.weight": torch.ones(cfg.hidden_size)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(cfg.hidden_size)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(cfg.hidden_size)
+        w[p + "self_attn.q_proj.weight"] = mat(cfg.num_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = mat(cfg.num_kv_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = mat(cfg.num_kv_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = mat(cfg.hidden_size, cfg.num_heads * hd)
+        w[p + "mlp.gate_proj.weight"] = mat(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.up_proj.weight"] = mat(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.down_proj.weight"] = mat(cfg.hidden_size, cfg.intermediate_size)
+    return w
+
+
+@pytest.fixture()
+def tiny_runner(tiny_config):
+    """A tiny random model with a 64-block pool (block size 8)."""
+    from backfill.engine.kv_pool import KVBlockPool
+    from backfill.engine.model import LlamaModel
+    from backfill.engine.runner import ModelRunner
+    return ModelRunner(LlamaModel(tiny_config, random_weights(tiny_config)), KVBlockPool(tiny_config, 64, 8))

@@ -1,0 +1,82 @@
+"""Reference policies the co-serving policy is measured against.
+
+online-only: serves online requests and ignores offline ones (the latency baseline).
+fcfs:        one queue by arrival time, no notion of class.
+priority:    online first at iteration level, offline fills the rest of the token budget; no
+             SLO budget and no mid-step preemption (ConServe's "vLLM++" baseline, §6.1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, recompute_cost_order
+from backfill.policy.state import SchedulerState, SeqView, StepPlan
+
+
+def _serve_in_order(state: SchedulerState, order: list[SeqView], limits: BatchLimits,
+                    victims_for: Callable[[SeqView], list[SeqView]],
+                    may_evict: Callable[[SeqView], bool] = lambda seq: seq.running) -> PlanBuilder:
+    plan = PlanBuilder(state, limits.max_batch_tokens, limits.max_batch_seqs, limits.prefill_chunk_tokens)
+    for seq in order:
+        if plan.tokens_left <= 0:
+            break
+        want = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
+        if may_evict(seq) and state.blocks_for(seq, want) > plan.free_blocks:
+            # A sequence that cannot grow takes blocks from lower-ranked ones (vLLM-style).
+            plan.make_room(seq, want, victims_for(seq))
+        plan.add(seq)
+    return plan
+
+
+class OnlineOnlyPolicy:
+    name = "online-only"
+
+    def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
+        self.limits = limits
+
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        online = decode_first(state.online)
+        victims = lambda seq: [s for s in reversed(online) if s.running and s.arrival_s > seq.arrival_s]
+        return _serve_in_order(state, online, self.limits, victims).plan(mode="online")
+
+    def should_abort_step(self, *args, **kwargs) -> bool:
+        return False
+
+
+class FCFSPolicy:
+    name = "fcfs"
+
+    def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
+        self.limits = limits
+
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        order = decode_first(list(state.seqs))
+        victims = lambda seq: [s for s in reversed(order) if s.running and s.arrival_s > seq.arrival_s]
+        return _serve_in_order(state, order, self.limits, victims).plan(mode="fcfs")
+
+    def should_abort_step(self, *args, **kwargs) -> bool:
+        return False
+
+
+class PriorityPolicy:
+    name = "priority"
+
+    def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
+        self.limits = limits
+
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        offline = decode_first(state.offline)
+        order = decode_first(state.online) + offline
+        offline_victims = recompute_cost_order([s for s in offline if s.running])
+
+        def victims(seq: SeqView) -> list[SeqView]:
+            if seq.is_online:
+                return offline_victims
+            return [s for s in reversed(offline) if s.running and s.arrival_s > seq.arrival_s]
+
+        return _serve_in_order(state, order, self.limits, victims,
+                               may_evict=lambda seq: seq.running or seq.is_online).plan(mode="priority")
+
+    def should_abort_step(self, *args, **kwargs) -> bool:
+        return False

@@ -1,0 +1,147 @@
+"""ConServe's SLO-aware co-serving policy (ConServe §4.2 Algorithms 1-2, §4.5).
+
+Co-serving mode (online work present): online requests go in first; the step gets a latency
+budget from the SLOs (TPOT when online requests decode, else what is left of the most urgent
+TTFT) and offline tokens fill what the latency model says still fits. Offline requests never
+hold blocks an online request needs: they are preempted, checkpointed ones first.
+
+Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
+large as the preemption target allows: a step can only be aborted between layers, so one layer
+must take no longer than the preemption latency we promise.
+
+Algorithm 2: when an online request arrives during a preemptible step, abort the step at the
+next layer safepoint if finishing it would make the request miss its TTFT SLO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backfill.errors import InvalidRequestError
+from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, recompute_cost_order
+from backfill.policy.state import SchedulerState, StepPlan
+from backfill.serving.api import SLO
+
+
+@dataclass(frozen=True)
+class CoServeConfig:
+    slo: SLO = SLO()
+    limits: BatchLimits = BatchLimits()
+    # Offline batching mode: largest batch whose per-layer time stays below this.
+    preempt_target_ms: float = 8.0
+    offline_batch_max_tokens: int = 2048
+    offline_batch_max_seqs: int = 128
+    # Blocks kept free for online arrivals when offline admits new work.
+    online_reserve_fraction: float = 0.1
+    # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step.
+    interference_slack: float | None = None
+    num_layers: int = 30
+
+    def __post_init__(self) -> None:
+        if self.preempt_target_ms <= 0:
+            raise InvalidRequestError("preempt_target_ms must be positive")
+        if not 0.0 <= self.online_reserve_fraction < 1.0:
+            raise InvalidRequestError("online_reserve_fraction must be in [0, 1)")
+        if self.interference_slack is not None and self.interference_slack < 0:
+            raise InvalidRequestError("interference_slack must be >= 0")
+
+
+@dataclass(frozen=True)
+class RunningStep:
+    """What the scheduler is executing right now (for Algorithm 2)."""
+
+    shape: BatchShape
+    started_s: float
+    preemptible: bool
+
+
+class CoServePolicy:
+    name = "coserve"
+
+    def __init__(self, latency: LatencyModel, config: CoServeConfig = CoServeConfig()) -> None:
+        self.latency = latency
+        self.config = config
+        self._offline_tokens = self._offline_batch_tokens()
+
+    def _offline_batch_tokens(self) -> int:
+        cfg = self.config
+        layer_budget_ms = cfg.preempt_target_ms * cfg.num_layers
+        n = self.latency.max_new_tokens(BatchShape(), layer_budget_ms, 0, cfg.offline_batch_max_tokens)
+        return max(1, n)
+
+    def schedule(self, state: SchedulerState) -> StepPlan:
+        if state.online:
+            return self._co_serving(state)
+        return self._offline_batching(state)
+
+    # --- Algorithm 1: co-serving mode -----------------------------------------------------------
+
+    def _budget_ms(self, state: SchedulerState) -> float:
+        slo = self.config.slo
+        online = state.online
+        if any(not s.in_prefill and s.running for s in online):
+            return slo.tpot_ms
+        waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in online)
+        return max(slo.ttft_ms - waited_ms, 0.0)
+
+    def _co_serving(self, state: SchedulerState) -> StepPlan:
+        cfg = self.config
+        limits = cfg.limits
+        online = decode_first(state.online)
+        offline = decode_first(state.offline)
+        victims = recompute_cost_order([s for s in offline if s.running])
+        # Online work is never limited by the offline budget; only by the step's token cap.
+        plan = PlanBuilder(state, max(limits.max_batch_tokens, self._offline_tokens),
+                           limits.max_batch_seqs, limits.prefill_chunk_tokens)
+        for seq in online:
+            want = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
+            if state.blocks_for(seq, want) > plan.free_blocks:
+                plan.make_room(seq, want, victims)
+            plan.add(seq)
+        budget_ms = self._budget_ms(state)
+        if cfg.interference_slack is not None:
+            budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self.latency.estimate_ms(plan.shape))
+        reserve = int(cfg.online_reserve_fraction * state.total_blocks)
+        for seq in offline:
+            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
+                continue  # do not admit new offline work into the online headroom
+            room = self.latency.max_new_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
+                                               min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
+            if room > 0:
+                plan.add(seq, token_cap=room)
+        return plan.plan(mode="co-serving", budget_ms=budget_ms)
+
+    # --- Offline batching mode ------------------------------------------------------------------
+
+    def _offline_batching(self, state: SchedulerState) -> StepPlan:
+        cfg = self.config
+        offline = decode_first(state.offline)
+        plan = PlanBuilder(state, self._offline_tokens, cfg.offline_batch_max_seqs, self._offline_tokens)
+        reserve = int(cfg.online_reserve_fraction * state.total_blocks)
+        for seq in offline:
+            if plan.tokens_left <= 0:
+                break
+            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
+                continue
+            if seq.running and state.blocks_for(seq, 1) > plan.free_blocks:
+                # A running offline request cannot grow: preempt the youngest other offline work.
+                others = [s for s in reversed(offline) if s.running and s.seq_id != seq.seq_id
+                          and s.arrival_s > seq.arrival_s]
+                plan.make_room(seq, 1, recompute_cost_order(others))
+            plan.add(seq)
+        return plan.plan(preemptible=True, mode="offline-batching")
+
+    # --- Algorithm 2: online arrival during a running step ---------------------------------------
+
+    def should_abort_step(self, state: SchedulerState, step: RunningStep) -> bool:
+        if not step.preemptible or not state.online:
+            return False
+        elapsed_ms = (state.now_s - step.started_s) * 1e3
+        remain_ms = max(self.latency.estimate_ms(step.shape) - elapsed_ms, 0.0)
+        online_shape = BatchShape()
+        for seq in state.online:
+            online_shape = online_shape.plus(seq.num_pending_tokens, seq.num_computed_tokens)
+        exec_ms = self.latency.estimate_ms(online_shape)
+        waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
+        return remain_ms + exec_ms + waited_ms > self.config.slo.ttft_ms

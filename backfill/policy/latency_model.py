@@ -1,0 +1,93 @@
+"""Step latency as a function of batch shape, fitted from profiled runs (ConServe §4.5).
+
+estimate_ms = interp(token_grid -> step_ms, tokens)
+            + ms_per_kctx * (context tokens read by decode attention) / 1000
+            + ms_per_mpair * (query x key pairs of prefill attention) / 1e6
+
+A table, not a formula: on a CPU the step time is flat while weight reads dominate and
+linear once compute does, and a piecewise-linear table follows both without a model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from backfill.errors import BackfillError
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    num_tokens: int = 0
+    decode_context_tokens: int = 0
+    prefill_attention_pairs: int = 0
+
+    def plus(self, num_new: int, start_pos: int) -> "BatchShape":
+        """This shape with one more chunk of num_new tokens starting at start_pos."""
+        if num_new == 1 and start_pos > 0:
+            return BatchShape(self.num_tokens + 1, self.decode_context_tokens + start_pos + 1,
+                              self.prefill_attention_pairs)
+        pairs = num_new * start_pos + num_new * (num_new + 1) // 2
+        return BatchShape(self.num_tokens + num_new, self.decode_context_tokens,
+                          self.prefill_attention_pairs + pairs)
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    token_grid: tuple[int, ...]
+    step_ms: tuple[float, ...]
+    ms_per_kctx: float = 0.0
+    ms_per_mpair: float = 0.0
+    device: str = "cpu"
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.token_grid) != len(self.step_ms) or len(self.token_grid) < 2:
+            raise BackfillError("latency model needs at least two (tokens, ms) points of equal count")
+        if list(self.token_grid) != sorted(set(self.token_grid)):
+            raise BackfillError("latency model token grid must be strictly increasing")
+
+    def _token_ms(self, tokens: int) -> float:
+        grid, ms = self.token_grid, self.step_ms
+        if tokens <= grid[0]:
+            return ms[0]
+        i = min(bisect.bisect_left(grid, tokens), len(grid) - 1)
+        x0, x1, y0, y1 = grid[i - 1], grid[i], ms[i - 1], ms[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates past the last point
+
+    def estimate_ms(self, shape: BatchShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        return (self._token_ms(shape.num_tokens) + self.ms_per_kctx * shape.decode_context_tokens / 1e3
+                + self.ms_per_mpair * shape.prefill_attention_pairs / 1e6)
+
+    def max_new_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
+        """Largest n <= limit such that adding an n-token chunk at start_pos keeps the step within budget."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LatencyModel":
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(token_grid=tuple(int(x) for x in raw["token_grid"]),
+                       step_ms=tuple(float(x) for x in raw["step_ms"]),
+                       ms_per_kctx=float(raw.get("ms_per_kctx", 0.0)),
+                       ms_per_mpair=float(raw.get("ms_per_mpair", 0.0)),
+                       device=str(raw.get("device", "cpu")), model_name=str(raw.get("model_name", "")))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BackfillError(f"cannot read latency profile {path}: {exc}") from exc

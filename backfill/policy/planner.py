@@ -1,0 +1,90 @@
+"""Shared bookkeeping for building a StepPlan: token/seq limits and free blocks.
+
+Every policy fills a batch the same way (decodes take one token, prefills take chunks, each
+needs blocks); they differ only in order, budgets and who may be preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backfill.errors import InvalidRequestError
+from backfill.policy.latency_model import BatchShape
+from backfill.policy.state import Scheduled, SchedulerState, SeqView, StepPlan
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_tokens: int = 512     # tokens per step in normal (co-serving) operation
+    max_batch_seqs: int = 64
+    prefill_chunk_tokens: int = 512  # longest prefill chunk of one sequence in one step
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_batch_seqs", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class PlanBuilder:
+    def __init__(self, state: SchedulerState, max_tokens: int, max_seqs: int, chunk_tokens: int) -> None:
+        self.state = state
+        self.max_tokens = max_tokens
+        self.max_seqs = max_seqs
+        self.chunk_tokens = chunk_tokens
+        self.free_blocks = state.free_blocks
+        self.scheduled: list[Scheduled] = []
+        self.scheduled_ids: set[str] = set()
+        self.preempted: list[str] = []
+        self.tokens = 0
+        self.shape = BatchShape()
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - self.tokens
+
+    def add(self, seq: SeqView, token_cap: int | None = None) -> int:
+        """Schedule as many of seq's pending tokens as limits and free blocks allow; return the count."""
+        if seq.seq_id in self.scheduled_ids or seq.seq_id in self.preempted or len(self.scheduled) >= self.max_seqs:
+            return 0
+        n = min(seq.num_pending_tokens, self.chunk_tokens, self.tokens_left)
+        if token_cap is not None:
+            n = min(n, token_cap)
+        # Never schedule past the context: the mechanism finishes such sequences.
+        n = min(n, self.state.max_model_len - seq.num_computed_tokens)
+        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_computed_tokens
+        n = min(n, fits)
+        if n <= 0:
+            return 0
+        self.free_blocks -= self.state.blocks_for(seq, n)
+        self.scheduled.append(Scheduled(seq.seq_id, n))
+        self.scheduled_ids.add(seq.seq_id)
+        self.tokens += n
+        self.shape = self.shape.plus(n, seq.num_computed_tokens)
+        return n
+
+    def preempt(self, seq: SeqView) -> None:
+        """Take seq off the device before the step; its blocks become free for this plan."""
+        if seq.seq_id in self.scheduled_ids or seq.seq_id in self.preempted or not seq.running:
+            return
+        self.preempted.append(seq.seq_id)
+        self.free_blocks += seq.num_blocks
+
+    def make_room(self, seq: SeqView, n: int, victims: list[SeqView]) -> None:
+        """Preempt victims (in order) until seq's next n tokens fit in free blocks."""
+        for victim in victims:
+            if self.state.blocks_for(seq, min(n, seq.num_pending_tokens)) <= self.free_blocks:
+                return
+            self.preempt(victim)
+
+    def plan(self, *, preemptible: bool = False, mode: str = "", **info) -> StepPlan:
+        return StepPlan(tuple(self.scheduled), tuple(self.preempted), preemptible, mode, info)
+
+
+def decode_first(seqs: list[SeqView]) -> list[SeqView]:
+    """Running decodes (cheap, latency-visible) before prefills, each group by arrival."""
+    return sorted(seqs, key=lambda s: (s.in_prefill or not s.running, s.arrival_s))
+
+
+def recompute_cost_order(victims: list[SeqView]) -> list[SeqView]:
+    """Victims whose KV is already on the host first (free to drop), then the youngest."""
+    return sorted(victims, key=lambda s: (s.num_computed_tokens - s.num_checkpointed_tokens, -s.arrival_s))

@@ -1,0 +1,95 @@
+"""What a scheduling policy sees (a snapshot) and what it returns (a plan).
+
+Policies never touch tensors or the engine: the same objects drive the real scheduler, unit
+tests on hand-built states, and the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backfill.serving.api import RequestClass
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """One request as the policy sees it."""
+
+    seq_id: str
+    request_class: RequestClass
+    arrival_s: float
+    num_prompt_tokens: int
+    num_tokens: int              # prompt + output so far
+    num_computed_tokens: int     # tokens whose KV is valid on the device
+    num_blocks: int              # device blocks held now
+    running: bool                # holds device blocks (was scheduled before and not preempted)
+    num_checkpointed_tokens: int = 0  # tokens whose KV has a host copy
+    max_tokens: int = 16
+    num_output_tokens: int = 0
+
+    @property
+    def is_online(self) -> bool:
+        return self.request_class is RequestClass.ONLINE
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to feed before the next sample: 1 when decoding, more while (re)prefilling."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_pending_tokens > 1
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    now_s: float
+    seqs: tuple[SeqView, ...]
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    max_model_len: int
+
+    def by_class(self, cls: RequestClass) -> list[SeqView]:
+        return [s for s in self.seqs if s.request_class is cls]
+
+    @property
+    def online(self) -> list[SeqView]:
+        return self.by_class(RequestClass.ONLINE)
+
+    @property
+    def offline(self) -> list[SeqView]:
+        return self.by_class(RequestClass.OFFLINE)
+
+    def blocks_for(self, seq: SeqView, num_new_tokens: int) -> int:
+        """Extra device blocks seq needs to compute num_new_tokens more tokens."""
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, needed - seq.num_blocks)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    seq_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The policy's decision for one step.
+
+    scheduled: which sequences run and how many of their pending tokens (online first).
+    preempt: running sequences to take off the device before the step (their blocks are freed;
+      the mechanism keeps what is checkpointed on the host and recomputes the rest).
+    preemptible: the step may be aborted at layer safepoints when online work arrives
+      (ConServe §4.3: only for pure offline batches).
+    """
+
+    scheduled: tuple[Scheduled, ...] = ()
+    preempt: tuple[str, ...] = ()
+    preemptible: bool = False
+    mode: str = "idle"
+    info: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)

@@ -1,0 +1,119 @@
+"""AsyncEngine: the scheduler loop on its own thread, with an asyncio streaming API.
+
+The server and the benchmark harness both use this; nothing else drives the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from backfill.errors import EngineStoppedError
+from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
+from backfill.serving.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, scheduler: Scheduler, tokenizer=None, model_name: str = "backfill") -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._run, name="backfill-scheduler", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Queue request and return its event stream. Raises a typed error at once on bad input."""
+        if not self.running:
+            raise EngineStoppedError("engine is not running")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        try:
+            self.scheduler.add(request)
+        except Exception:
+            self._queues.pop(request.request_id, None)
+            raise
+        self._wake.set()
+        return self._stream(request.request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away: free the request's blocks
+                self.cancel(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self.scheduler.cancel(request_id)
+        self._wake.set()
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def _run(self) -> None:
+        scheduler = self.scheduler
+        while not self._stopping.is_set():
+            if not scheduler.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                events = scheduler.step()
+            except Exception:  # a bug must not strand every waiting client
+                log.exception("scheduler step failed; failing the requests in flight")
+                events = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.ERROR)
+                          for seq_id in list(scheduler.seqs)]
+                for seq_id in list(scheduler.seqs):
+                    scheduler.cancel(seq_id)
+                scheduler.step()
+            if events and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, events)
+        # Stopping: tell every open stream it ended.
+        leftovers = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.CANCELLED)
+                     for seq_id in list(self._queues)]
+        if leftovers and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, leftovers)
+
+    async def generate(self, request: GenerationRequest) -> tuple[list[int], str, FinishReason | None]:
+        """Run one request to completion: (output token ids, text, finish reason)."""
+        ids: list[int] = []
+        parts: list[str] = []
+        reason = None
+        async for event in self.submit(request):
+            ids.extend(event.token_ids)
+            parts.append(event.text)
+            reason = event.finish_reason
+        return ids, "".join(parts), reason

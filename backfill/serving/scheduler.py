@@ -1,0 +1,292 @@
+"""The scheduler loop's mechanism: carry out a policy's StepPlan on the engine.
+
+Each step: take new requests, show the policy a snapshot, preempt what it names (freeing
+device blocks, keeping host checkpoints), restore checkpoints of resumed requests, run the
+batch (abortable at layer safepoints when the plan allows), sample, stream, then checkpoint
+what the checkpoint policy picks. Nothing here decides priority.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from backfill.engine.kv_pool import HostBlocks
+from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.sampler import sample
+from backfill.errors import ContextLengthError, InvalidRequestError
+from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
+from backfill.policy.coserve import RunningStep
+from backfill.policy.latency_model import BatchShape
+from backfill.policy.state import SchedulerState, SeqView, StepPlan
+from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
+from backfill.serving.sequence import Detokenizer, HostCheckpoint, Sequence, SeqStatus
+
+
+class SchedulingPolicy(Protocol):
+    name: str
+
+    def schedule(self, state: SchedulerState) -> StepPlan: ...
+
+    def should_abort_step(self, state: SchedulerState, step: RunningStep) -> bool: ...
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    aborted_steps: int = 0
+    wasted_tokens: int = 0              # tokens of aborted steps (computed, then thrown away)
+    preemption_latencies_ms: list[float] = field(default_factory=list)
+    preempted_requests: int = 0         # requests taken off the device to free blocks
+    checkpointed_tokens: int = 0
+    checkpoint_bytes: int = 0
+    restored_tokens: int = 0
+    recomputed_tokens: int = 0
+    output_tokens: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
+    finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
+    last_step_mode: str = "idle"
+    busy_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, policy: SchedulingPolicy, *,
+                 checkpoint_policy: AdaptiveCheckpointPolicy | None = None,
+                 detokenizer_factory: Callable[[], Detokenizer] | None = None,
+                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.kv = runner.kv
+        self.policy = policy
+        self.checkpoint_policy = checkpoint_policy
+        self.detokenizer_factory = detokenizer_factory
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = min(max_model_len or runner.config.max_position_embeddings,
+                                 runner.config.max_position_embeddings)
+        self.clock = clock
+        self.stats = SchedulerStats()
+        self.seqs: dict[str, Sequence] = {}
+        self._inbox: deque[GenerationRequest] = deque()
+        self._cancels: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
+        self._abort_requested_s: float | None = None
+        self._current: RunningStep | None = None
+
+    # --- called from any thread ---------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        vocab = self.runner.config.vocab_size
+        prompt = request.prompt_token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {total} were "
+                f"requested ({len(prompt)} in the prompt, {request.sampling.max_tokens} to generate)")
+
+    def add(self, request: GenerationRequest) -> None:
+        self.validate(request)
+        with self._lock:
+            self._inbox.append(request)
+        if request.request_class is RequestClass.ONLINE:
+            self._on_online_arrival()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.append(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs or self._inbox or self._cancels)
+
+    def _on_online_arrival(self) -> None:
+        """ConServe Algorithm 2: maybe abort the running step so the new request meets its TTFT."""
+        step = self._current
+        if step is None or not step.preemptible or self._abort.is_set():
+            return
+        now = self.clock()
+        with self._lock:
+            arrivals = [r for r in self._inbox if r.request_class is RequestClass.ONLINE]
+        views = tuple(SeqView(r.request_id, r.request_class, r.arrival_time, len(r.prompt_token_ids),
+                              len(r.prompt_token_ids), 0, 0, False, max_tokens=r.sampling.max_tokens)
+                      for r in arrivals)
+        state = SchedulerState(now, views, self.kv.num_free, self.kv.num_blocks, self.kv.block_size,
+                               self.max_model_len)
+        if self.policy.should_abort_step(state, step):
+            self._abort_requested_s = min(r.arrival_time for r in arrivals)
+            self._abort.set()
+
+    def _safepoint(self, layer: int) -> bool:
+        if not self._abort.is_set():
+            return False
+        if self._abort_requested_s is not None:
+            self.stats.preemption_latencies_ms.append((self.clock() - self._abort_requested_s) * 1e3)
+        return True
+
+    # --- the scheduler thread -----------------------------------------------------------------
+
+    def snapshot(self) -> SchedulerState:
+        views = tuple(self._view(s) for s in self.seqs.values())
+        return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_blocks,
+                              self.kv.block_size, self.max_model_len)
+
+    def _view(self, s: Sequence) -> SeqView:
+        return SeqView(s.seq_id, s.request_class, s.request.arrival_time, len(s.prompt_ids), s.num_tokens,
+                       s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
+                       s.checkpoint.num_tokens, s.request.sampling.max_tokens, len(s.output_ids))
+
+    def step(self) -> list[TokenEvent]:
+        events = self._take_inbox()
+        if not self.seqs:
+            return events
+        plan = self.policy.schedule(self.snapshot())
+        self.stats.last_step_mode = plan.mode
+        for seq_id in plan.preempt:
+            self._preempt(self.seqs[seq_id])
+        chunks: list[SeqChunk] = []
+        shape = BatchShape()
+        for item in plan.scheduled:
+            seq = self.seqs[item.seq_id]
+            self._restore(seq)
+            start = seq.num_computed
+            self.kv.grow(seq.block_table, start + item.num_tokens)
+            seq.status = SeqStatus.RUNNING
+            chunks.append(SeqChunk(seq.seq_id, seq.token_slice(start, start + item.num_tokens), start,
+                                   seq.block_table, want_logits=start + item.num_tokens == seq.num_tokens))
+            shape = shape.plus(item.num_tokens, start)
+        if not chunks:
+            return events
+        return events + self._execute(chunks, shape, plan)
+
+    def _execute(self, chunks: list[SeqChunk], shape: BatchShape, plan: StepPlan) -> list[TokenEvent]:
+        self._abort.clear()
+        self._abort_requested_s = None
+        self._current = RunningStep(shape, self.clock(), plan.preemptible)
+        if plan.preemptible:
+            self._on_online_arrival()  # an arrival raced with planning
+        started = time.perf_counter()
+        out = self.runner.execute(chunks, self._safepoint if plan.preemptible else None)
+        self._current = None
+        self.stats.busy_s += time.perf_counter() - started
+        self.stats.steps += 1
+        if out.aborted:
+            # Nothing of the step is committed; its KV writes sit past num_computed and get redone.
+            self.stats.aborted_steps += 1
+            self.stats.wasted_tokens += out.num_tokens
+            return []
+        for chunk in chunks:
+            self.seqs[chunk.seq_id].num_computed += len(chunk.token_ids)
+        seqs = [self.seqs[i] for i in out.logit_seq_ids]
+        tokens = sample(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs]) \
+            if seqs else []
+        events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
+        self._checkpoint_selected()
+        return events
+
+    # --- per-request bookkeeping --------------------------------------------------------------
+
+    def _take_inbox(self) -> list[TokenEvent]:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            cancels, self._cancels = list(self._cancels), deque()
+        for request in new:
+            detok = self.detokenizer_factory() if self.detokenizer_factory else None
+            self.seqs[request.request_id] = Sequence(request, detok)
+        events = []
+        for request_id in cancels:
+            seq = self.seqs.get(request_id)
+            if seq is not None:
+                events.append(self._finish(seq, FinishReason.CANCELLED))
+        return events
+
+    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+        params = seq.request.sampling
+        now = self.clock()
+        if seq.first_token_s is None:
+            seq.first_token_s = now
+        seq.output_ids.append(token)
+        self.stats.output_tokens[seq.request_class.value] += 1
+        n_out = len(seq.output_ids)
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
+        reason = None
+        if token in stop_ids and n_out > params.min_tokens:
+            reason = FinishReason.STOP
+        else:
+            before = len(seq.text)
+            seq.append_text([token])
+            cut = seq.find_stop_string(params.stop, len(seq.text) - before)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                reason = FinishReason.STOP
+        if reason is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(seq, reason, (token,))
+        return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(params.stop, final=False),
+                          num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n_out, time=now)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = ()) -> TokenEvent:
+        seq.finish_reason = reason
+        seq.status = SeqStatus.FINISHED
+        if seq.block_table:
+            self.kv.free(seq.block_table)
+            seq.block_table = []
+        seq.checkpoint = HostCheckpoint()
+        del self.seqs[seq.seq_id]
+        if reason is not FinishReason.CANCELLED:
+            self.stats.finished[seq.request_class.value] += 1
+        return TokenEvent(seq.seq_id, token_ids, seq.take_text_delta(seq.request.sampling.stop, final=True),
+                          finished=True, finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids),
+                          num_output_tokens=len(seq.output_ids), time=self.clock())
+
+    # --- preemption, checkpoint, restore (ConServe §4.4) ---------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed."""
+        keep = min(seq.num_computed, seq.checkpoint.num_tokens)
+        lost = seq.num_computed - keep
+        seq.num_recomputed_tokens += lost
+        self.stats.recomputed_tokens += lost
+        self.stats.preempted_requests += 1
+        seq.num_preemptions += 1
+        self.kv.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = keep
+        seq.status = SeqStatus.WAITING
+
+    def _restore(self, seq: Sequence) -> None:
+        """Bring a preempted sequence's checkpointed KV back into fresh device blocks."""
+        if seq.block_table or seq.num_computed == 0:
+            return
+        blocks = seq.checkpoint.blocks[: self.kv.blocks_needed(seq.num_computed)]
+        seq.block_table = self.kv.allocate(len(blocks))
+        data = torch.cat([b.data for b in blocks], dim=2)
+        self.kv.copy_from_host(HostBlocks(data), seq.block_table, non_blocking=True)
+        seq.num_restored_tokens += seq.num_computed
+        self.stats.restored_tokens += seq.num_computed
+
+    def _checkpoint_selected(self) -> None:
+        if self.checkpoint_policy is None:
+            return
+        for seq_id in self.checkpoint_policy.select(self.snapshot()):
+            self._checkpoint(self.seqs[seq_id])
+
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Incremental: copy only blocks written since the last checkpoint (the partial tail again)."""
+        bs = self.kv.block_size
+        ckpt = seq.checkpoint
+        first = ckpt.num_tokens // bs
+        last = self.kv.blocks_needed(seq.num_computed)
+        if last <= first and ckpt.num_tokens == seq.num_computed:
+            return
+        host = self.kv.copy_to_host(seq.block_table[first:last])
+        del ckpt.blocks[first:]
+        ckpt.blocks.extend(HostBlocks(host.data[:, :, i:i + 1]) for i in range(last - first))
+        self.stats.checkpointed_tokens += seq.num_computed - ckpt.num_tokens
+        self.stats.checkpoint_bytes += host.nbytes
+        ckpt.num_tokens = seq.num_computed

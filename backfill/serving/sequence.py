@@ -1,0 +1,101 @@
+"""One request's life inside the scheduler: tokens, KV blocks, host checkpoint, output text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from backfill.engine.kv_pool import HostBlocks
+from backfill.engine.sampler import make_generator
+from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
+
+
+class Detokenizer(Protocol):
+    def push(self, token_ids: list[int]) -> str: ...
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"    # holds no device blocks
+    RUNNING = "running"    # holds device blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class HostCheckpoint:
+    """Host copies of a sequence's KV, one entry per logical block; the last may be partial."""
+
+    blocks: list[HostBlocks] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    detokenizer: Detokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    checkpoint: HostCheckpoint = field(default_factory=HostCheckpoint)
+    generator: torch.Generator | None = None
+    text: str = ""
+    emitted_text_len: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_s: float | None = None
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_restored_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.request.sampling)
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def request_class(self) -> RequestClass:
+        return self.request.request_class
+
+    @property
+    def is_online(self) -> bool:
+        return self.request.request_class is RequestClass.ONLINE
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        prompt = self.request.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_ids)[start:end]
+
+    def append_text(self, token_ids: list[int]) -> None:
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.push(token_ids)
+
+    def find_stop_string(self, stops: tuple[str, ...], new_text_len: int) -> int | None:
+        """Index in self.text where the earliest stop string begins, looking only at new text."""
+        if not stops:
+            return None
+        longest = max(len(s) for s in stops)
+        window_start = max(0, len(self.text) - new_text_len - longest + 1)
+        hits = [i for s in stops if (i := self.text.find(s, window_start)) >= 0]
+        return min(hits) if hits else None
+
+    def take_text_delta(self, stops: tuple[str, ...], final: bool) -> str:
+        """New text to stream; holds back a tail that could still grow into a stop string."""
+        end = len(self.text)
+        if stops and not final:
+            end = max(self.emitted_text_len, end - (max(len(s) for s in stops) - 1))
+        delta = self.text[self.emitted_text_len:end]
+        self.emitted_text_len = end
+        return delta

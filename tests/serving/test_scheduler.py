@@ -1,0 +1,187 @@
+"""The scheduler mechanism on a tiny random model: equality under batching, preemption,
+checkpoint/restore and aborts, and that no offline request is ever dropped."""
+
+import pytest
+
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.runner import ModelRunner
+from backfill.engine.sampling_params import SamplingParams
+from backfill.errors import ContextLengthError, InvalidRequestError
+from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
+from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
+from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.latency_model import LatencyModel
+from backfill.policy.planner import BatchLimits
+from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, SLO
+from backfill.serving.scheduler import Scheduler
+
+GREEDY = SamplingParams.greedy_params(max_tokens=24)
+ONLINE, OFFLINE = RequestClass.ONLINE, RequestClass.OFFLINE
+FLAT_LATENCY = LatencyModel((1, 4096), (1.0, 1.0 + 4096 * 0.01))
+
+
+def _requests(n: int, cls=OFFLINE, prompt_len: int = 13, params=GREEDY, prefix="r"):
+    return [GenerationRequest([3 + (i * 7 + j * 5) % 250 for j in range(prompt_len + i)], params, cls,
+                              request_id=f"{prefix}{i}") for i in range(n)]
+
+
+def _drain(scheduler: Scheduler, on_step=None) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    reasons = {}
+    steps = 0
+    while scheduler.has_work():
+        for event in scheduler.step():
+            out.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finished:
+                reasons[event.request_id] = event.finish_reason
+        steps += 1
+        if on_step:
+            on_step(steps)
+        assert steps < 5000
+    return out, reasons
+
+
+def _alone(runner, request) -> list[int]:
+    solo = GenerationRequest(request.prompt_token_ids, request.sampling, request_id=request.request_id)
+    scheduler = Scheduler(runner, FCFSPolicy())
+    scheduler.add(solo)
+    return _drain(scheduler)[0][request.request_id]
+
+
+@pytest.mark.parametrize("policy", [FCFSPolicy(BatchLimits(max_batch_tokens=16, prefill_chunk_tokens=8)),
+                                    PriorityPolicy(), CoServePolicy(FLAT_LATENCY)])
+def test_batched_and_chunked_generation_equals_alone(tiny_runner, policy):
+    reqs = _requests(3, ONLINE) + _requests(4, OFFLINE, prefix="o")
+    expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
+    scheduler = Scheduler(tiny_runner, policy)
+    for r in reqs:
+        scheduler.add(r)
+    out, reasons = _drain(scheduler)
+    assert out == expected
+    assert all(len(v) == 24 for v in out.values())
+    assert set(reasons.values()) == {FinishReason.LENGTH}
+    assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
+
+
+def test_online_only_policy_never_runs_offline(tiny_runner):
+    scheduler = Scheduler(tiny_runner, OnlineOnlyPolicy())
+    scheduler.add(_requests(1, OFFLINE)[0])
+    scheduler.add(_requests(1, ONLINE, prefix="on")[0])
+    for _ in range(40):
+        scheduler.step()
+    assert scheduler.stats.output_tokens == {"online": 24, "offline": 0}
+
+
+def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
+    """Online arrivals abort pure-offline steps (Algorithm 2); offline output is unchanged."""
+    offline = _requests(4, OFFLINE)
+    expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
+    tight = CoServePolicy(FLAT_LATENCY, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
+    scheduler = Scheduler(tiny_runner, tight)
+    for r in offline:
+        scheduler.add(r)
+    arrivals = iter(_requests(3, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
+    original = scheduler._safepoint
+
+    def safepoint_with_arrival(layer: int) -> bool:
+        # An online request shows up while an offline step is between layers 1 and 2.
+        if layer == 2 and not scheduler._abort.is_set():
+            request = next(arrivals, None)
+            if request is not None:
+                scheduler.add(request)
+        return original(layer)
+
+    scheduler._safepoint = safepoint_with_arrival
+    out, _ = _drain(scheduler)
+    assert scheduler.stats.aborted_steps == 3
+    assert len(scheduler.stats.preemption_latencies_ms) == 3
+    assert {k: out[k] for k in expected} == expected
+    assert all(len(out[f"on{i}"]) == 4 for i in range(3))
+
+
+def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner):
+    """A small pool forces offline requests off the device; checkpointed KV comes back bit-exact."""
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8))
+    offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
+    online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
+    expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
+    policy = CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0))
+    scheduler = Scheduler(small, policy,
+                          checkpoint_policy=AdaptiveCheckpointPolicy(CheckpointConfig(start_usage=0.0)))
+    for r in offline:
+        scheduler.add(r)
+
+    def arrive(step: int) -> None:
+        if step == 12:
+            for r in online:
+                scheduler.add(r)
+
+    out, reasons = _drain(scheduler, arrive)
+    stats = scheduler.stats
+    assert out == expected, "preempted-and-resumed requests must produce the undisturbed tokens"
+    assert stats.preempted_requests > 0 and stats.restored_tokens > 0 and stats.checkpointed_tokens > 0
+    assert stats.finished == {"online": 2, "offline": 4}
+    assert small.kv.num_free == small.kv.num_blocks
+
+
+def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config, tiny_runner):
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=12, block_size=8))
+    reqs = _requests(5, OFFLINE, prompt_len=9, params=SamplingParams.greedy_params(max_tokens=30))
+    expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
+    scheduler = Scheduler(small, PriorityPolicy())
+    for r in reqs:
+        scheduler.add(r)
+    out, _ = _drain(scheduler)
+    assert out == expected
+    assert scheduler.stats.recomputed_tokens > 0
+    assert scheduler.stats.finished["offline"] == 5
+
+
+def test_no_offline_request_is_dropped_under_churn(tiny_config, tiny_runner):
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=16, block_size=8))
+    offline = _requests(12, OFFLINE, prompt_len=6, params=SamplingParams.greedy_params(max_tokens=12))
+    online = _requests(8, ONLINE, prompt_len=8, params=SamplingParams.greedy_params(max_tokens=6), prefix="on")
+    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY),
+                          checkpoint_policy=AdaptiveCheckpointPolicy())
+    for r in offline:
+        scheduler.add(r)
+    pending = list(online)
+
+    def arrive(step: int) -> None:
+        if step % 3 == 0 and pending:
+            scheduler.add(pending.pop())
+
+    out, reasons = _drain(scheduler, arrive)
+    assert sorted(out) == sorted(r.request_id for r in offline + online)
+    assert all(len(out[r.request_id]) == 12 for r in offline)
+    assert all(reason is FinishReason.LENGTH for reason in reasons.values())
+
+
+def test_stop_token_and_stop_string_and_cancel(tiny_runner):
+    reference = _alone(tiny_runner, _requests(1, ONLINE)[0])
+    stop_at = reference[5]
+    req = GenerationRequest(_requests(1)[0].prompt_token_ids,
+                            SamplingParams.greedy_params(max_tokens=24, stop_token_ids=[stop_at]), ONLINE)
+    scheduler = Scheduler(tiny_runner, FCFSPolicy())
+    scheduler.add(req)
+    out, reasons = _drain(scheduler)
+    assert out[req.request_id] == reference[: reference.index(stop_at) + 1]
+    assert reasons[req.request_id] is FinishReason.STOP
+
+    scheduler.add(GenerationRequest([5, 6, 7], GREEDY, request_id="c"))
+    scheduler.step()
+    scheduler.cancel("c")
+    events = scheduler.step()
+    assert events[-1].finish_reason is FinishReason.CANCELLED
+    assert not scheduler.has_work() and tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
+
+
+def test_bad_requests_raise_typed_errors(tiny_runner, tiny_config):
+    scheduler = Scheduler(tiny_runner, FCFSPolicy())
+    with pytest.raises(ContextLengthError, match="maximum context length"):
+        scheduler.add(GenerationRequest([5] * tiny_config.max_position_embeddings, GREEDY))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        scheduler.add(GenerationRequest([tiny_config.vocab_size + 1], GREEDY))
+    with pytest.raises(InvalidRequestError):
+        GenerationRequest([], GREEDY)
+    assert not scheduler.has_work()
