@@ -1,0 +1,159 @@
+"""Assemble a serving stack (model, KV pool, policy, scheduler, engine) from one frozen config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from backfill.engine.config import ModelConfig
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.runner import ModelRunner
+from backfill.errors import InvalidRequestError
+from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
+from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
+from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.latency_model import LatencyModel
+from backfill.policy.planner import BatchLimits
+from backfill.serving.api import SLO
+from backfill.serving.engine import AsyncEngine
+from backfill.serving.scheduler import Scheduler
+
+POLICIES = ("coserve", "priority", "fcfs", "online-only")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: str | None = None          # GGUF file or HF directory; None = embedded default model
+    dtype: str = "float32"
+    device: str = "auto"              # auto = cuda when present, else cpu
+    kv_cache_gb: float = 1.0
+    block_size: int = 16
+    max_model_len: int = 2048
+    policy: str = "coserve"
+    slo: SLO = SLO(ttft_ms=1000.0, tpot_ms=100.0)
+    limits: BatchLimits = BatchLimits()
+    preempt_target_ms: float = 8.0
+    interference_slack: float | None = None
+    online_reserve_fraction: float = 0.1
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile_path: str | None = None   # latency profile; measured and saved on first use
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.kv_cache_gb > 0:
+            raise InvalidRequestError("kv_cache_gb must be positive")
+        if self.block_size < 1 or self.max_model_len < 2:
+            raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidRequestError("threads must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def with_policy(self, policy: str) -> "ServingConfig":
+        return replace(self, policy=policy)
+
+
+def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
+    root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return root / "profiles" / f"{safe}-{cfg.dtype}-{cfg.resolved_device()}-t{torch.get_num_threads()}.json"
+
+
+def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = cfg.resolved_device()
+    model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device)
+    kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
+                                cfg.torch_dtype, device)
+    return ModelRunner(model, kv)
+
+
+def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):
+    if cfg.policy == "online-only":
+        return OnlineOnlyPolicy(cfg.limits)
+    if cfg.policy == "fcfs":
+        return FCFSPolicy(cfg.limits)
+    if cfg.policy == "priority":
+        return PriorityPolicy(cfg.limits)
+    if latency is None:
+        raise InvalidRequestError("the coserve policy needs a latency profile")
+    return CoServePolicy(latency, CoServeConfig(
+        slo=cfg.slo, limits=cfg.limits, preempt_target_ms=cfg.preempt_target_ms,
+        interference_slack=cfg.interference_slack, online_reserve_fraction=cfg.online_reserve_fraction,
+        num_layers=num_layers))
+
+
+def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
+    from backfill.serving.profiler import profile_latency
+
+    path = Path(cfg.profile_path) if cfg.profile_path else default_profile_path(model_name, cfg)
+    if path.exists():
+        try:
+            return LatencyModel.load(path)
+        except Exception:  # a stale or corrupt profile is re-measured, not fatal
+            pass
+    latency = profile_latency(runner, model_name=model_name)
+    latency.save(path)
+    return latency
+
+
+def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, model_name: str = "model",
+                    latency: LatencyModel | None = None) -> Scheduler:
+    if cfg.policy == "coserve" and latency is None:
+        latency = load_or_profile(runner, cfg, model_name)
+    policy = make_policy(cfg, latency, runner.config.num_layers)
+    detok = None
+    eos: tuple[int, ...] = ()
+    if tokenizer is not None:
+        from backfill.engine.byte_tokenizer import ByteDetokenizer, ByteTokenizer
+        if isinstance(tokenizer, ByteTokenizer):
+            detok = lambda: ByteDetokenizer(tokenizer)  # noqa: E731
+        else:
+            from backfill.engine.tokenizer import IncrementalDetokenizer
+            detok = lambda: IncrementalDetokenizer(tokenizer)  # noqa: E731
+        eos = tuple(tokenizer.stop_token_ids)
+    checkpoint = AdaptiveCheckpointPolicy(cfg.checkpoint) if cfg.checkpoint.enabled else None
+    return Scheduler(runner, policy, checkpoint_policy=checkpoint, detokenizer_factory=detok,
+                     eos_token_ids=eos, max_model_len=cfg.max_model_len)
+
+
+def build_engine(cfg: ServingConfig) -> AsyncEngine:
+    """The serving stack on the configured model (the embedded default model when cfg.model is None)."""
+    from backfill.engine.weights import load_model
+
+    loaded = load_model(cfg.model)
+    runner = build_runner(loaded.config, loaded.weights, cfg)
+    name = loaded.config.name
+    return AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, name), loaded.tokenizer, name)
+
+
+def build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None = None, seed: int = 0) -> AsyncEngine:
+    """A tiny random-weight model with a byte tokenizer: the real stack, fast enough for tests."""
+    from backfill.engine.byte_tokenizer import ByteTokenizer
+    from backfill.engine.weights import random_model
+
+    model_config = model_config or ModelConfig.tiny()
+    runner = build_runner(model_config, random_model(model_config, seed), replace(cfg, device="cpu"))
+    tokenizer = ByteTokenizer(model_config.vocab_size)
+    latency = LatencyModel((1, 4096), (1.0, 41.0)) if cfg.policy == "coserve" else None
+    return AsyncEngine(build_scheduler(runner, cfg, tokenizer, model_config.name, latency), tokenizer,
+                       model_config.name)

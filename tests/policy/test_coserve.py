@@ -1,0 +1,122 @@
+"""Policy decisions on hand-built scheduler states (no engine, no tensors)."""
+
+import pytest
+
+from backfill.errors import InvalidRequestError
+from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
+from backfill.policy.coserve import CoServeConfig, CoServePolicy, RunningStep
+from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.planner import BatchLimits
+from backfill.policy.state import SchedulerState, SeqView
+from backfill.serving.api import SLO, RequestClass
+
+ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
+# 20 ms floor up to 8 tokens, then +1 ms per token: a CPU-like shape.
+LATENCY = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0))
+
+
+def seq(i, cls, *, tokens=10, computed=0, blocks=0, running=False, arrival=0.0, ckpt=0) -> SeqView:
+    return SeqView(f"{cls.value}{i}", cls, arrival, tokens if computed == 0 else computed, tokens, computed,
+                   blocks, running, ckpt)
+
+
+def decoding(i, cls, ctx=40, arrival=0.0, ckpt=0) -> SeqView:
+    return seq(i, cls, tokens=ctx + 1, computed=ctx, blocks=-(-(ctx + 1) // 16), running=True,
+               arrival=arrival, ckpt=ckpt)
+
+
+def state(*seqs, free=1000, total=1000, now=1.0) -> SchedulerState:
+    return SchedulerState(now, tuple(seqs), free, total, 16, 2048)
+
+
+def ids(plan):
+    return {s.seq_id: s.num_tokens for s in plan.scheduled}
+
+
+def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
+    policy = CoServePolicy(LATENCY, CoServeConfig(preempt_target_ms=10.0, num_layers=30))
+    plan = policy.schedule(state(*[decoding(i, OFF) for i in range(40)], seq(99, OFF, tokens=500)))
+    assert plan.mode == "offline-batching" and plan.preemptible
+    # 10 ms per layer x 30 layers = 300 ms -> 288 tokens by the latency table.
+    assert plan.num_tokens == 288
+    assert all(ids(plan)[f"offline{i}"] == 1 for i in range(40))
+
+
+def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50)))
+    online = [decoding(i, ON, arrival=0.5) for i in range(4)]
+    offline = [decoding(i, OFF) for i in range(100)]
+    plan = policy.schedule(state(*online, *offline))
+    assert plan.mode == "co-serving" and not plan.preemptible
+    assert [s.seq_id for s in plan.scheduled[:4]] == [f"online{i}" for i in range(4)]
+    assert plan.info["budget_ms"] == 50
+    # 50 ms budget allows 8 + 30 = 38 tokens at short context: 4 online + 34 offline.
+    assert LATENCY.estimate_ms(BatchShape(plan.num_tokens)) <= 50 + 5
+    assert 30 <= plan.num_tokens - 4 <= 34
+
+
+def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=50)))
+    waiting_online = seq(0, ON, tokens=100, arrival=0.9)
+    offline = seq(0, OFF, tokens=600)
+    fresh = policy.schedule(state(waiting_online, offline, now=0.9))
+    late = policy.schedule(state(waiting_online, offline, now=1.15))
+    assert ids(fresh)["online0"] == 100 and ids(late)["online0"] == 100
+    assert ids(fresh).get("offline0", 0) > ids(late).get("offline0", 0)
+
+
+def test_online_takes_blocks_from_checkpointed_offline_first():
+    policy = CoServePolicy(LATENCY, CoServeConfig(online_reserve_fraction=0.0))
+    cheap = decoding(1, OFF, ctx=64, arrival=0.1, ckpt=64)   # fully on the host: free to drop
+    costly = decoding(2, OFF, ctx=64, arrival=0.2, ckpt=0)
+    plan = policy.schedule(state(cheap, costly, seq(0, ON, tokens=60, arrival=0.9), free=0, total=10))
+    assert plan.preempt == ("offline1",)
+    assert ids(plan)["online0"] == 60
+
+
+def test_new_offline_work_stays_out_of_the_online_reserve():
+    policy = CoServePolicy(LATENCY, CoServeConfig(online_reserve_fraction=0.2))
+    plan = policy.schedule(state(seq(0, OFF, tokens=30), free=20, total=100))
+    assert ids(plan) == {}
+    plan = policy.schedule(state(seq(0, OFF, tokens=30), free=40, total=100))
+    assert ids(plan) == {"offline0": 30}
+
+
+def test_algorithm_2_aborts_only_when_ttft_would_be_missed():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=200, tpot_ms=50)))
+    arrival = state(seq(0, ON, tokens=50, arrival=1.0), now=1.0)   # online prefill: ~62 ms
+    long_step = RunningStep(BatchShape(num_tokens=500), started_s=1.0, preemptible=True)   # ~512 ms
+    short_step = RunningStep(BatchShape(num_tokens=60), started_s=1.0, preemptible=True)   # ~72 ms
+    assert policy.should_abort_step(arrival, long_step)
+    assert not policy.should_abort_step(arrival, short_step)
+    co_serving_step = RunningStep(BatchShape(num_tokens=500), started_s=1.0, preemptible=False)
+    assert not policy.should_abort_step(arrival, co_serving_step)
+
+
+def test_priority_fills_with_offline_without_budget_and_never_aborts():
+    policy = PriorityPolicy(BatchLimits(max_batch_tokens=256))
+    plan = policy.schedule(state(decoding(0, ON), *[seq(i, OFF, tokens=200) for i in range(3)]))
+    assert plan.scheduled[0].seq_id == "online0" and plan.num_tokens == 256
+    assert not policy.should_abort_step(state(), RunningStep(BatchShape(500), 0.0, True))
+
+
+def test_priority_preempts_offline_for_online_memory():
+    policy = PriorityPolicy()
+    plan = policy.schedule(state(decoding(1, OFF, ctx=64), seq(0, ON, tokens=40), free=0, total=8))
+    assert plan.preempt == ("offline1",) and "online0" in ids(plan)
+
+
+def test_online_only_ignores_offline_and_fcfs_orders_by_arrival():
+    assert ids(OnlineOnlyPolicy().schedule(state(seq(0, OFF), seq(1, ON)))) == {"online1": 10}
+    plan = FCFSPolicy(BatchLimits(max_batch_tokens=15)).schedule(
+        state(seq(0, ON, arrival=2.0), seq(1, OFF, arrival=1.0)))
+    assert ids(plan) == {"offline1": 10, "online0": 5}
+
+
+def test_invalid_policy_configs_raise_typed_errors():
+    with pytest.raises(InvalidRequestError):
+        CoServeConfig(preempt_target_ms=0)
+    with pytest.raises(InvalidRequestError):
+        CoServeConfig(online_reserve_fraction=1.0)
+    with pytest.raises(InvalidRequestError):
+        BatchLimits(max_batch_tokens=0)

@@ -1,0 +1,36 @@
+import pytest
+
+from backfill.errors import BackfillError
+from backfill.policy.latency_model import BatchShape, LatencyModel
+
+
+def test_interpolates_extrapolates_and_adds_context_terms():
+    m = LatencyModel((1, 9, 17), (10.0, 10.0, 18.0), ms_per_kctx=2.0, ms_per_mpair=1.0)
+    assert m.estimate_ms(BatchShape(5)) == 10.0
+    assert m.estimate_ms(BatchShape(13)) == 14.0
+    assert m.estimate_ms(BatchShape(25)) == 26.0
+    assert m.estimate_ms(BatchShape(5, decode_context_tokens=1000)) == 12.0
+    assert m.estimate_ms(BatchShape(0)) == 0.0
+
+
+def test_shape_plus_counts_decode_context_and_prefill_pairs():
+    s = BatchShape().plus(1, 99).plus(4, 0)
+    assert s.num_tokens == 5 and s.decode_context_tokens == 100 and s.prefill_attention_pairs == 10
+
+
+def test_max_new_tokens_inverts_estimate():
+    m = LatencyModel((1, 101), (10.0, 110.0))
+    assert m.max_new_tokens(BatchShape(), 50.0, 0, 1000) == 41
+    assert m.max_new_tokens(BatchShape(40), 50.0, 0, 1000) == 1
+    assert m.max_new_tokens(BatchShape(), 5.0, 0, 1000) == 0
+
+
+def test_save_load_round_trip_and_corrupt_file(tmp_path):
+    m = LatencyModel((1, 64), (3.0, 9.0), 0.5, 0.25, "cpu", "tiny")
+    m.save(tmp_path / "p.json")
+    assert LatencyModel.load(tmp_path / "p.json") == m
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(BackfillError, match="latency profile"):
+        LatencyModel.load(tmp_path / "bad.json")
+    with pytest.raises(BackfillError):
+        LatencyModel((1,), (1.0,))
