@@ -101,8 +101,8 @@ class LlamaModel:
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
+        return torch.addcmul(x * cos, rotated, sin)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
@@ -120,40 +120,48 @@ class LlamaModel:
                 raise StepAborted(li)
             x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"])
-            q = self._rope(qkv[:, :q_size].view(num_tokens, n_q, hd), cos, sin)
-            k = self._rope(qkv[:, q_size:q_size + kv_size].view(num_tokens, n_kv, hd), cos, sin)
+            # RoPE on q and k together: one rotation over n_q + n_kv heads.
+            qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
+            q, k = qk[:, :n_q], qk[:, n_q:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
-            k_cache = kv.k[li].view(-1, n_kv, hd)
-            v_cache = kv.v[li].view(-1, n_kv, hd)
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            kv.k[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
+            kv.v[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
             attn = self._attention(q, li, meta, kv)
-            h = h + F.linear(attn, layer["o"])
+            # addmm fuses the residual add into the projection (x @ W.T + h).
+            h = torch.addmm(h, attn, layer["o"].t())
             x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
             gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["down"])
+            h = torch.addmm(h, F.silu(gate).mul_(up), layer["down"].t())
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
         last = h.index_select(0, meta.logits_index)
         last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
 
+    def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
+        """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""
+        n_q, n_kv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        tables = meta.decode_block_tables
+        batch, max_blocks = tables.shape
+        flat = tables.view(-1)
+        ctx = max_blocks * kv.block_size
+        keys = kv.k[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
+        values = kv.v[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask,
+                                           enable_gqa=n_q != n_kv)
+        return o.squeeze(2)
+
     def _attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         cfg = self.config
         n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bs = kv.block_size
+        if meta.decode_token_index is not None and not meta.prefills:
+            # Decode-only step: tokens are exactly the decoding sequences, in order.
+            return self._decode_attention(q, li, meta, kv).reshape(q.shape[0], n_q * hd)
         out = torch.empty_like(q)
         if meta.decode_token_index is not None:
-            tables = meta.decode_block_tables
-            batch, max_blocks = tables.shape
-            # [Bd, blocks, block_size, kv_heads, hd] -> [Bd, kv_heads, ctx, hd]
-            flat = tables.view(-1)
-            keys = kv.k[li].index_select(0, flat).view(batch, max_blocks * bs, n_kv, hd).transpose(1, 2)
-            values = kv.v[li].index_select(0, flat).view(batch, max_blocks * bs, n_kv, hd).transpose(1, 2)
-            qd = q.index_select(0, meta.decode_token_index).unsqueeze(2)  # [Bd, n_q, 1, hd]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_key_mask,
-                                               enable_gqa=n_q != n_kv)
-            out.index_copy_(0, meta.decode_token_index, o.squeeze(2))
+            qd = q.index_select(0, meta.decode_token_index)
+            out.index_copy_(0, meta.decode_token_index, self._decode_attention(qd, li, meta, kv))
         for span in meta.prefills:
             ctx = span.start_pos + span.num_tokens
             keys = kv.k[li].index_select(0, span.block_ids).view(-1, n_kv, hd)[:ctx].transpose(0, 1).unsqueeze(0)

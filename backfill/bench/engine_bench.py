@@ -1,0 +1,147 @@
+"""`backfill bench engine`: raw engine speed against the memory-bandwidth floor and HF transformers.
+
+Measured in one run, so ratios compare like with like on a shared, noisy machine:
+  - read bandwidth of this machine (best of a few large reductions);
+  - the bandwidth floor of one decode step (weight bytes / bandwidth);
+  - decode tokens/s and TPOT at several batch sizes, through the real scheduler;
+  - prefill tokens/s for 512-token prompts;
+  - HF transformers `generate` on the same weights at batch 1 and 8.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.runner import SeqChunk
+from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.serving.build import ServingConfig, build_runner, build_scheduler
+
+
+def measure_read_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
+    x = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def _prompt(n: int, salt: int, vocab: int) -> list[int]:
+    return [100 + (salt * 7919 + i * 104729) % (vocab - 200) for i in range(n)]
+
+
+def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Decode steps through the scheduler (sampling and bookkeeping included)."""
+    scheduler = build_scheduler(runner, ServingConfig(policy="fcfs", max_model_len=prompt_len + new_tokens + 8,
+                                                      limits=_limits(batch, prompt_len)))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        scheduler.add(GenerationRequest(_prompt(prompt_len, i, runner.config.vocab_size), params,
+                                        RequestClass.OFFLINE))
+    step_s = []
+    while scheduler.has_work():
+        prefill = any(s.num_computed < len(s.prompt_ids) for s in scheduler.seqs.values())
+        start = time.perf_counter()
+        scheduler.step()
+        if not prefill:
+            step_s.append(time.perf_counter() - start)
+    tpot_ms = statistics.median(step_s) * 1e3
+    return {"batch": batch, "tpot_ms": tpot_ms, "tokens_per_s": batch / (tpot_ms / 1e3),
+            "decode_steps": len(step_s), "context_tokens": prompt_len + new_tokens}
+
+
+def _limits(batch: int, prompt_len: int):
+    from backfill.policy.planner import BatchLimits
+    return BatchLimits(max_batch_tokens=max(batch * prompt_len, 512), max_batch_seqs=max(batch, 1),
+                       prefill_chunk_tokens=prompt_len)
+
+
+def bench_prefill(runner, prompt_len: int = 512, repeats: int = 3) -> dict:
+    kv = runner.kv
+    table = kv.allocate(kv.blocks_needed(prompt_len))
+    try:
+        ids = _prompt(prompt_len, 0, runner.config.vocab_size)
+        runner.execute([SeqChunk("p", ids, 0, table)])
+        times = [runner.execute([SeqChunk("p", ids, 0, table)]).duration_s for _ in range(repeats)]
+    finally:
+        kv.free(table)
+    t = statistics.median(times)
+    return {"prompt_tokens": prompt_len, "ms": t * 1e3, "tokens_per_s": prompt_len / t}
+
+
+def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> dict:
+    """HF transformers `generate` (greedy) on the same weights: the same-run baseline."""
+    import transformers
+
+    cfg = loaded.config
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
+    model = transformers.LlamaForCausalLM(hf_cfg)
+    model.load_state_dict(loaded.weights, strict=False)
+    model = model.to(dtype).eval()
+    ids = torch.tensor([_prompt(prompt_len, i, cfg.vocab_size) for i in range(batch)])
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=cfg.eos_token_id)
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        total = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+        prefill = time.perf_counter() - start
+    decode_s = max(total - prefill, 1e-9)
+    return {"batch": batch, "tokens_per_s": batch * new_tokens / total,
+            "decode_tokens_per_s": batch * (new_tokens - 1) / decode_s,
+            "tpot_ms": decode_s / (new_tokens - 1) * 1e3}
+
+
+def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                     batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
+                     device: str = "auto", with_hf: bool = True, log=print) -> dict:
+    from backfill.engine.weights import load_model
+
+    loaded = load_model(model)
+    result: dict = {"model": loaded.config.name, "source": loaded.source, "threads": torch.get_num_threads(),
+                    "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                    "prompt_tokens": prompt_len, "new_tokens": new_tokens, "runs": {}}
+    bandwidth = measure_read_bandwidth_gbs()
+    result["read_bandwidth_gbs"] = bandwidth
+    log(f"read bandwidth: {bandwidth:.1f} GB/s")
+    for dtype_name in dtypes:
+        cfg = ServingConfig(dtype=dtype_name, device=device, kv_cache_gb=2.0,
+                            max_model_len=prompt_len + new_tokens + 8)
+        runner = build_runner(loaded.config, loaded.weights, cfg)
+        floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
+        run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
+               "bandwidth_floor_ms": floor_ms, "decode": [], "hf": []}
+        log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step")
+        for batch in batches:
+            d = bench_decode(runner, batch, prompt_len, new_tokens)
+            d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+            run["decode"].append(d)
+            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.1f} ms "
+                f"({d['tpot_over_floor']:.2f}x floor), {d['tokens_per_s']:.0f} tok/s")
+        run["prefill"] = bench_prefill(runner)
+        log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
+        if with_hf and run["device"] == "cpu":
+            for batch in (1, 8):
+                h = bench_hf(loaded, batch, prompt_len, new_tokens, cfg.torch_dtype)
+                run["hf"].append(h)
+                log(f"[{dtype_name}] HF generate batch {batch}: {h['tokens_per_s']:.0f} tok/s "
+                    f"(decode {h['decode_tokens_per_s']:.0f} tok/s, TPOT {h['tpot_ms']:.1f} ms)")
+        result["runs"][dtype_name] = run
+        del runner
+    return result

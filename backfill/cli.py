@@ -1,0 +1,124 @@
+"""The `backfill` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from backfill.errors import BackfillError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from backfill.engine.sampling_params import SamplingParams
+    from backfill.serving.build import ServingConfig
+    from backfill.serving.llm import LLM
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    llm = LLM(ServingConfig(model=args.model, dtype=args.dtype, device=args.device, policy="fcfs"))
+    for delta in llm.stream(args.prompt, params, chat=not args.raw):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from backfill.bench.engine_bench import run_engine_bench
+
+    result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
+                              args.new_tokens, args.device, with_hf=not args.no_hf)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from backfill.engine.weights import load_model
+    from backfill.serving.build import ServingConfig, build_runner, default_profile_path
+    from backfill.serving.profiler import profile_latency
+
+    cfg = ServingConfig(model=args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model)
+    latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
+    path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)
+    latency.save(path)
+    for n, ms in zip(latency.token_grid, latency.step_ms):
+        print(f"{n:5d} tokens: {ms:7.1f} ms")
+    print(f"decode attention: {latency.ms_per_kctx:.3f} ms per 1k context tokens; "
+          f"prefill attention: {latency.ms_per_mpair:.3f} ms per 1M pairs")
+    print(f"saved {path}")
+    return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from backfill.engine.hf_export import export_hf_dir
+    from backfill.engine.weights import load_model
+
+    out = export_hf_dir(load_model(args.model), Path(args.out_dir))
+    print(f"exported HF directory to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="backfill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="stream a completion from the model")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
+    _add_model_args(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=cmd_bench_engine)
+
+    p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
+    _add_model_args(p)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("export-hf", help="write the model as an HF directory (for transformers / vLLM)")
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=None)
+    p.set_defaults(func=cmd_export_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BackfillError as exc:
+        print(f"backfill: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
