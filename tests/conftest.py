@@ -1,7 +1,18 @@
+import os
+
 import pytest
 import torch
 
 from backfill.engine.config import ModelConfig
+
+
+# BACKFILL_TEST_DEVICE=cuda runs the engine and scheduler tests on a GPU (never required).
+TEST_DEVICE = os.environ.get("BACKFILL_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return TEST_DEVICE
 
 
 @pytest.fixture(scope="session")
@@ -45,4 +56,5 @@ def tiny_runner(tiny_config):
     from backfill.engine.kv_pool import KVBlockPool
     from backfill.engine.model import LlamaModel
     from backfill.engine.runner import ModelRunner
-    return ModelRunner(LlamaModel(tiny_config, random_weights(tiny_config)), KVBlockPool(tiny_config, 64, 8))
+    return ModelRunner(LlamaModel(tiny_config, random_weights(tiny_config), device=TEST_DEVICE),
+                       KVBlockPool(tiny_config, 64, 8, device=TEST_DEVICE))

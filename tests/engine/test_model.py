@@ -22,15 +22,21 @@ def _hf_reference(cfg: ModelConfig):
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_config):
+def setup(tiny_config, device):
     hf = _hf_reference(tiny_config)
-    model = LlamaModel(tiny_config, dict(hf.state_dict()))
-    return hf, ModelRunner(model, KVBlockPool(tiny_config, num_blocks=128, block_size=8))
+    model = LlamaModel(tiny_config, dict(hf.state_dict()), device=device)
+    return hf, ModelRunner(model, KVBlockPool(tiny_config, num_blocks=128, block_size=8, device=device))
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # TF32 / reduced-precision kernels on GPUs differ from the CPU reference in the 4th digit.
+    tol = 1e-4 if actual.device.type == "cpu" else 2e-2
+    torch.testing.assert_close(actual.cpu(), expected, atol=tol, rtol=tol)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -42,7 +48,7 @@ def test_prefill_logits_match_hf(setup):
     ids = _prompt(37, 0)
     table = runner.kv.allocate(runner.kv.blocks_needed(len(ids)))
     out = runner.execute([SeqChunk("a", ids, 0, table)])
-    torch.testing.assert_close(out.logits[0], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    _close(out.logits[0], _hf_logits(hf, ids)[-1])
     runner.kv.free(table)
 
 
@@ -53,7 +59,7 @@ def test_chunked_prefill_equals_whole_prefill(setup):
     for start, end in [(0, 11), (11, 12), (12, 30)]:
         runner.execute([SeqChunk("a", ids[start:end], start, table, want_logits=False)])
     out = runner.execute([SeqChunk("a", ids[30:], 30, table)])
-    torch.testing.assert_close(out.logits[0], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    _close(out.logits[0], _hf_logits(hf, ids)[-1])
     runner.kv.free(table)
 
 
@@ -72,7 +78,7 @@ def test_mixed_batch_equals_one_at_a_time(setup):
     assert out.logit_seq_ids == [0, 2, 1, 3]
     expected = [prompts[0], prompts[2], prompts[1], prompts[3][:4]]
     for row, ids in enumerate(expected):
-        torch.testing.assert_close(out.logits[row], _hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+        _close(out.logits[row], _hf_logits(hf, ids)[-1])
     for t in tables:
         runner.kv.free(t)
 
@@ -102,15 +108,15 @@ def test_abort_at_safepoint_then_rerun_equals_no_abort(setup):
     runner.kv.free(table)
 
 
-def test_bfloat16_close_to_fp32(setup, tiny_config):
+def test_bfloat16_close_to_fp32(setup, tiny_config, device):
     hf, _ = setup
-    runner = ModelRunner(LlamaModel(tiny_config, dict(hf.state_dict()), dtype=torch.bfloat16),
-                         KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
+    runner = ModelRunner(LlamaModel(tiny_config, dict(hf.state_dict()), dtype=torch.bfloat16, device=device),
+                         KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16, device=device))
     ids = _prompt(12, 4)
     out = runner.execute([SeqChunk("b", ids, 0, runner.kv.allocate(2))])
     ref = _hf_logits(hf, ids)[-1]
     assert out.logits.dtype == torch.float32
-    assert (out.logits[0] - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+    assert (out.logits[0].cpu() - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
 
 
 def test_runner_rejects_short_block_table(setup):
