@@ -39,3 +39,43 @@ class EngineStoppedError(BackfillError):
 
 class TraceFormatError(BackfillError, ValueError):
     """A workload trace file is malformed; the message names the line."""
+
+
+class PolicyInputError(BackfillError, ValueError):
+    """A policy got an invalid config, an inconsistent snapshot, or events out of time order."""
+
+
+class NodeError(BackfillError):
+    """An error of the node runtime that colocates several engines on one device."""
+
+
+class MemoryPoolError(NodeError):
+    """The shared memory pool refused an operation."""
+
+
+class UnknownOwnerError(MemoryPoolError):
+    """An operation names an owner (engine) the pool does not know."""
+
+
+class DoubleFreeError(MemoryPoolError):
+    """An owner released a handle it does not hold (already released, or never granted)."""
+
+
+class OverAllocationError(MemoryPoolError):
+    """An allocation exceeds the owner's grant or what the pool can provide."""
+
+
+class NodeProtocolError(NodeError):
+    """A node-runtime IPC message is malformed, unexpected, or the peer went away."""
+
+
+class SuspendError(NodeError):
+    """A process could not be stopped or continued at the OS level."""
+
+
+class WorkloadError(BackfillError, ValueError):
+    """A benchmark workload spec (arrival process, length distribution, DISB file) is invalid."""
+
+
+class TargetError(BackfillError):
+    """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""

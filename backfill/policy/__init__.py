@@ -1,0 +1,1 @@
+"""Decisions as plain objects: state snapshot or timed events in, decision out."""
