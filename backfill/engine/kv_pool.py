@@ -46,6 +46,8 @@ class KVBlockPool:
         # LIFO free list: recently freed blocks are reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._allocated = bytearray(num_blocks)
+        # Blocks taken away by a node runtime (Valve §4.3 reclamation) are neither free nor usable.
+        self._retired: set[int] = set()
 
     @classmethod
     def for_memory(cls, config: ModelConfig, kv_bytes: int, block_size: int = 16,
@@ -62,12 +64,16 @@ class KVBlockPool:
         return len(self._free)
 
     @property
+    def num_usable(self) -> int:
+        return self.num_blocks - len(self._retired)
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_usable - len(self._free)
 
     @property
     def usage(self) -> float:
-        return self.num_used / self.num_blocks
+        return self.num_used / max(1, self.num_usable)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,6 +104,24 @@ class KVBlockPool:
 
     def is_allocated(self, block_id: int) -> bool:
         return bool(self._allocated[block_id])
+
+    def retire(self, block_ids: list[int]) -> None:
+        """Stop using these blocks (their memory was reclaimed). They must be free already."""
+        ids = set(block_ids)
+        if busy := [i for i in ids if self._allocated[i]]:
+            raise ValueError(f"cannot retire allocated blocks {sorted(busy)[:8]}")
+        self._retired |= ids
+        self._free = [i for i in self._free if i not in ids]
+
+    def admit(self, block_ids: list[int]) -> None:
+        """Use these blocks again (memory granted back)."""
+        back = [i for i in block_ids if i in self._retired]
+        self._retired.difference_update(back)
+        self._free.extend(back)
+
+    @property
+    def retired(self) -> frozenset[int]:
+        return frozenset(self._retired)
 
     # --- host copies (checkpointing, swap) -------------------------------------------------------
 

@@ -72,6 +72,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self._inbox: deque[GenerationRequest] = deque()
         self._cancels: deque[str] = deque()
+        self._invalidated: deque[int] = deque()
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._abort_requested_s: float | None = None
@@ -101,8 +102,17 @@ class Scheduler:
         with self._lock:
             self._cancels.append(request_id)
 
+    def invalidate_blocks(self, block_ids: list[int]) -> None:
+        """Valve §4.3: these device blocks were reclaimed. A step using them is aborted at its next
+        safepoint; their requests go back to waiting and recompute what has no host checkpoint."""
+        with self._lock:
+            self._invalidated.extend(block_ids)
+        if self._current is not None:
+            self._abort_requested_s = None
+            self._abort.set()
+
     def has_work(self) -> bool:
-        return bool(self.seqs or self._inbox or self._cancels)
+        return bool(self.seqs or self._inbox or self._cancels or self._invalidated)
 
     def _on_online_arrival(self) -> None:
         """ConServe Algorithm 2: maybe abort the running step so the new request meets its TTFT."""
@@ -115,7 +125,7 @@ class Scheduler:
         views = tuple(SeqView(r.request_id, r.request_class, r.arrival_time, len(r.prompt_token_ids),
                               len(r.prompt_token_ids), 0, 0, False, max_tokens=r.sampling.max_tokens)
                       for r in arrivals)
-        state = SchedulerState(now, views, self.kv.num_free, self.kv.num_blocks, self.kv.block_size,
+        state = SchedulerState(now, views, self.kv.num_free, self.kv.num_usable, self.kv.block_size,
                                self.max_model_len)
         if self.policy.should_abort_step(state, step):
             self._abort_requested_s = min(r.arrival_time for r in arrivals)
@@ -132,7 +142,7 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerState:
         views = tuple(self._view(s) for s in self.seqs.values())
-        return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_blocks,
+        return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len)
 
     def _view(self, s: Sequence) -> SeqView:
@@ -142,6 +152,7 @@ class Scheduler:
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()
+        self._apply_invalidations()
         if not self.seqs:
             return events
         plan = self.policy.schedule(self.snapshot())
@@ -203,6 +214,16 @@ class Scheduler:
             if seq is not None:
                 events.append(self._finish(seq, FinishReason.CANCELLED))
         return events
+
+    def _apply_invalidations(self) -> None:
+        with self._lock:
+            lost, self._invalidated = set(self._invalidated), deque()
+        if not lost:
+            return
+        for seq in list(self.seqs.values()):
+            if lost.intersection(seq.block_table):
+                self._preempt(seq)
+        self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
     def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
         params = seq.request.sampling

@@ -185,3 +185,28 @@ def test_bad_requests_raise_typed_errors(tiny_runner, tiny_config):
     with pytest.raises(InvalidRequestError):
         GenerationRequest([], GREEDY)
     assert not scheduler.has_work()
+
+
+def test_invalidated_blocks_send_requests_back_to_recompute_identically(tiny_config, tiny_runner):
+    """Valve §4.3: reclaimed blocks invalidate the requests on them; they recompute, nothing is lost."""
+    runner = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=32, block_size=8))
+    reqs = _requests(4, OFFLINE, prompt_len=12, params=SamplingParams.greedy_params(max_tokens=20))
+    expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
+    scheduler = Scheduler(runner, PriorityPolicy())
+    for r in reqs:
+        scheduler.add(r)
+    taken: list[int] = []
+
+    def reclaim(step: int) -> None:
+        if step == 5:
+            victim = next(iter(scheduler.seqs.values()))
+            taken.extend(victim.block_table[:1] + [b for b in range(28, 32) if not runner.kv.is_allocated(b)])
+            scheduler.invalidate_blocks(taken)
+
+    out, _ = _drain(scheduler, reclaim)
+    assert out == expected
+    assert scheduler.stats.recomputed_tokens > 0
+    assert runner.kv.retired == frozenset(taken)
+    assert runner.kv.num_free == runner.kv.num_usable == 32 - len(taken)
+    runner.kv.admit(taken)
+    assert runner.kv.num_free == 32
