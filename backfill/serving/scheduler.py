@@ -41,7 +41,8 @@ class SchedulerStats:
     steps: int = 0
     aborted_steps: int = 0
     wasted_tokens: int = 0              # tokens of aborted steps (computed, then thrown away)
-    preemption_latencies_ms: list[float] = field(default_factory=list)
+    # (monotonic time the offline step yielded, ms from the online arrival that asked for it)
+    preemption_events: list[tuple[float, float]] = field(default_factory=list)
     preempted_requests: int = 0         # requests taken off the device to free blocks
     checkpointed_tokens: int = 0
     checkpoint_bytes: int = 0
@@ -51,6 +52,10 @@ class SchedulerStats:
     finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     last_step_mode: str = "idle"
     busy_s: float = 0.0
+
+    @property
+    def preemption_latencies_ms(self) -> list[float]:
+        return [latency for _, latency in self.preemption_events]
 
 
 class Scheduler:
@@ -135,7 +140,8 @@ class Scheduler:
         if not self._abort.is_set():
             return False
         if self._abort_requested_s is not None:
-            self.stats.preemption_latencies_ms.append((self.clock() - self._abort_requested_s) * 1e3)
+            now = self.clock()
+            self.stats.preemption_events.append((now, (now - self._abort_requested_s) * 1e3))
         return True
 
     # --- the scheduler thread -----------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""`backfill bench coserve`: the co-serving headline scenario, every mode back to back.
+
+One gamma trace of online requests (CV 1 by default) at a fraction of online capacity, plus a
+closed-loop backlog of offline requests, replayed against each mode in turn on the same model:
+
+  online-only  the online trace alone (the latency baseline; SLOs are calibrated from it)
+  fcfs         one queue, no classes
+  priority     online first at iteration level, offline fills the rest (ConServe's vLLM++)
+  coserve      ConServe: SLO budget, offline batching mode, layer-safepoint preemption
+
+Online capacity is the rate at which one request at a time would keep the engine busy
+(1 / solo service time, from the latency profile), so a load of 0.3 keeps the online-only
+engine busy about 30% of the time. The SLOs given to the policies are online-only's own P99
+TTFT and TPOT from the same run ("keep my latency where it is alone") unless set explicitly.
+
+With --url, the same workload is sent to an OpenAI-compatible server instead (one mode,
+named by --label), measured the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from backfill.bench.arrivals import gamma_arrivals
+from backfill.bench.driver import run_workload
+from backfill.bench.inprocess_target import InProcessTarget
+from backfill.bench.lengths import parse_length_spec
+from backfill.bench.metrics import compute_metrics
+from backfill.bench.prompts import PromptSource
+from backfill.bench.report import ModeResult, print_summary, write_report
+from backfill.bench.workload import OfflineSpec, Workload, build_workload
+from backfill.errors import InvalidRequestError
+from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.serving.api import SLO
+from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
+from backfill.serving.engine import AsyncEngine
+
+MODES = ("online-only", "fcfs", "priority", "coserve")
+
+
+@dataclass(frozen=True)
+class CoserveScenario:
+    duration_s: float = 90.0
+    online_load: float = 0.3
+    cv: float = 1.0
+    prompt_len: str = "uniform:64:256"
+    output_len: str = "uniform:16:64"
+    offline_prompt_len: str = "uniform:128:384"
+    offline_output_len: str = "uniform:64:192"
+    offline_concurrency: int = 48
+    offline_pool: int = 4000
+    seed: int = 0
+    ttft_slo_ms: float | None = None   # None: online-only's P99 TTFT in this run
+    tpot_slo_ms: float | None = None   # None: online-only's P99 TPOT in this run
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0 or not 0 < self.online_load <= 1.0 or not self.cv > 0:
+            raise InvalidRequestError("need duration_s > 0, 0 < online_load <= 1 and cv > 0")
+        for spec in (self.prompt_len, self.output_len, self.offline_prompt_len, self.offline_output_len):
+            parse_length_spec(spec)
+
+
+def solo_service_s(latency: LatencyModel, prompt_tokens: float, output_tokens: float) -> float:
+    """Time to serve one request alone: its prefill, then one decode step per further token."""
+    prefill = latency.estimate_ms(BatchShape().plus(int(prompt_tokens), 0))
+    decode = latency.estimate_ms(BatchShape().plus(1, int(prompt_tokens + output_tokens / 2)))
+    return (prefill + (output_tokens - 1) * decode) / 1e3
+
+
+def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *, with_offline: bool) -> Workload:
+    prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+    import numpy as np
+
+    rng = np.random.default_rng(scenario.seed)
+    mean_prompt = float(np.mean(prompt_len.sample(rng, 2000)))
+    mean_output = float(np.mean(output_len.sample(rng, 2000)))
+    rate = scenario.online_load / solo_service_s(latency, mean_prompt, mean_output)
+    arrivals = gamma_arrivals(rate, scenario.cv, scenario.seed, duration_s=scenario.duration_s)
+    offline = None
+    if with_offline:
+        offline = OfflineSpec(scenario.offline_concurrency, scenario.offline_pool,
+                              parse_length_spec(scenario.offline_prompt_len),
+                              parse_length_spec(scenario.offline_output_len))
+    workload = build_workload(PromptSource(tokenizer, seed=scenario.seed), arrivals, prompt_len, output_len,
+                              scenario.seed, offline=offline, duration_s=scenario.duration_s,
+                              name=f"gamma(rate={rate:.3f}/s, cv={scenario.cv})")
+    return replace(workload, meta={**workload.meta, "online_rate_per_s": rate, "online_load": scenario.online_load})
+
+
+async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, progress: bool) -> ModeResult:
+    target = InProcessTarget(engine)
+    await engine.start()
+    try:
+        run = await run_workload(target, workload, progress=progress)
+    finally:
+        await engine.stop()
+    stats = engine.scheduler.stats
+    # Offline requests cut at the end of the run are cancelled; the engine must be empty again.
+    for seq_id in list(engine.scheduler.seqs):
+        engine.scheduler.cancel(seq_id)
+    while engine.scheduler.has_work():
+        engine.scheduler.step()
+    metrics = compute_metrics(run.records, slo=slo, duration_s=run.duration_s, engine_samples=run.samples,
+                              preemption_events=target.preemption_events(run.t0_monotonic_s))
+    engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "wasted_tokens": stats.wasted_tokens,
+                    "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
+                    "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
+                    "output_tokens": dict(stats.output_tokens), "send_lag_p99_ms": metrics.send_lag_ms.p99}
+    return ModeResult(metrics, run.records, {"engine": engine_stats})
+
+
+def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
+                      modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
+                      progress: bool = True, log=print) -> dict[str, ModeResult]:
+    from backfill.engine.weights import load_model
+
+    for mode in modes:
+        if mode not in MODES:
+            raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    loaded = load_model(serving.model)
+    runner = build_runner(loaded.config, loaded.weights, serving)
+    latency = load_or_profile(runner, serving, loaded.config.name)
+    results: dict[str, ModeResult] = {}
+    slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
+    ordered = sorted(modes, key=lambda m: m != "online-only")  # the baseline first: it calibrates SLOs
+    for mode in ordered:
+        workload = make_workload(scenario, loaded.tokenizer, latency, with_offline=mode != "online-only")
+        cfg = replace(serving, policy=mode, slo=slo)
+        engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
+                             loaded.tokenizer, loaded.config.name)
+        log(f"== {mode}: {workload.name}, {len(workload.requests)} online requests, "
+            f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
+        result = asyncio.run(_run_mode(engine, workload, slo if mode != "online-only" else None, progress))
+        results[mode] = ModeResult(result.metrics, result.records,
+                                   {**result.config, "policy": mode, "slo": asdict(slo),
+                                    "scenario": asdict(scenario), "dtype": serving.dtype,
+                                    "workload": dict(workload.meta)})
+        print_summary(mode, result.metrics)
+        if mode == "online-only":
+            m = result.metrics.online
+            slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
+    baseline = "online-only" if "online-only" in results else None
+    files = write_report(results, out_dir, baseline=baseline)
+    log(f"report: {files.markdown}")
+    return results
+
+
+def run_http_bench(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel, *,
+                   label: str = "http", api_key: str | None = None, out_dir: str | Path = "runs/coserve-http",
+                   with_offline: bool = True, progress: bool = True) -> ModeResult:
+    """The same scenario against any OpenAI-compatible server (offline requests use service_tier=flex
+    where the server supports it)."""
+    from backfill.bench.http_target import HttpTarget
+
+    workload = make_workload(scenario, tokenizer, latency, with_offline=with_offline)
+
+    async def go() -> ModeResult:
+        async with HttpTarget(url, model, api_key=api_key) as target:
+            run = await run_workload(target, workload, progress=progress)
+        return ModeResult(compute_metrics(run.records, duration_s=run.duration_s, engine_samples=run.samples),
+                          run.records, {"url": url, "scenario": asdict(scenario)})
+
+    result = asyncio.run(go())
+    write_report({label: result}, out_dir, baseline=None)
+    print_summary(label, result.metrics)
+    return result
+
+
+def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
+    out = {mode: {"metrics": r.metrics.to_dict(), "config": dict(r.config)} for mode, r in results.items()}
+    Path(path).write_text(json.dumps(out, indent=1, default=str))

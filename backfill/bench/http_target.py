@@ -1,0 +1,170 @@
+"""A benchmark Target for any OpenAI-compatible server (backfill's own, vLLM, ...).
+
+Streams POST /v1/completions with `stream_options: {include_usage: true}`. Tokens are counted
+per SSE chunk as vLLM's bench does: a chunk with `logprobs.tokens` counts that many, any other
+chunk with text counts one. The final usage block is authoritative: if it reports more
+completion tokens than were counted (several tokens in one chunk, or a token whose text was
+held back), the difference is credited to the last chunk, which is why chunks are yielded one
+step late (their receive times are kept exactly).
+
+sample_stats() reads gauges from the server's Prometheus /metrics (queue lengths, KV-cache use);
+a server without /metrics yields {}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from backfill.bench.target import StreamChunk
+from backfill.bench.workload import BenchRequest
+from backfill.errors import TargetError, WorkloadError
+
+# Gauges worth plotting next to throughput; matched as substrings of the metric name.
+STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_", "preempt")
+
+
+class HttpTarget:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, *, max_connections: int = 1024,
+                 timeout_s: float = 6 * 3600.0, prompt_as: str = "text", temperature: float = 0.0,
+                 extra_body: dict | None = None) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise WorkloadError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if prompt_as not in ("text", "token_ids"):
+            raise WorkloadError(f"prompt_as must be 'text' or 'token_ids', got {prompt_as!r}")
+        if not isinstance(max_connections, int) or max_connections < 1:
+            raise WorkloadError(f"max_connections must be a positive integer, got {max_connections!r}")
+        root = base_url.rstrip("/")
+        self.base_url = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.model = model
+        self.prompt_as = prompt_as
+        self.temperature = temperature
+        self.extra_body = dict(extra_body or {})
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._timeout = httpx.Timeout(timeout_s, connect=30.0)
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._metrics_available = True
+
+    def _http(self) -> httpx.AsyncClient:
+        # A client's pooled connections belong to one event loop; a new run (asyncio.run) gets a new client.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop or self._client.is_closed:
+            self._client = httpx.AsyncClient(limits=self._limits, timeout=self._timeout, headers=self._headers)
+            self._client_loop = loop
+        return self._client
+
+    def payload(self, request: BenchRequest) -> dict:
+        body = {"model": self.model,
+                "prompt": list(request.prompt_token_ids) if self.prompt_as == "token_ids" else request.prompt_text,
+                "max_tokens": request.max_tokens, "temperature": self.temperature, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if request.ignore_eos:
+            body["ignore_eos"] = True  # vLLM / backfill extension; fixes output length to max_tokens
+        body.update(self.extra_body)
+        return body
+
+    async def generate(self, request: BenchRequest) -> AsyncIterator[StreamChunk]:
+        stream = self._generate(request)
+        try:
+            async for chunk in stream:
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise TargetError(f"{type(exc).__name__} talking to {self.base_url}: {exc}") from exc
+        finally:
+            await stream.aclose()  # closes the HTTP response too when the caller stops early
+
+    async def _generate(self, request: BenchRequest) -> AsyncIterator[StreamChunk]:
+        pending: StreamChunk | None = None
+        counted = 0
+        usage: dict | None = None
+        async with self._http().stream("POST", f"{self.base_url}/v1/completions",
+                                       json=self.payload(request)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", errors="replace")
+                raise TargetError(f"HTTP {resp.status_code} from {self.base_url}: {body[:500]}")
+            async for line in resp.aiter_lines():
+                now = time.monotonic()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    raise TargetError(f"malformed SSE data from {self.base_url}: {data[:200]!r}") from None
+                if "error" in obj:
+                    raise TargetError(f"server error from {self.base_url}: {obj['error']}")
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                n = _tokens_in(obj)
+                if n:
+                    if pending is not None:
+                        yield pending
+                    pending = StreamChunk(now, n)
+                    counted += n
+        extra = 0
+        prompt_tokens = None
+        if usage is not None:
+            extra = max(0, int(usage.get("completion_tokens") or 0) - counted)
+            prompt_tokens = usage.get("prompt_tokens")
+        if pending is not None:
+            yield StreamChunk(pending.time_s, pending.num_tokens + extra, prompt_tokens)
+        elif extra or prompt_tokens is not None:
+            yield StreamChunk(time.monotonic(), extra, prompt_tokens)
+
+    async def sample_stats(self) -> dict[str, float]:
+        if not self._metrics_available:
+            return {}
+        try:
+            resp = await self._http().get(f"{self.base_url}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return {}
+        if resp.status_code != 200:
+            self._metrics_available = False
+            return {}
+        return parse_gauges(resp.text)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __aenter__(self) -> "HttpTarget":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """Gauges of a Prometheus text page whose names match STAT_PATTERNS, summed over label sets."""
+    out: dict[str, float] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return {}
+    for family in families:
+        if family.type != "gauge" or not any(p in family.name for p in STAT_PATTERNS):
+            continue
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def _tokens_in(obj: dict) -> int:
+    choices = obj.get("choices") or []
+    if not choices:
+        return 0
+    choice = choices[0]
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):
+        return len(logprobs["tokens"])
+    return 1 if choice.get("text") else 0

@@ -1,0 +1,235 @@
+"""Reports of a co-serving comparison: JSON, a Markdown table with ratios, PNG timelines.
+
+    write_report({"online-only": ModeResult(m0, recs0), "coserve": ModeResult(m1, recs1)}, "out/")
+
+writes out/report.json (one object per mode: config, metrics, ratios to the baseline),
+out/report.md, out/requests-<mode>.jsonl (one record per request), and the timelines
+(ConServe Figures 5-6): throughput.png (online/offline tokens/s per second, one row per mode),
+latency.png (TTFT and TPOT of each online request against its send time, SLO lines dashed)
+and, when the target reported engine stats, engine.png.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+
+from backfill.bench.metrics import BenchMetrics, RequestRecord  # noqa: E402
+from backfill.errors import WorkloadError  # noqa: E402
+from backfill.serving.api import RequestClass  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    metrics: BenchMetrics
+    records: Sequence[RequestRecord]
+    config: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    json: Path
+    markdown: Path
+    requests: tuple[Path, ...]
+    plots: tuple[Path, ...]
+
+
+# (label, getter) of the headline columns, in table order.
+KEY_METRICS: tuple[tuple[str, Callable[[BenchMetrics], float | None]], ...] = (
+    ("P99 TTFT (ms)", lambda m: m.online.ttft_ms.p99),
+    ("P99 TPOT (ms)", lambda m: m.online.tpot_ms.p99),
+    ("online tok/s", lambda m: m.online.tokens_per_s),
+    ("offline tok/s", lambda m: m.offline.tokens_per_s),
+    ("total tok/s", lambda m: m.total_tokens_per_s),
+    ("preempt/online req", lambda m: m.preemptions_per_online_request),
+    ("P99 preempt lat (ms)", lambda m: m.preemption_latency_ms.p99),
+    ("goodput (req/s)", lambda m: m.goodput_rps),
+)
+
+
+def ratios(metrics: BenchMetrics, baseline: BenchMetrics) -> dict[str, float | None]:
+    """Each key metric divided by the baseline's (None where either is missing or the baseline is 0)."""
+    out = {}
+    for label, get in KEY_METRICS:
+        a, b = get(metrics), get(baseline)
+        out[label] = a / b if a is not None and b not in (None, 0) else None
+    return out
+
+
+def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
+                 baseline: str | None = "online-only") -> ReportFiles:
+    """Write the report files; ratios are left out when the baseline mode is absent."""
+    if not results:
+        raise WorkloadError("no mode results to report")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = results[baseline].metrics if baseline in results else None
+    doc = {"baseline": baseline if base is not None else None, "modes": {}}
+    for name, res in results.items():
+        doc["modes"][name] = {"config": dict(res.config), "metrics": res.metrics.to_dict(),
+                              "ratios_to_baseline": ratios(res.metrics, base) if base is not None else None}
+    json_path = out / "report.json"
+    json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    md_path = out / "report.md"
+    md_path.write_text(markdown_table(results, baseline if base is not None else None), encoding="utf-8")
+    request_paths = []
+    for name, res in results.items():
+        p = out / f"requests-{_slug(name)}.jsonl"
+        p.write_text("".join(json.dumps(r.to_json()) + "\n" for r in res.records), encoding="utf-8")
+        request_paths.append(p)
+    plots = [plot_throughput(results, out / "throughput.png"), plot_latency(results, out / "latency.png")]
+    if any(res.metrics.timeseries.engine for res in results.values()):
+        plots.append(plot_engine(results, out / "engine.png"))
+    return ReportFiles(json_path, md_path, tuple(request_paths), tuple(plots))
+
+
+def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> str:
+    base = results[baseline].metrics if baseline in results else None
+    lines = ["# Co-serving benchmark", ""]
+    lines.append(f"Ratios are to `{baseline}`." if base is not None else "No baseline mode: ratios omitted.")
+    lines += ["", "| mode | " + " | ".join(label for label, _ in KEY_METRICS) + " |",
+              "|---|" + "---:|" * len(KEY_METRICS)]
+    for name, res in results.items():
+        cells = []
+        for label, get in KEY_METRICS:
+            value = get(res.metrics)
+            cell = _fmt(value)
+            if base is not None and value is not None and get(base) not in (None, 0):
+                cell += f" ({value / get(base):.2f}x)"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Online latency (ms): mean / p50 / p90 / p99 / max", "",
+              "| mode | TTFT | TPOT | ITL | E2E | send lag | SLO attainment |", "|---|---|---|---|---|---|---:|"]
+    for name, res in results.items():
+        m = res.metrics
+        parts = [_summary(s) for s in (m.online.ttft_ms, m.online.tpot_ms, m.online.itl_ms, m.online.e2e_ms,
+                                       m.send_lag_ms)]
+        att = f"{m.slo_attainment:.1%}" if m.slo_attainment is not None else "-"
+        lines.append(f"| {name} | " + " | ".join(parts) + f" | {att} |")
+    lines += ["", "## Requests", "", "| mode | online sent / done / failed | offline sent / done / failed / cut "
+              "| duration (s) | preemptions |", "|---|---|---|---:|---:|"]
+    for name, res in results.items():
+        m = res.metrics
+        lines.append(f"| {name} | {m.online.requests} / {m.online.completed} / {m.online.failed} | "
+                     f"{m.offline.requests} / {m.offline.completed} / {m.offline.failed} / {m.offline.cancelled} | "
+                     f"{m.duration_s:.1f} | {m.preemptions} |")
+    return "\n".join(lines) + "\n"
+
+
+def format_summary(name: str, m: BenchMetrics) -> str:
+    """A vLLM-style text block of one mode's results."""
+    rows = [("Duration (s)", m.duration_s),
+            ("Online requests sent / completed / failed", f"{m.online.requests} / {m.online.completed} / "
+                                                          f"{m.online.failed}"),
+            ("Offline requests sent / completed / cut", f"{m.offline.requests} / {m.offline.completed} / "
+                                                        f"{m.offline.cancelled}"),
+            ("Online output tokens/s", m.online.tokens_per_s),
+            ("Offline output tokens/s", m.offline.tokens_per_s),
+            ("Total output tokens/s", m.total_tokens_per_s)]
+    if m.slo is not None:
+        rows += [(f"Goodput req/s (TTFT<={m.slo.ttft_ms:g}ms, TPOT<={m.slo.tpot_ms:g}ms)", m.goodput_rps),
+                 ("SLO attainment", f"{m.slo_attainment:.1%}" if m.slo_attainment is not None else "-")]
+    for label, s in (("TTFT", m.online.ttft_ms), ("TPOT", m.online.tpot_ms), ("ITL", m.online.itl_ms),
+                     ("E2E", m.online.e2e_ms)):
+        rows += [(f"Mean {label} (ms)", s.mean), (f"P50 {label} (ms)", s.p50), (f"P99 {label} (ms)", s.p99)]
+    rows += [("Preemptions", m.preemptions), ("Preemptions per online request", m.preemptions_per_online_request),
+             ("P99 preemption latency (ms)", m.preemption_latency_ms.p99),
+             ("Send lag p50 / p99 / max (ms)", " / ".join(_fmt(v) for v in (m.send_lag_ms.p50, m.send_lag_ms.p99,
+                                                                           m.send_lag_ms.max)))]
+    width = 50
+    head = f" {name} ".center(width + 14, "=")
+    body = [f"{label:<{width}}{value if isinstance(value, str) else _fmt(value):>14}" for label, value in rows]
+    return "\n".join([head, *body, "=" * (width + 14)])
+
+
+def print_summary(name: str, metrics: BenchMetrics) -> None:
+    print(format_summary(name, metrics))
+
+
+def plot_throughput(results: Mapping[str, ModeResult], path: Path) -> Path:
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.4 * len(results) + 0.6), sharex=True,
+                             sharey=True, squeeze=False)
+    for ax, (name, res) in zip(axes[:, 0], results.items()):
+        ts = res.metrics.timeseries
+        edges = ts.t_s + [ts.t_s[-1] + ts.bucket_s]  # repeat the last value so its bucket is drawn too
+        for cls, color in ((RequestClass.ONLINE.value, "tab:blue"), (RequestClass.OFFLINE.value, "tab:orange")):
+            values = ts.tokens_per_s[cls]
+            ax.step(edges, values + values[-1:], where="post", color=color, label=cls)
+        ax.set_ylim(bottom=0)
+        ax.axvline(res.metrics.duration_s, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(name, fontsize=10)
+        ax.set_ylabel("tokens/s")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("time (s)")
+    return _save(fig, path)
+
+
+def plot_latency(results: Mapping[str, ModeResult], path: Path) -> Path:
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 2.4 * len(results) + 0.6), sharex=True,
+                             sharey="col", squeeze=False)
+    for row, (name, res) in zip(axes, results.items()):
+        online = [r for r in res.records if r.request_class is RequestClass.ONLINE and r.ok]
+        slo = res.metrics.slo
+        for ax, label, get, limit in ((row[0], "TTFT (ms)", lambda r: r.ttft_ms, slo.ttft_ms if slo else None),
+                                      (row[1], "TPOT (ms)", lambda r: r.tpot_ms, slo.tpot_ms if slo else None)):
+            pts = [(r.send_s, get(r)) for r in online if get(r) is not None]
+            if pts:
+                ax.scatter(*zip(*pts), s=6, color="tab:blue")
+            if limit is not None:
+                ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1, label="SLO")
+                ax.legend(loc="upper right", fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_ylim(bottom=0)
+            ax.set_title(name, fontsize=10)
+    for ax in axes[-1]:
+        ax.set_xlabel("send time (s)")
+    return _save(fig, path)
+
+
+def plot_engine(results: Mapping[str, ModeResult], path: Path) -> Path:
+    keys = sorted({k for res in results.values() for k in res.metrics.timeseries.engine})
+    fig, axes = plt.subplots(len(keys), len(results), figsize=(5 * len(results), 2.0 * len(keys) + 0.6),
+                             sharex=True, squeeze=False)
+    for col, (name, res) in enumerate(results.items()):
+        ts = res.metrics.timeseries
+        for row, key in enumerate(keys):
+            ax = axes[row, col]
+            series = ts.engine.get(key)
+            if series is not None:
+                pts = [(t, v) for t, v in zip(ts.t_s, series) if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color="tab:green")
+            ax.set_title(f"{name}: {key}", fontsize=9)
+        axes[-1, col].set_xlabel("time (s)")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _summary(s) -> str:
+    return " / ".join(_fmt(v) for v in (s.mean, s.p50, s.p90, s.p99, s.max)) if s.count else "-"
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:.1f}"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "mode"

@@ -1,0 +1,81 @@
+import asyncio
+
+import pytest
+from bench_helpers import FakeOpenAIServer, free_port
+
+from backfill.bench.http_target import HttpTarget, parse_gauges
+from backfill.bench.workload import BenchRequest
+from backfill.errors import TargetError, WorkloadError
+
+
+def _req(text: str = "one two three", max_tokens: int = 4) -> BenchRequest:
+    return BenchRequest("r0", 0.0, "online", (5, 6, 7), text, max_tokens)
+
+
+async def _collect(target: HttpTarget, req: BenchRequest) -> list:
+    try:
+        return [c async for c in target.generate(req)]
+    finally:
+        await target.aclose()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeOpenAIServer(pace_s=0.005) as s:
+        yield s
+
+
+def test_streams_one_chunk_per_token_with_usage(server):
+    target = HttpTarget(server.base_url + "/v1/", "m", api_key="secret")
+    chunks = asyncio.run(_collect(target, _req(max_tokens=4)))
+    assert [c.num_tokens for c in chunks] == [1, 1, 1, 1]
+    assert chunks[-1].prompt_tokens == 3 and all(c.prompt_tokens is None for c in chunks[:-1])
+    assert all(b.time_s >= a.time_s for a, b in zip(chunks, chunks[1:]))
+    body = server.bodies[-1]
+    assert body["prompt"] == "one two three" and body["stream"] is True and body["max_tokens"] == 4
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert body["model"] == "m" and body["temperature"] == 0.0
+
+
+def test_token_ids_prompt(server):
+    target = HttpTarget(server.base_url, "m", prompt_as="token_ids")
+    chunks = asyncio.run(_collect(target, _req(max_tokens=2)))
+    assert server.bodies[-1]["prompt"] == [5, 6, 7]
+    assert sum(c.num_tokens for c in chunks) == 2
+
+
+def test_usage_credits_tokens_that_share_a_chunk():
+    with FakeOpenAIServer(pace_s=0.001, chunk_tokens=3) as s:
+        chunks = asyncio.run(_collect(HttpTarget(s.base_url, "m"), _req(max_tokens=7)))
+    # Chunks carry 3, 3, 1 tokens but count one each; usage says 7, so the last chunk gets the rest.
+    assert [c.num_tokens for c in chunks] == [1, 1, 5]
+
+
+def test_http_error_raises_target_error(server):
+    with pytest.raises(TargetError, match="HTTP 400"):
+        asyncio.run(_collect(HttpTarget(server.base_url, "m"), _req("FAIL please")))
+
+
+def test_connection_refused_is_a_target_error():
+    with pytest.raises(TargetError, match="ConnectError"):
+        asyncio.run(_collect(HttpTarget(f"http://127.0.0.1:{free_port()}", "m"), _req()))
+
+
+def test_sample_stats_reads_gauges_only(server):
+    async def go():
+        target = HttpTarget(server.base_url, "m")
+        try:
+            return await target.sample_stats()
+        finally:
+            await target.aclose()
+    assert asyncio.run(go()) == {"fake:num_requests_running": 0.0}
+    assert parse_gauges("not prometheus {{{") == {}
+
+
+def test_bad_arguments():
+    with pytest.raises(WorkloadError):
+        HttpTarget("localhost:8000", "m")
+    with pytest.raises(WorkloadError):
+        HttpTarget("http://x", "m", prompt_as="bytes")
+    with pytest.raises(WorkloadError):
+        HttpTarget("http://x", "m", max_connections=0)

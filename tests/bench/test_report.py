@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from backfill.bench.metrics import PreemptionEvent, RequestRecord, compute_metrics
+from backfill.bench.report import ModeResult, format_summary, ratios, write_report
+from backfill.serving.api import SLO, RequestClass
+
+
+def _run(ttft_s: float, offline_tokens: int, preempt_ms: list[float]) -> ModeResult:
+    recs = []
+    for i in range(10):
+        send = i * 0.5
+        times = [send + ttft_s + 0.05 * k for k in range(5)]
+        recs.append(RequestRecord(f"on{i}", RequestClass.ONLINE, scheduled_s=send, send_s=send,
+                                  first_token_s=times[0], chunk_times_s=times, chunk_tokens=[1] * 5,
+                                  end_s=times[-1], prompt_tokens=8, output_tokens=5))
+    if offline_tokens:
+        times = [0.1 + 4.0 * k / offline_tokens for k in range(offline_tokens)]
+        recs.append(RequestRecord("off0", RequestClass.OFFLINE, send_s=0.0, first_token_s=times[0],
+                                  chunk_times_s=times, chunk_tokens=[1] * offline_tokens, end_s=times[-1],
+                                  output_tokens=offline_tokens))
+    events = [PreemptionEvent(1.0 + i, ms) for i, ms in enumerate(preempt_ms)]
+    m = compute_metrics(recs, slo=SLO(200, 100), preemption_events=events,
+                        engine_samples=[(0.5, {"num_running": 2.0}), (2.5, {"num_running": 3.0})])
+    return ModeResult(m, recs, {"policy": "x"})
+
+
+def test_write_report_files(tmp_path):
+    results = {"online-only": _run(0.1, 0, []), "coserve": _run(0.11, 40, [2.0, 3.0])}
+    files = write_report(results, tmp_path / "out")
+    doc = json.loads(files.json.read_text())
+    assert doc["baseline"] == "online-only" and set(doc["modes"]) == {"online-only", "coserve"}
+    co = doc["modes"]["coserve"]
+    assert co["config"] == {"policy": "x"}
+    assert co["ratios_to_baseline"]["P99 TTFT (ms)"] == pytest.approx(1.1)
+    assert co["ratios_to_baseline"]["offline tok/s"] is None  # the baseline has no offline throughput
+    assert co["metrics"]["preemptions"] == 2
+    md = files.markdown.read_text()
+    assert "| mode | P99 TTFT (ms) | P99 TPOT (ms) | online tok/s | offline tok/s | total tok/s" in md
+    assert "| coserve | 110.0 (1.10x) |" in md
+    assert "| online-only | 100.0 (1.00x) |" in md
+    assert [p.name for p in files.plots] == ["throughput.png", "latency.png", "engine.png"]
+    for p in files.plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    lines = files.requests[1].read_text().splitlines()
+    assert len(lines) == 11 and json.loads(lines[0])["ttft_ms"] == pytest.approx(110)
+
+
+def test_report_without_baseline(tmp_path):
+    files = write_report({"coserve": _run(0.1, 10, [])}, tmp_path)
+    assert json.loads(files.json.read_text())["baseline"] is None
+    assert "ratios omitted" in files.markdown.read_text()
+    assert len(files.plots) == 3
+
+
+def test_ratios_and_summary_text():
+    base, co = _run(0.1, 0, []), _run(0.2, 20, [5.0])
+    r = ratios(co.metrics, base.metrics)
+    assert r["P99 TTFT (ms)"] == pytest.approx(2.0) and r["online tok/s"] == pytest.approx(
+        co.metrics.online.tokens_per_s / base.metrics.online.tokens_per_s)
+    text = format_summary("coserve", co.metrics)
+    assert "coserve" in text and "P99 TTFT (ms)" in text and "200.0" in text
+    assert "Goodput req/s (TTFT<=200ms, TPOT<=100ms)" in text
