@@ -43,6 +43,40 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scenario(args: argparse.Namespace):
+    from backfill.bench.coserve import CoserveScenario
+
+    return CoserveScenario(duration_s=args.duration, online_load=args.online_load, cv=args.cv,
+                           prompt_len=args.prompt_len, output_len=args.output_len,
+                           offline_prompt_len=args.offline_prompt_len, offline_output_len=args.offline_output_len,
+                           offline_concurrency=args.offline_concurrency, seed=args.seed,
+                           ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+
+
+def cmd_bench_coserve(args: argparse.Namespace) -> int:
+    from backfill.bench.coserve import run_coserve_bench, run_http_bench, save_json
+    from backfill.serving.build import ServingConfig
+
+    scenario = _scenario(args)
+    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
+                            preempt_target_ms=args.preempt_target_ms)
+    if args.url:
+        from backfill.engine.weights import load_model
+        from backfill.serving.build import build_runner, load_or_profile
+
+        loaded = load_model(args.model)
+        latency = load_or_profile(build_runner(loaded.config, loaded.weights, serving), serving, loaded.config.name)
+        result = run_http_bench(args.url, args.served_model or loaded.config.name, scenario, loaded.tokenizer,
+                                latency, label=args.label, api_key=args.api_key, out_dir=args.out)
+        results = {args.label: result}
+    else:
+        results = run_coserve_bench(scenario, serving, tuple(args.modes), args.out)
+    if args.json:
+        save_json(results, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.engine.weights import load_model
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
@@ -96,6 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=cmd_bench_engine)
+
+    p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
+    _add_model_args(p)
+    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of online trace per mode")
+    p.add_argument("--online-load", type=float, default=0.3, help="fraction of online capacity")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
+    p.add_argument("--prompt-len", default="uniform:64:256")
+    p.add_argument("--output-len", default="uniform:16:64")
+    p.add_argument("--offline-prompt-len", default="uniform:128:384")
+    p.add_argument("--offline-output-len", default="uniform:64:192")
+    p.add_argument("--offline-concurrency", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--preempt-target-ms", type=float, default=8.0)
+    p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
+    p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
+    p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--label", default="http", help="mode name for --url results")
+    p.add_argument("--api-key", default=None)
+    p.set_defaults(func=cmd_bench_coserve)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
     _add_model_args(p)

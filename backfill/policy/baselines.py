@@ -29,7 +29,17 @@ def _serve_in_order(state: SchedulerState, order: list[SeqView], limits: BatchLi
     return plan
 
 
-class OnlineOnlyPolicy:
+class _Baseline:
+    """Baselines plan without a latency model and never abort a running step."""
+
+    def should_abort_step(self, *args, **kwargs) -> bool:
+        return False
+
+    def observe_step(self, *args, **kwargs) -> None:
+        return None
+
+
+class OnlineOnlyPolicy(_Baseline):
     name = "online-only"
 
     def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
@@ -40,11 +50,8 @@ class OnlineOnlyPolicy:
         victims = lambda seq: [s for s in reversed(online) if s.running and s.arrival_s > seq.arrival_s]
         return _serve_in_order(state, online, self.limits, victims).plan(mode="online")
 
-    def should_abort_step(self, *args, **kwargs) -> bool:
-        return False
 
-
-class FCFSPolicy:
+class FCFSPolicy(_Baseline):
     name = "fcfs"
 
     def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
@@ -55,11 +62,8 @@ class FCFSPolicy:
         victims = lambda seq: [s for s in reversed(order) if s.running and s.arrival_s > seq.arrival_s]
         return _serve_in_order(state, order, self.limits, victims).plan(mode="fcfs")
 
-    def should_abort_step(self, *args, **kwargs) -> bool:
-        return False
 
-
-class PriorityPolicy:
+class PriorityPolicy(_Baseline):
     name = "priority"
 
     def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
@@ -77,6 +81,3 @@ class PriorityPolicy:
 
         return _serve_in_order(state, order, self.limits, victims,
                                may_evict=lambda seq: seq.running or seq.is_online).plan(mode="priority")
-
-    def should_abort_step(self, *args, **kwargs) -> bool:
-        return False

@@ -36,6 +36,8 @@ class CoServeConfig:
     online_reserve_fraction: float = 0.1
     # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step.
     interference_slack: float | None = None
+    # Plan co-serving steps to this share of the SLO budget, leaving room for estimate error.
+    slo_margin: float = 0.9
     num_layers: int = 30
 
     def __post_init__(self) -> None:
@@ -45,6 +47,8 @@ class CoServeConfig:
             raise InvalidRequestError("online_reserve_fraction must be in [0, 1)")
         if self.interference_slack is not None and self.interference_slack < 0:
             raise InvalidRequestError("interference_slack must be >= 0")
+        if not 0.0 < self.slo_margin <= 1.0:
+            raise InvalidRequestError("slo_margin must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,20 @@ class CoServePolicy:
     def __init__(self, latency: LatencyModel, config: CoServeConfig = CoServeConfig()) -> None:
         self.latency = latency
         self.config = config
+        # Measured / estimated step time (EWMA): the profile was taken on another day, maybe
+        # another load; what the steps take now corrects it.
+        self.correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
+
+    def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
+        estimate = self.latency.estimate_ms(shape)
+        if estimate <= 0 or duration_ms <= 0:
+            return
+        ratio = min(4.0, max(0.25, duration_ms / estimate))
+        self.correction = 0.9 * self.correction + 0.1 * ratio
+
+    def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
+        return self.latency.max_new_tokens(base, budget_ms / self.correction, start_pos, limit)
 
     def _offline_batch_tokens(self) -> int:
         cfg = self.config
@@ -99,15 +116,16 @@ class CoServePolicy:
             if state.blocks_for(seq, want) > plan.free_blocks:
                 plan.make_room(seq, want, victims)
             plan.add(seq)
-        budget_ms = self._budget_ms(state)
+        budget_ms = cfg.slo_margin * self._budget_ms(state)
         if cfg.interference_slack is not None:
-            budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self.latency.estimate_ms(plan.shape))
+            budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self.correction
+                            * self.latency.estimate_ms(plan.shape))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
         for seq in offline:
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
-            room = self.latency.max_new_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
-                                               min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
+            room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
+                                       min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
             if room > 0:
                 plan.add(seq, token_cap=room)
         return plan.plan(mode="co-serving", budget_ms=budget_ms)
@@ -138,10 +156,10 @@ class CoServePolicy:
         if not step.preemptible or not state.online:
             return False
         elapsed_ms = (state.now_s - step.started_s) * 1e3
-        remain_ms = max(self.latency.estimate_ms(step.shape) - elapsed_ms, 0.0)
+        remain_ms = max(self.correction * self.latency.estimate_ms(step.shape) - elapsed_ms, 0.0)
         online_shape = BatchShape()
         for seq in state.online:
             online_shape = online_shape.plus(seq.num_pending_tokens, seq.num_computed_tokens)
-        exec_ms = self.latency.estimate_ms(online_shape)
+        exec_ms = self.correction * self.latency.estimate_ms(online_shape)
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         return remain_ms + exec_ms + waited_ms > self.config.slo.ttft_ms

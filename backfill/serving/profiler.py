@@ -21,7 +21,7 @@ def _median_ms(runner: ModelRunner, build, repeats: int) -> float:
     return statistics.median(runner.execute(build()).duration_s * 1e3 for _ in range(repeats))
 
 
-def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 3,
+def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID, repeats: int = 5,
                     model_name: str = "") -> LatencyModel:
     kv = runner.kv
     max_len = runner.config.max_position_embeddings

@@ -35,6 +35,8 @@ class SchedulingPolicy(Protocol):
 
     def should_abort_step(self, state: SchedulerState, step: RunningStep) -> bool: ...
 
+    def observe_step(self, shape: BatchShape, duration_ms: float) -> None: ...
+
 
 @dataclass
 class SchedulerStats:
@@ -191,6 +193,8 @@ class Scheduler:
         self._current = None
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
+        if not out.aborted:
+            self.policy.observe_step(shape, out.duration_s * 1e3)
         if out.aborted:
             # Nothing of the step is committed; its KV writes sit past num_computed and get redone.
             self.stats.aborted_steps += 1

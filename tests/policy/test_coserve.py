@@ -43,7 +43,7 @@ def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
 
 
 def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50)))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
     offline = [decoding(i, OFF) for i in range(100)]
     plan = policy.schedule(state(*online, *offline))
@@ -120,3 +120,15 @@ def test_invalid_policy_configs_raise_typed_errors():
         CoServeConfig(online_reserve_fraction=1.0)
     with pytest.raises(InvalidRequestError):
         BatchLimits(max_batch_tokens=0)
+
+
+def test_measured_step_times_correct_the_profile():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(100)])
+    before = policy.schedule(busy).num_tokens
+    for _ in range(40):   # the machine is twice as slow as profiled
+        policy.observe_step(BatchShape(num_tokens=30), 2 * LATENCY.estimate_ms(BatchShape(num_tokens=30)))
+    assert 1.9 < policy.correction <= 2.0
+    after = policy.schedule(busy).num_tokens
+    assert after < before
+    assert LATENCY.estimate_ms(BatchShape(after)) * policy.correction <= 50 + 1e-6
