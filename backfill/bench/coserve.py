@@ -172,3 +172,21 @@ def run_http_bench(url: str, model: str, scenario: CoserveScenario, tokenizer, l
 def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
     out = {mode: {"metrics": r.metrics.to_dict(), "config": dict(r.config)} for mode, r in results.items()}
     Path(path).write_text(json.dumps(out, indent=1, default=str))
+
+
+def headline(results: dict[str, ModeResult]) -> str:
+    """A compact table: online latency next to the offline throughput each mode harvested."""
+    rows = ["mode          P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms"]
+    for mode, r in results.items():
+        m = r.metrics
+        lat = m.preemption_latency_ms.p99
+        rows.append(f"{mode:<12} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
+                    f"{m.online.tokens_per_s:>13.1f} {m.offline.tokens_per_s:>14.1f} "
+                    f"{'-' if lat is None else f'{lat:.1f}':>15}")
+    return "\n".join(rows)
+
+
+def _pair(summary) -> str:
+    if summary.p50 is None:
+        return "-"
+    return f"{summary.p50:.0f} / {summary.p99:.0f}"
