@@ -35,7 +35,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from backfill.bench.engine_bench import run_engine_bench
 
     result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
-                              args.new_tokens, args.device, with_hf=not args.no_hf)
+                              args.new_tokens, args.device, with_hf=not args.no_hf,
+                              random_weights=args.random_weights)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights of the default model's shape (speed does not depend on the values)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=cmd_bench_engine)
 

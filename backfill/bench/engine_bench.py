@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from backfill.engine.config import ModelConfig
 from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.runner import SeqChunk
 from backfill.serving.api import GenerationRequest, RequestClass
@@ -77,7 +78,7 @@ def bench_prefill(runner, prompt_len: int = 512, repeats: int = 3) -> dict:
     return {"prompt_tokens": prompt_len, "ms": t * 1e3, "tokens_per_s": prompt_len / t}
 
 
-def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype) -> dict:
+def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.dtype, device: str = "cpu") -> dict:
     """HF transformers `generate` (greedy) on the same weights: the same-run baseline."""
     import transformers
 
@@ -90,17 +91,19 @@ def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
     model = transformers.LlamaForCausalLM(hf_cfg)
     model.load_state_dict(loaded.weights, strict=False)
-    model = model.to(dtype).eval()
-    ids = torch.tensor([_prompt(prompt_len, i, cfg.vocab_size) for i in range(batch)])
+    model = model.to(device=device, dtype=dtype).eval()
+    ids = torch.tensor([_prompt(prompt_len, i, cfg.vocab_size) for i in range(batch)], device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=cfg.eos_token_id)
     with torch.inference_mode():
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
         start = time.perf_counter()
         model.generate(ids, **kwargs)
+        _sync(device)
         total = time.perf_counter() - start
         start = time.perf_counter()
         model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+        _sync(device)
         prefill = time.perf_counter() - start
     decode_s = max(total - prefill, 1e-9)
     return {"batch": batch, "tokens_per_s": batch * new_tokens / total,
@@ -108,16 +111,43 @@ def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.
             "tpot_ms": decode_s / (new_tokens - 1) * 1e3}
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_device_bandwidth_gbs(device: str) -> float:
+    """Read bandwidth: a large reduction on the host, or on the GPU for CUDA runs."""
+    if not device.startswith("cuda"):
+        return measure_read_bandwidth_gbs()
+    x = torch.ones(2**30 // 4, device=device)
+    x.sum()
+    _sync(device)
+    best = 0.0
+    for _ in range(10):
+        start = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
 def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                      batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
-                     device: str = "auto", with_hf: bool = True, log=print) -> dict:
-    from backfill.engine.weights import load_model
+                     device: str = "auto", with_hf: bool = True, random_weights: bool = False,
+                     log=print) -> dict:
+    from backfill.engine.weights import LoadedModel, load_model, random_model
 
-    loaded = load_model(model)
+    if random_weights:
+        cfg = ModelConfig.smollm2_135m()
+        loaded = LoadedModel(cfg, random_model(cfg), None, "random weights, SmolLM2-135M shape")
+    else:
+        loaded = load_model(model)
+    device = ServingConfig(device=device).resolved_device()
     result: dict = {"model": loaded.config.name, "source": loaded.source, "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "runs": {}}
-    bandwidth = measure_read_bandwidth_gbs()
+    bandwidth = measure_device_bandwidth_gbs(device)
     result["read_bandwidth_gbs"] = bandwidth
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     for dtype_name in dtypes:
@@ -136,9 +166,9 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                 f"({d['tpot_over_floor']:.2f}x floor), {d['tokens_per_s']:.0f} tok/s")
         run["prefill"] = bench_prefill(runner)
         log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
-        if with_hf and run["device"] == "cpu":
+        if with_hf:
             for batch in (1, 8):
-                h = bench_hf(loaded, batch, prompt_len, new_tokens, cfg.torch_dtype)
+                h = bench_hf(loaded, batch, prompt_len, new_tokens, cfg.torch_dtype, run["device"])
                 run["hf"].append(h)
                 log(f"[{dtype_name}] HF generate batch {batch}: {h['tokens_per_s']:.0f} tok/s "
                     f"(decode {h['decode_tokens_per_s']:.0f} tok/s, TPOT {h['tpot_ms']:.1f} ms)")

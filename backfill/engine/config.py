@@ -46,6 +46,13 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     @staticmethod
+    def smollm2_135m() -> "ModelConfig":
+        """The default model's architecture (for benchmarks with random weights of the same shape)."""
+        return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                           num_kv_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                           tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, name="smollm2-135m-random")
+
+    @staticmethod
     def tiny(**overrides) -> "ModelConfig":
         """A small random-weight model for fast unit tests."""
         base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
