@@ -99,9 +99,9 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))
 
 
-def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner):
+def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner, device):
     """A small pool forces offline requests off the device; checkpointed KV comes back bit-exact."""
-    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8))
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8, device=device))
     offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
     online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
@@ -124,8 +124,8 @@ def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_c
     assert small.kv.num_free == small.kv.num_blocks
 
 
-def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config, tiny_runner):
-    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=12, block_size=8))
+def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config, tiny_runner, device):
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=12, block_size=8, device=device))
     reqs = _requests(5, OFFLINE, prompt_len=9, params=SamplingParams.greedy_params(max_tokens=30))
     expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
     scheduler = Scheduler(small, PriorityPolicy())
@@ -137,8 +137,8 @@ def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config,
     assert scheduler.stats.finished["offline"] == 5
 
 
-def test_no_offline_request_is_dropped_under_churn(tiny_config, tiny_runner):
-    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=16, block_size=8))
+def test_no_offline_request_is_dropped_under_churn(tiny_config, tiny_runner, device):
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=16, block_size=8, device=device))
     offline = _requests(12, OFFLINE, prompt_len=6, params=SamplingParams.greedy_params(max_tokens=12))
     online = _requests(8, ONLINE, prompt_len=8, params=SamplingParams.greedy_params(max_tokens=6), prefix="on")
     scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY),
@@ -187,9 +187,9 @@ def test_bad_requests_raise_typed_errors(tiny_runner, tiny_config):
     assert not scheduler.has_work()
 
 
-def test_invalidated_blocks_send_requests_back_to_recompute_identically(tiny_config, tiny_runner):
+def test_invalidated_blocks_send_requests_back_to_recompute_identically(tiny_config, tiny_runner, device):
     """Valve §4.3: reclaimed blocks invalidate the requests on them; they recompute, nothing is lost."""
-    runner = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=32, block_size=8))
+    runner = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=32, block_size=8, device=device))
     reqs = _requests(4, OFFLINE, prompt_len=12, params=SamplingParams.greedy_params(max_tokens=20))
     expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
     scheduler = Scheduler(runner, PriorityPolicy())
