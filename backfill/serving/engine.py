@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import AsyncIterator
 
@@ -36,6 +37,9 @@ class AsyncEngine:
         if self.running:
             return
         self._loop = asyncio.get_running_loop()
+        # The scheduler thread and the event loop share the GIL; a short switch interval lets an
+        # arriving online request reach the safepoint flag within a layer, not 5 ms later.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="backfill-scheduler", daemon=True)
         self._thread.start()
