@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with the Batch API for offline work")
+    from backfill.server import add_serve_arguments, run_server
+
+    add_serve_arguments(p)
+    p.set_defaults(func=run_server)
+
     p = sub.add_parser("demo", help="the main job in a short run: online latency next to offline tokens harvested")
     _add_model_args(p)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of online trace per mode")

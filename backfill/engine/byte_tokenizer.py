@@ -25,7 +25,10 @@ class ByteTokenizer:
         return (self.eos_token_id,)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate
+            raise InvalidRequestError(f"text cannot be tokenized: {exc}") from exc
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 3 <= i < 256).decode("utf-8", errors="replace")

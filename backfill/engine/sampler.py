@@ -7,6 +7,10 @@ import torch
 from backfill.engine.sampling_params import SamplingParams
 
 
+# Below this, logits / temperature overflows float32; such a temperature means greedy (as in vLLM).
+_MIN_TEMPERATURE = 1e-5
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """A per-request generator: a seeded request samples the same tokens whatever it is batched with."""
     if params.greedy:
@@ -26,7 +30,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     greedy_tokens = logits.argmax(dim=-1).tolist()
     out: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
+        if p.temperature < _MIN_TEMPERATURE:
             out.append(greedy_tokens[row])
             continue
         out.append(_sample_row(logits[row], p, gen))

@@ -86,6 +86,8 @@ class AsyncEngine:
             queue = self._queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+                if event.finished:  # the stream holds its own reference; drop ours even if never read
+                    self._queues.pop(event.request_id, None)
 
     def _run(self) -> None:
         scheduler = self.scheduler

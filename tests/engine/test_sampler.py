@@ -44,3 +44,9 @@ def test_invalid_sampling_params_raise_typed_error(kwargs):
 
 def test_stop_accepts_single_string():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_tiny_temperature_behaves_like_greedy_instead_of_overflowing():
+    logits = torch.tensor([[1.0, 3.0, 2.0]]) * 1e3
+    p = SamplingParams(temperature=1e-300, seed=1)
+    assert sample(logits, [p], [make_generator(p)]) == [1]

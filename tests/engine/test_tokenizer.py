@@ -177,3 +177,11 @@ def test_real_chat_template_matches_transformers(real_tokenizers):
         want_ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         want_ids = want_ids["input_ids"] if isinstance(want_ids, dict) or hasattr(want_ids, "keys") else want_ids
         assert ours.encode_chat(messages) == list(want_ids)
+
+
+def test_lone_surrogate_is_a_typed_error():
+    from backfill.engine.byte_tokenizer import ByteTokenizer
+    from backfill.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        ByteTokenizer().encode("bad \ud800 text")

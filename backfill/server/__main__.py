@@ -1,0 +1,5 @@
+import sys
+
+from backfill.server.serve import main
+
+sys.exit(main())

@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP app: online completions (streamed), the Batch API, health and metrics.
+
+    app = create_app(engine, ServerConfig(...), Store(path))   # the app starts/stops the engine
+
+Online requests run as RequestClass.ONLINE unless they ask for service_tier "flex"; batch
+lines always run as OFFLINE. A client that disconnects cancels its request at once (the engine
+frees its KV blocks), whether it was streaming or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from backfill.server.batches import BatchWorker
+from backfill.server.completions import CompletionService, Kind
+from backfill.server.config import ServerConfig
+from backfill.server.errors import APIError, bad_request, install_error_handlers, not_found
+from backfill.server.metrics import CLASSES, ServerMetrics
+from backfill.server.multipart import parse_multipart
+from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
+from backfill.server.store import Store
+from backfill.serving.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    store: Store
+    service: CompletionService
+    metrics: ServerMetrics
+    worker: BatchWorker
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    in_flight: dict[str, int] = field(default_factory=lambda: {cls: 0 for cls in CLASSES})
+    draining: bool = False
+    drain_deadline_s: float | None = None
+
+    def begin_drain(self) -> None:
+        """Stop taking work (SIGTERM): new requests get 503, the batch worker starts no new lines."""
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline_s = time.monotonic() + self.config.drain_timeout_s
+            self.worker.stop_accepting()
+
+    def admit(self, request_class: str) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="service_unavailable")
+        if self.in_flight[request_class] >= self.config.max_online_queue:
+            self.metrics.rejected.labels(request_class).inc()
+            raise APIError(429, f"too many {request_class} requests in flight "
+                                f"({self.config.max_online_queue}); retry later", code="queue_full")
+        self.in_flight[request_class] += 1
+
+    def release(self, request_class: str) -> None:
+        self.in_flight[request_class] -= 1
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:
+    served_model = config.served_model_name or engine.model_name
+    metrics = ServerMetrics(engine)
+    service = CompletionService(engine, metrics, served_model)
+    worker = BatchWorker(store, service, config.max_offline_in_flight)
+    metrics.batch_lines_in_flight = lambda: worker.in_flight
+    state = ServerState(engine, config, store, service, metrics, worker)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        worker.start()
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            await worker.stop(state.drain_deadline_s)
+            await engine.stop()
+
+    app = FastAPI(title="backfill", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible co-serving of online and offline LLM requests")
+    app.state.backfill = state
+    install_error_handlers(app)
+
+    async def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    limit_bytes = int(config.max_body_mb * 2**20)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.running and not state.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        return {"id": served_model, "object": "model", "created": state.started_at, "owned_by": "backfill",
+                "max_model_len": engine.scheduler.max_model_len}
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id != served_model:
+            raise not_found(f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    async def generate(request: Request, kind: Kind) -> Response:
+        arrived = time.monotonic()
+        data = parse_json(await read_body(request, limit_bytes))
+        prepared = service.prepare(kind, data, arrival_time=arrived)
+        request_class = prepared.request.request_class.value
+        state.admit(request_class)
+        try:
+            generation = service.submit(prepared)
+        except BaseException:
+            state.release(request_class)
+            raise
+
+        async def close() -> None:
+            await generation.aclose()
+            state.release(request_class)
+
+        if prepared.stream:
+            return EventStreamResponse(service.stream_sse(prepared, generation), close)
+        try:
+            return JSONResponse(await until_disconnected(request.receive, service.complete(prepared, generation)))
+        finally:
+            await close()
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "text")
+
+    # --- files -----------------------------------------------------------------------------------
+
+    @v1.post("/files")
+    async def upload_file(request: Request) -> dict:
+        body = await read_body(request, limit_bytes)
+        parts = parse_multipart(body, request.headers.get("content-type", ""))
+        purpose = parts.get("purpose")
+        if purpose is None:
+            raise bad_request("purpose is required", param="purpose")
+        purpose_text = purpose.data.decode("utf-8", "replace").strip()
+        if purpose_text != "batch":
+            raise bad_request(f"purpose {purpose_text!r} is not supported; this server accepts 'batch'",
+                              param="purpose")
+        upload = parts.get("file")
+        if upload is None or upload.filename is None:
+            raise bad_request("file is required (a multipart part named 'file' with a filename)", param="file")
+        if not upload.data.strip():
+            raise bad_request("the file is empty", param="file")
+        try:
+            upload.data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_request("the file must be UTF-8 JSONL text", param="file") from None
+        return await asyncio.to_thread(store.create_file, purpose_text, upload.filename[:255] or "upload.jsonl",
+                                       upload.data)
+
+    @v1.get("/files")
+    async def list_files(request: Request) -> dict:
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be 'asc' or 'desc'", param="order")
+        limit = int_param(query.get("limit"), "limit", 10_000, 1, 10_000)
+        files, has_more = await asyncio.to_thread(store.list_files, query.get("purpose"), limit,
+                                                  query.get("after"), order)
+        return page(files, has_more)
+
+    async def existing_file(file_id: str) -> dict:
+        file = await asyncio.to_thread(store.get_file, file_id)
+        if file is None:
+            raise not_found(f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+        return file
+
+    @v1.get("/files/{file_id}")
+    async def get_file(file_id: str) -> dict:
+        return await existing_file(file_id)
+
+    @v1.get("/files/{file_id}/content")
+    async def get_file_content(file_id: str) -> Response:
+        content = await asyncio.to_thread(store.file_content, file_id)
+        if content is None:
+            raise not_found(f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+        return Response(content, media_type="application/octet-stream")
+
+    @v1.delete("/files/{file_id}")
+    async def delete_file(file_id: str) -> dict:
+        if not await asyncio.to_thread(store.delete_file, file_id):
+            raise not_found(f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    @v1.post("/batches")
+    async def create_batch(request: Request) -> dict:
+        body = validate_body(BatchCreateBody, parse_json(await read_body(request, limit_bytes)))
+        file = await asyncio.to_thread(store.get_file, body.input_file_id)
+        if file is None:
+            raise not_found(f"no file with id {body.input_file_id!r}", param="input_file_id",
+                            code="file_not_found")
+        if file["purpose"] != "batch":
+            raise bad_request(f"file {body.input_file_id!r} has purpose {file['purpose']!r}, not 'batch'",
+                              param="input_file_id")
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="service_unavailable")
+        batch = await asyncio.to_thread(store.create_batch, body.input_file_id, body.endpoint,
+                                        body.completion_window, body.metadata)
+        worker.wake()
+        return batch
+
+    @v1.get("/batches")
+    async def list_batches(request: Request) -> dict:
+        limit = int_param(request.query_params.get("limit"), "limit", 20, 1, 100)
+        batches, has_more = await asyncio.to_thread(store.list_batches, limit, request.query_params.get("after"))
+        return page(batches, has_more)
+
+    async def existing_batch(batch_id: str) -> dict:
+        batch = await asyncio.to_thread(store.get_batch, batch_id)
+        if batch is None:
+            raise not_found(f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found")
+        return batch
+
+    @v1.get("/batches/{batch_id}")
+    async def get_batch(batch_id: str) -> dict:
+        return await existing_batch(batch_id)
+
+    @v1.post("/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str) -> dict:
+        status = await asyncio.to_thread(store.request_cancel, batch_id)
+        if status is None:
+            raise not_found(f"no batch with id {batch_id!r}", param="batch_id", code="batch_not_found")
+        if status not in ("cancelling", "cancelled"):
+            raise APIError(409, f"batch {batch_id} is already {status} and cannot be cancelled",
+                           code="batch_not_cancellable")
+        worker.wake()
+        return await existing_batch(batch_id)
+
+    app.include_router(v1)
+    return app
+
+
+def page(items: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+def int_param(raw: str | None, name: str, default: int, low: int, high: int) -> int:
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be an integer, got {raw!r}", param=name) from None
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The whole body, or 413 as soon as it passes the limit (before reading it all when declared)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise _too_large(limit_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise _too_large(limit_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise bad_request("the client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit_bytes: int) -> APIError:
+    return APIError(413, f"the request body exceeds the limit of {limit_bytes / 2**20:g} MiB",
+                    code="request_too_large")
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(receive: Receive, work: Awaitable[dict]) -> dict:
+    """Run work unless the client goes away first (then work is cancelled, and with it the request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise APIError(499, "the client closed the connection", code="client_closed_request")
+        return task.result()
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+class EventStreamResponse(Response):
+    """Server-sent events that stop (and run on_close) the moment the client disconnects.
+
+    Starlette's StreamingResponse under ASGI spec 2.4 notices a disconnect only when a write
+    fails, i.e. not before the next token; a request waiting in the queue would keep its place.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], on_close: Callable[[], Awaitable[None]]) -> None:
+        self.chunks = chunks
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        streamer = asyncio.ensure_future(pump())
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if streamer.done() and not streamer.cancelled():
+                error = streamer.exception()
+                if error is not None and not isinstance(error, OSError):  # OSError: the client went away
+                    raise error
+        finally:
+            for task in (streamer, watcher):
+                task.cancel()
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await self.chunks.aclose()
+            await self.on_close()

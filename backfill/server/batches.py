@@ -1,0 +1,252 @@
+"""The Batch API worker: validates input files, feeds their lines to the engine as OFFLINE requests,
+and records each result durably (ConServe §3: offline work is submitted as a batch and fills the
+capacity online requests leave idle).
+
+Statuses: validating -> in_progress -> finalizing -> completed; cancelling -> cancelled; failed
+(the input file is unusable as a whole); expired (the 24 h window passed). A batch line is
+recorded exactly once (see store.py); lines in flight when the process dies run again on restart.
+At most max_in_flight lines are in the engine at once, so offline work never fills the
+scheduler's queue or KV pool ahead of online arrivals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Callable
+
+from backfill.errors import BackfillError
+from backfill.server.completions import CompletionService, check_outcome, response_body
+from backfill.server.errors import APIError, from_backfill_error
+from backfill.server.schemas import BatchLine, parse_json, validate_body
+from backfill.server.store import LineFailure, PendingLine, Store
+from backfill.serving.api import FinishReason, RequestClass
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH_LINES = 50_000   # OpenAI's limit per batch
+_KIND = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
+
+
+def error_record(custom_id: str | None, code: str, message: str, line: int | None = None) -> str:
+    """An error-file line for a request that never got a response (OpenAI's shape)."""
+    error = {"code": code, "message": message}
+    if line is not None:
+        error["line"] = line
+    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+                       "error": error}, ensure_ascii=False)
+
+
+def response_record(custom_id: str, status_code: int, request_id: str, body: dict) -> str:
+    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                       "response": {"status_code": status_code, "request_id": request_id, "body": body},
+                       "error": None}, ensure_ascii=False)
+
+
+def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict], None]
+                      ) -> tuple[list[tuple[int, str, str]], list[LineFailure], str | None]:
+    """(runnable lines, failed lines, fatal error). Bad lines fail alone; the rest still runs."""
+    raw_lines = content.split(b"\n")
+    numbered = [(i, raw) for i, raw in enumerate(raw_lines) if raw.strip()]
+    if not numbered:
+        return [], [], "the input file has no requests"
+    if len(numbered) > MAX_BATCH_LINES:
+        return [], [], f"the input file has {len(numbered)} requests; at most {MAX_BATCH_LINES} are allowed"
+    runnable: list[tuple[int, str, str]] = []
+    failures: list[LineFailure] = []
+    seen: set[str] = set()
+    for index, raw in numbered:
+        number = index + 1
+        try:
+            data = parse_json(raw)
+        except APIError as exc:
+            failures.append(LineFailure(index, "", error_record(None, "invalid_json", f"line {number}: {exc.message}",
+                                                                number)))
+            continue
+        custom_id = data.get("custom_id") if isinstance(data, dict) else None
+        custom_id = custom_id if isinstance(custom_id, str) else None
+        try:
+            line = validate_body(BatchLine, data)
+        except APIError as exc:
+            failures.append(LineFailure(index, custom_id or "", error_record(
+                custom_id, "invalid_request", f"line {number}: {exc.message}", number)))
+            continue
+        if line.url != endpoint:
+            failures.append(LineFailure(index, line.custom_id, error_record(
+                line.custom_id, "mismatched_endpoint",
+                f"line {number}: url {line.url!r} differs from the batch's endpoint {endpoint!r}", number)))
+            continue
+        if line.custom_id in seen:
+            failures.append(LineFailure(index, line.custom_id, error_record(
+                line.custom_id, "duplicate_custom_id", f"line {number}: custom_id {line.custom_id!r} is repeated",
+                number)))
+            continue
+        seen.add(line.custom_id)
+        try:
+            check_body(line.body)
+        except BackfillError as exc:
+            api = from_backfill_error(exc)
+            failures.append(LineFailure(index, line.custom_id, response_record(
+                line.custom_id, api.status_code, f"req_{uuid.uuid4().hex}", api.body())))
+            continue
+        runnable.append((index, line.custom_id, json.dumps(line.body, ensure_ascii=False)))
+    return runnable, failures, None
+
+
+class BatchWorker:
+    def __init__(self, store: Store, service: CompletionService, max_in_flight: int = 64,
+                 poll_interval_s: float = 0.5) -> None:
+        self.store = store
+        self.service = service
+        self.max_in_flight = max_in_flight
+        self.poll_interval_s = poll_interval_s
+        self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self._accepting = True
+        self._main: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def start(self) -> None:
+        self._accepting = True
+        self._main = asyncio.create_task(self._loop(), name="backfill-batch-worker")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop_accepting(self) -> None:
+        """Start no new lines (graceful shutdown); lines in flight may still finish."""
+        self._accepting = False
+
+    async def stop(self, deadline_s: float) -> None:
+        """Let lines in flight finish until deadline_s (monotonic), then cancel the rest: they stay
+        pending in the database and run again after a restart."""
+        self._accepting = False
+        while self._tasks and time.monotonic() < deadline_s:
+            await asyncio.wait(list(self._tasks.values()), timeout=max(0.0, deadline_s - time.monotonic()))
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if self._main is not None:
+            self._main.cancel()
+            tasks.append(self._main)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._main = None
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()   # before the tick: a wake-up during it triggers the next one at once
+            try:
+                await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a database hiccup must not end offline processing for good
+                log.exception("batch worker tick failed; retrying")
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _tick(self) -> None:
+        store = self.store
+        for batch_id in await asyncio.to_thread(store.batch_ids, "validating"):
+            await self._validate(batch_id)
+        for batch_id in await asyncio.to_thread(store.batch_ids, "cancelling"):
+            await self._end(batch_id, "cancelled")
+        now = int(time.time())
+        for batch_id, status, expires_at, pending in await asyncio.to_thread(store.running_batches):
+            if status == "in_progress" and expires_at is not None and expires_at <= now:
+                await self._end(batch_id, "expired")
+            elif pending == 0 and not self._has_in_flight(batch_id):
+                await asyncio.to_thread(store.mark_finalizing, batch_id)
+                await asyncio.to_thread(store.finish_batch, batch_id, "completed")
+        free = self.max_in_flight - len(self._tasks)
+        if self._accepting and free > 0 and self.service.engine.running:
+            for line in await asyncio.to_thread(store.pending_lines, free, set(self._tasks)):
+                key = (line.batch_id, line.line)
+                self._tasks[key] = asyncio.create_task(self._run_line(line), name=f"batch-line-{key}")
+
+    def _has_in_flight(self, batch_id: str) -> bool:
+        return any(key[0] == batch_id for key in self._tasks)
+
+    async def _end(self, batch_id: str, status: str) -> None:
+        """Cancel a batch's lines in flight; once none is left, write its files and final status."""
+        tasks = [task for key, task in self._tasks.items() if key[0] == batch_id]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.store.finish_batch, batch_id, status)
+
+    async def _validate(self, batch_id: str) -> None:
+        row = await asyncio.to_thread(self.store.batch_row, batch_id)
+        content = await asyncio.to_thread(self.store.file_content, row["input_file_id"])
+        if content is None:
+            await asyncio.to_thread(self.store.fail_batch, batch_id, [
+                {"code": "file_not_found", "message": f"input file {row['input_file_id']} no longer exists",
+                 "param": "input_file_id", "line": None}])
+            return
+        kind = _KIND[row["endpoint"]]
+        lines, failures, fatal = await asyncio.to_thread(
+            parse_batch_input, content, row["endpoint"], lambda body: self._check_body(kind, body))
+        if fatal is not None:
+            await asyncio.to_thread(self.store.fail_batch, batch_id, [
+                {"code": "invalid_file", "message": fatal, "param": "input_file_id", "line": None}])
+            return
+        await asyncio.to_thread(self.store.start_batch, batch_id, lines, failures)
+
+    def _check_body(self, kind: str, body: dict) -> None:
+        self.service.validate(kind, body)
+        if body.get("stream"):
+            raise APIError(400, "stream is not supported in batch requests", param="stream")
+
+    async def _run_line(self, line: PendingLine) -> None:
+        key = (line.batch_id, line.line)
+        try:
+            result = await self._execute(line)
+            if result is not None:
+                ok, record, input_tokens, output_tokens = result
+                write = asyncio.ensure_future(asyncio.to_thread(
+                    self.store.record_result, line.batch_id, line.line, line.custom_id, ok, record,
+                    input_tokens, output_tokens))
+                try:
+                    await asyncio.shield(write)
+                except asyncio.CancelledError:
+                    # A result being committed is kept: finish it before the batch is finalized.
+                    await write
+                    raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the database write failed: the line stays pending and runs again
+            log.exception("could not record batch %s line %d; it will run again", line.batch_id, line.line)
+        finally:
+            self._tasks.pop(key, None)
+            self._wake.set()
+
+    async def _execute(self, line: PendingLine) -> tuple[bool, str, int, int] | None:
+        """(ok, record, input tokens, output tokens), or None to leave the line pending."""
+        try:
+            prepared = self.service.prepare(_KIND[line.endpoint], json.loads(line.body), RequestClass.OFFLINE)
+            outcome = await self.service.run(prepared)
+            if outcome.finish_reason is FinishReason.CANCELLED:
+                return None  # the engine is stopping; run it again later
+            check_outcome(outcome.finish_reason)
+        except BackfillError as exc:
+            api = from_backfill_error(exc)
+            if api.status_code == 503:
+                return None
+            return False, response_record(line.custom_id, api.status_code, f"req_{uuid.uuid4().hex}",
+                                          api.body()), 0, 0
+        except Exception:
+            # A bug on this line must not stall the whole batch by being retried forever.
+            log.exception("batch %s line %d crashed", line.batch_id, line.line)
+            api = APIError(500, "internal server error while running this request", code="internal_error",
+                           type="server_error")
+            return False, response_record(line.custom_id, 500, f"req_{uuid.uuid4().hex}", api.body()), 0, 0
+        body = response_body(prepared, outcome)
+        return (True, response_record(line.custom_id, 200, prepared.response_id, body),
+                outcome.num_prompt_tokens, outcome.num_output_tokens)

@@ -1,0 +1,88 @@
+"""Run the server: `python -m backfill.server [options]`, or `backfill serve` through run_server().
+
+The model and the database are opened before the port is bound, so a bad --model or --db fails
+fast with a one-line message (exit 2). SIGTERM / SIGINT drain gracefully: new requests get 503,
+in-flight online requests and batch lines may finish within --drain-timeout-s, every finished
+batch line is already committed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from types import FrameType
+from typing import Callable
+
+import uvicorn
+
+from backfill.errors import BackfillError
+from backfill.server.config import ServerConfig, add_serve_arguments, config_from_args
+
+log = logging.getLogger("backfill.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m backfill.server",
+                                     description="OpenAI-compatible co-serving server (online + Batch API)")
+    add_serve_arguments(parser)
+    return parser
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the process exit status (0 after a graceful drain)."""
+    try:
+        config = config_from_args(args)
+        return serve(config)
+    except BackfillError as exc:
+        print(f"backfill: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:   # Ctrl+C while the model loads, before uvicorn handles signals
+        return 130
+
+
+def serve(config: ServerConfig) -> int:
+    from backfill.server.app import create_app
+    from backfill.server.store import Store
+    from backfill.serving.build import build_engine, build_tiny_engine
+
+    logging.basicConfig(level=logging.INFO if config.log_level in ("info", "debug", "trace") else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    store = Store(config.db_path)
+    try:
+        engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
+        app = create_app(engine, config, store)
+        log.info("serving %s on http://%s:%d (database %s)", config.served_model_name or engine.model_name,
+                 config.host, config.port, config.db_path)
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                        timeout_graceful_shutdown=config.drain_timeout_s, lifespan="on",
+                                        access_log=False)
+        server = DrainingServer(uvicorn_config, on_exit=app.state.backfill.begin_drain)
+        try:
+            server.run()
+        except SystemExit as exc:   # uvicorn exits 3 when it cannot bind or start
+            return exc.code if isinstance(exc.code, int) else 1
+        return 0 if server.started else 1
+    finally:
+        store.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose signal handler also starts our drain, and which exits 0 afterwards
+    (uvicorn re-raises the caught signal once it has shut down, which would exit 143)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.on_exit()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True   # a second Ctrl+C stops waiting for the drain
+        else:
+            self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_server(build_parser().parse_args(argv))

@@ -1,0 +1,160 @@
+"""The Batch API: a full round trip with the openai client, cancel, listing, and input validation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from backfill.server.batches import BatchWorker, parse_batch_input
+from server_helpers import chat_line, live_server, make_app, openai_client, upload, wait_final
+
+
+def jsonl(client, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with live_server(tmp_path_factory.mktemp("batches")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url)
+
+
+def test_batch_round_trip_with_invalid_lines(client, server):
+    good = [chat_line(f"req-{i}", f"question {i}") for i in range(5)]
+    lines = good[:2] + [
+        "{not json",
+        chat_line("bad-temperature", temperature="hot"),
+        json.dumps({"custom_id": "wrong-url", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        chat_line("req-0"),                                   # duplicate custom_id
+        chat_line("too-long", "x" * 600),                     # beyond the tiny model's 512-token context
+        "",
+    ] + good[2:]
+    file = upload(client, lines)
+    assert file.purpose == "batch" and file.bytes > 0
+    assert client.files.retrieve(file.id).filename == "input.jsonl"
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"job": "test"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "test"}
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 5, 5)
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+
+    output = jsonl(client, batch.output_file_id)
+    assert sorted(r["custom_id"] for r in output) == sorted(f"req-{i}" for i in range(5))
+    for record in output:
+        assert record["error"] is None and record["id"].startswith("batch_req_")
+        response = record["response"]
+        assert response["status_code"] == 200
+        assert response["body"]["object"] == "chat.completion"
+        assert response["body"]["service_tier"] == "flex"     # batch lines run as offline requests
+        assert 1 <= response["body"]["usage"]["completion_tokens"] <= 4
+    assert batch.usage.output_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in output)
+
+    metrics = httpx.get(f"{server.url}/metrics").text
+    offline_tokens = server.state.engine.scheduler.stats.output_tokens["offline"]
+    assert f'backfill_output_tokens_total{{class="offline"}} {float(offline_tokens)}' in metrics
+    assert offline_tokens >= batch.usage.output_tokens
+
+    errors = {r["custom_id"]: r for r in jsonl(client, batch.error_file_id)}
+    assert set(errors) == {None, "bad-temperature", "wrong-url", "req-0", "too-long"}
+    assert errors[None]["error"]["code"] == "invalid_json" and errors[None]["error"]["line"] == 3
+    assert errors["bad-temperature"]["response"]["status_code"] == 400
+    assert errors["bad-temperature"]["response"]["body"]["error"]["param"] == "temperature"
+    assert errors["wrong-url"]["error"]["code"] == "mismatched_endpoint"
+    assert errors["req-0"]["error"]["code"] == "duplicate_custom_id"
+    assert errors["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_completions_endpoint_batch(client):
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": f"item {i}", "max_tokens": 3, "temperature": 0}}) for i in range(3)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    batch = wait_final(client, batch.id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    output = jsonl(client, batch.output_file_id)
+    assert [r["custom_id"] for r in output] == ["c0", "c1", "c2"]
+    assert all(r["response"]["body"]["object"] == "text_completion" for r in output)
+
+
+def test_cancel_keeps_finished_lines(client):
+    lines = [chat_line(f"long-{i}", max_tokens=200, ignore_eos=True) for i in range(150)]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = wait_final(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert batch.request_counts.completed < 150
+    finished = jsonl(client, batch.output_file_id) if batch.output_file_id else []
+    assert len(finished) == batch.request_counts.completed
+
+
+def test_list_batches_paginates(client):
+    file = upload(client, [chat_line("p")])
+    ids = [client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id for _ in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    second = client.batches.list(limit=2, after=first.data[-1].id)
+    assert second.data[0].id == ids[0]
+    seen = [b.id for b in client.batches.list(limit=1)]   # the client follows has_more / after
+    assert seen[:3] == ids[::-1] and len(seen) == len(set(seen))
+    for batch_id in ids:
+        wait_final(client, batch_id)
+
+
+def test_files_list_and_delete(client):
+    file = upload(client, [chat_line("d")])
+    assert file.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.delete(file.id).deleted
+    assert file.id not in [f.id for f in client.files.list()]
+
+
+def test_parse_batch_input_keeps_good_lines_and_reports_bad_ones():
+    content = "\n".join([chat_line("a"), "[1, 2]", "", chat_line("b"), '{"custom_id": 5}']).encode()
+    runnable, failures, fatal = parse_batch_input(content, "/v1/chat/completions", lambda body: None)
+    assert fatal is None
+    assert [(line, cid) for line, cid, _ in runnable] == [(0, "a"), (3, "b")]
+    assert [f.line for f in failures] == [1, 4]
+    assert all(json.loads(f.record)["error"]["code"] == "invalid_request" for f in failures)
+
+
+@pytest.mark.parametrize("content, message", [(b"\n \n", "no requests"), (b"", "no requests")])
+def test_parse_batch_input_fatal(content, message):
+    assert message in parse_batch_input(content, "/v1/chat/completions", lambda body: None)[2]
+
+
+def test_worker_fails_batch_whose_input_file_vanished(tmp_path):
+    app = make_app(tmp_path / "w.db")
+    state = app.state.backfill
+    store = state.store
+    file = store.create_file("batch", "in.jsonl", chat_line("x").encode())
+    batch = store.create_batch(file["id"], "/v1/chat/completions", "24h", None)
+    store.delete_file(file["id"])
+
+    async def run() -> None:
+        await state.engine.start()
+        worker = BatchWorker(store, state.service, max_in_flight=4, poll_interval_s=0.01)
+        worker.start()
+        deadline = time.monotonic() + 20
+        while store.get_batch(batch["id"])["status"] == "validating" and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await worker.stop(time.monotonic())
+        await state.engine.stop()
+
+    asyncio.run(run())
+    failed = store.get_batch(batch["id"])
+    store.close()
+    assert failed["status"] == "failed" and failed["failed_at"]
+    assert failed["errors"]["data"][0]["code"] == "file_not_found"

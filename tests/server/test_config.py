@@ -1,0 +1,97 @@
+"""Server options: defaults < config file < BACKFILL_API_KEY < flags, each validated with a clear error."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from backfill.errors import InvalidRequestError
+from backfill.server.config import ServerConfig, add_serve_arguments, config_from_args, default_db_path
+from backfill.server.errors import ServerConfigError
+
+
+def parse(*argv: str) -> ServerConfig:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)))
+
+
+def test_defaults(monkeypatch, tmp_path):
+    monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
+    monkeypatch.setenv("BACKFILL_CACHE_DIR", str(tmp_path))
+    config = parse()
+    assert (config.host, config.port, config.api_key, config.tiny) == ("127.0.0.1", 8000, None, False)
+    assert config.db_path == tmp_path / "server-8000.db" == default_db_path(8000)
+    assert config.serving.policy == "coserve" and config.serving.slo.ttft_ms == 1000.0
+
+
+def test_flags_override_file_and_env(monkeypatch, tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('port = 9001\nttft-slo-ms = 250\napi_key = "from-file"\npolicy = "priority"\n'
+                    'max_online_queue = 7\ntiny = true\n')
+    monkeypatch.setenv("BACKFILL_API_KEY", "from-env")
+    config = parse("--config", str(toml), "--port", "9002", "--tpot-slo-ms", "40", "--db", str(tmp_path / "d.db"))
+    assert config.port == 9002 and config.max_online_queue == 7 and config.tiny
+    assert config.api_key == "from-env"
+    assert config.serving.slo.ttft_ms == 250.0 and config.serving.slo.tpot_ms == 40.0
+    assert config.serving.policy == "priority"
+    assert config.db_path == tmp_path / "d.db"
+    assert parse("--config", str(toml), "--api-key", "from-flag").api_key == "from-flag"
+
+
+def test_json_config_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
+    path = tmp_path / "c.json"
+    path.write_text('{"kv-cache-gb": 2, "max_model_len": 1024, "max-body-mb": 5}')
+    config = parse("--config", str(path))
+    assert config.serving.kv_cache_gb == 2.0 and config.serving.max_model_len == 1024 and config.max_body_mb == 5.0
+
+
+@pytest.mark.parametrize("text, suffix, message", [
+    ("port = 'x'", ".toml", "port must be a int"),
+    ("bogus = 1", ".toml", "unknown option 'bogus'"),
+    ("port = ", ".toml", "not valid TOML"),
+    ("[1, 2]", ".json", "table/object"),
+    ('{"tiny": 1}', ".json", "tiny must be a bool"),
+])
+def test_bad_config_files(tmp_path, text, suffix, message):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ServerConfigError, match=message):
+        parse("--config", str(path))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ServerConfigError, match="cannot read"):
+        parse("--config", str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize("argv, error, message", [
+    (["--port", "70000"], ServerConfigError, "port"),
+    (["--max-online-queue", "0"], ServerConfigError, "max_online_queue"),
+    (["--max-body-mb", "nan"], ServerConfigError, "max_body_mb"),
+    (["--drain-timeout-s", "-1"], ServerConfigError, "drain_timeout_s"),
+    (["--api-key", " "], ServerConfigError, "api_key"),
+    (["--log-level", "loud"], ServerConfigError, "log_level"),
+    (["--policy", "magic"], InvalidRequestError, "policy"),
+    (["--dtype", "int3"], InvalidRequestError, "dtype"),
+    (["--ttft-slo-ms", "0"], InvalidRequestError, "ttft_ms"),
+    (["--kv-cache-gb", "0"], InvalidRequestError, "kv_cache_gb"),
+])
+def test_invalid_values(monkeypatch, argv, error, message):
+    monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
+    with pytest.raises(error, match=message):
+        parse(*argv)
+
+
+def test_tiny_gets_a_small_kv_cache_unless_set(monkeypatch):
+    monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
+    assert parse("--tiny").serving.kv_cache_gb < 0.1
+    assert parse("--tiny", "--kv-cache-gb", "0.5").serving.kv_cache_gb == 0.5
+
+
+def test_tiny_is_hidden_from_help():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert "--tiny" not in parser.format_help() and "--max-online-queue" in parser.format_help()

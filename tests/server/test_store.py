@@ -1,0 +1,140 @@
+"""The SQLite store: exactly-once results, atomic batch transitions, persistence, one owner."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from backfill.server.errors import ServerConfigError
+from backfill.server.store import LineFailure, Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "s.db")
+    yield s
+    s.close()
+
+
+def started_batch(store: Store, n: int = 3) -> str:
+    file = store.create_file("batch", "in.jsonl", b"{}")
+    batch = store.create_batch(file["id"], "/v1/completions", "24h", {"k": "v"})
+    lines = [(i, f"c{i}", json.dumps({"prompt": str(i)})) for i in range(n)]
+    assert store.start_batch(batch["id"], lines, [LineFailure(n, "bad", '{"error": 1}')])
+    return batch["id"]
+
+
+def test_wal_mode_and_schema(store):
+    conn = store._conn()
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2   # FULL
+
+
+def test_start_batch_counts_failures_and_moves_to_in_progress(store):
+    batch_id = started_batch(store)
+    batch = store.get_batch(batch_id)
+    assert batch["status"] == "in_progress" and batch["request_counts"] == {"total": 4, "completed": 0, "failed": 1}
+    assert batch["metadata"] == {"k": "v"}
+    assert not store.start_batch(batch_id, [], [])   # only once
+    assert [line.line for line in store.pending_lines(10, set())] == [0, 1, 2]
+    assert [line.line for line in store.pending_lines(10, {(batch_id, 1)})] == [0, 2]
+    assert len(store.pending_lines(1, set())) == 1
+
+
+def test_record_result_is_exactly_once(store):
+    batch_id = started_batch(store)
+    assert store.record_result(batch_id, 0, "c0", True, '{"r": 1}', 5, 7)
+    assert not store.record_result(batch_id, 0, "c0", True, '{"r": 2}', 5, 7)
+    batch = store.get_batch(batch_id)
+    assert batch["request_counts"] == {"total": 4, "completed": 1, "failed": 1}
+    assert batch["usage"]["input_tokens"] == 5 and batch["usage"]["output_tokens"] == 7
+    assert store.running_batches() == [(batch_id, "in_progress", batch["expires_at"], 2)]
+    assert [line.line for line in store.pending_lines(10, set())] == [1, 2]
+
+
+def test_concurrent_writers_record_each_line_once(tmp_path):
+    store = Store(tmp_path / "c.db")
+    batch_id = started_batch(store, n=40)
+    wins: list[bool] = []
+
+    def writer() -> None:
+        for line in range(40):
+            wins.append(store.record_result(batch_id, line, f"c{line}", True, "{}"))
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(wins) == 40 and len(wins) == 160
+    assert store.get_batch(batch_id)["request_counts"]["completed"] == 40
+    store.close()
+
+
+def test_finish_batch_writes_files_in_line_order(store):
+    batch_id = started_batch(store)
+    for line in (2, 0, 1):
+        store.record_result(batch_id, line, f"c{line}", line != 1, json.dumps({"line": line}))
+    store.mark_finalizing(batch_id)
+    assert store.get_batch(batch_id)["status"] == "finalizing"
+    store.finish_batch(batch_id, "completed")
+    batch = store.get_batch(batch_id)
+    assert batch["status"] == "completed" and batch["completed_at"]
+    output = store.file_content(batch["output_file_id"]).decode().splitlines()
+    assert [json.loads(r)["line"] for r in output] == [0, 2]
+    errors = store.file_content(batch["error_file_id"]).decode().splitlines()
+    assert errors == ['{"line": 1}', '{"error": 1}']   # file order: line 1, then the bad line 3
+    assert store.get_file(batch["output_file_id"])["purpose"] == "batch_output"
+    store.finish_batch(batch_id, "cancelled")       # a final batch stays as it is
+    assert store.get_batch(batch_id)["status"] == "completed"
+
+
+def test_cancel_only_active_batches(store):
+    batch_id = started_batch(store)
+    assert store.request_cancel(batch_id) == "cancelling"
+    assert store.get_batch(batch_id)["cancelling_at"]
+    assert store.request_cancel(batch_id) == "cancelling"
+    assert store.pending_lines(10, set()) == []      # cancelling batches start no new lines
+    store.finish_batch(batch_id, "cancelled")
+    assert store.request_cancel(batch_id) == "cancelled"
+    assert store.request_cancel("batch_missing") is None
+
+
+def test_state_survives_reopen(tmp_path):
+    store = Store(tmp_path / "p.db")
+    batch_id = started_batch(store)
+    store.record_result(batch_id, 1, "c1", True, "{}")
+    store.close()
+    reopened = Store(tmp_path / "p.db")
+    assert reopened.get_batch(batch_id)["request_counts"]["completed"] == 1
+    assert [line.line for line in reopened.pending_lines(10, set())] == [0, 2]
+    reopened.close()
+
+
+def test_lists_paginate_newest_first(store):
+    ids = [store.create_file("batch", f"{i}.jsonl", b"x")["id"] for i in range(3)]
+    files, more = store.list_files("batch", 2, None, "desc")
+    assert [f["id"] for f in files] == ids[::-1][:2] and more
+    files, more = store.list_files(None, 2, ids[1], "desc")
+    assert [f["id"] for f in files] == ids[:1] and not more
+    files, _ = store.list_files(None, 5, ids[0], "asc")
+    assert [f["id"] for f in files] == ids[1:]
+    assert store.list_files("batch_output", 5, None, "desc") == ([], False)
+
+
+def test_one_server_per_database(tmp_path):
+    first = Store(tmp_path / "x.db")
+    with pytest.raises(ServerConfigError, match="in use"):
+        Store(tmp_path / "x.db")
+    first.close()
+    Store(tmp_path / "x.db").close()
+
+
+def test_unusable_database_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ServerConfigError, match="cannot use"):
+        Store(bad)
+    Store(bad.with_name("ok.db")).close()
