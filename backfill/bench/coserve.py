@@ -158,7 +158,7 @@ def run_http_bench(url: str, model: str, scenario: CoserveScenario, tokenizer, l
     workload = make_workload(scenario, tokenizer, latency, with_offline=with_offline)
 
     async def go() -> ModeResult:
-        async with HttpTarget(url, model, api_key=api_key) as target:
+        async with HttpTarget(url, model, api_key=api_key, prompt_as="token_ids") as target:
             run = await run_workload(target, workload, progress=progress)
         return ModeResult(compute_metrics(run.records, duration_s=run.duration_s, engine_samples=run.samples),
                           run.records, {"url": url, "scenario": asdict(scenario)})

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backfill.bench.target import StreamChunk
 from backfill.bench.workload import BenchRequest
 from backfill.errors import TargetError, WorkloadError
+from backfill.serving.api import RequestClass
 
 # Gauges worth plotting next to throughput; matched as substrings of the metric name.
 STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_", "preempt")
@@ -32,7 +33,7 @@ STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_",
 class HttpTarget:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, *, max_connections: int = 1024,
                  timeout_s: float = 6 * 3600.0, prompt_as: str = "text", temperature: float = 0.0,
-                 extra_body: dict | None = None) -> None:
+                 extra_body: dict | None = None, offline_service_tier: str | None = "flex") -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise WorkloadError(f"base_url must be an http(s) URL, got {base_url!r}")
         if prompt_as not in ("text", "token_ids"):
@@ -45,6 +46,7 @@ class HttpTarget:
         self.prompt_as = prompt_as
         self.temperature = temperature
         self.extra_body = dict(extra_body or {})
+        self.offline_service_tier = offline_service_tier
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._timeout = httpx.Timeout(timeout_s, connect=30.0)
@@ -67,6 +69,8 @@ class HttpTarget:
                 "stream_options": {"include_usage": True}}
         if request.ignore_eos:
             body["ignore_eos"] = True  # vLLM / backfill extension; fixes output length to max_tokens
+        if request.request_class is RequestClass.OFFLINE and self.offline_service_tier:
+            body["service_tier"] = self.offline_service_tier  # OpenAI's name for best-effort work
         body.update(self.extra_body)
         return body
 
