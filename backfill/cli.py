@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--preempt-target-ms", type=float, default=8.0)
+    p.add_argument("--preempt-target-ms", type=float, default=7.0,
+                   help="coserve: longest offline work between two safepoints")
     p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
     p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")

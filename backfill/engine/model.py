@@ -131,9 +131,16 @@ class LlamaModel:
             attn = self._attention(q, li, meta, kv)
             # addmm fuses the residual add into the projection (h + x @ W).
             h = torch.addmm(h, attn, layer["o"])
+            # Two more safepoints inside the layer (after attention, after gate/up) halve the
+            # longest stretch without a check: the MLP is three quarters of a layer's work.
+            if safepoint is not None and safepoint(li):
+                raise StepAborted(li)
             x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
             gate, up = torch.mm(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = torch.addmm(h, F.silu(gate).mul_(up), layer["down"])
+            act = F.silu(gate).mul_(up)
+            if safepoint is not None and safepoint(li):
+                raise StepAborted(li)
+            h = torch.addmm(h, act, layer["down"])
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
         last = h.index_select(0, meta.logits_index)

@@ -1,5 +1,8 @@
 """Reference policies the co-serving policy is measured against.
 
+fcfs and priority default to vLLM V1's scheduling budget for its API server (2048 batched
+tokens per step, 256 sequences), as ConServe's vLLM++ baseline used vLLM's own defaults.
+
 online-only: serves online requests and ignores offline ones (the latency baseline).
 fcfs:        one queue by arrival time, no notion of class.
 priority:    online first at iteration level, offline fills the rest of the token budget; no
@@ -51,10 +54,13 @@ class OnlineOnlyPolicy(_Baseline):
         return _serve_in_order(state, online, self.limits, victims).plan(mode="online")
 
 
+VLLM_DEFAULT_LIMITS = BatchLimits(max_batch_tokens=2048, max_batch_seqs=256, prefill_chunk_tokens=2048)
+
+
 class FCFSPolicy(_Baseline):
     name = "fcfs"
 
-    def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
+    def __init__(self, limits: BatchLimits = VLLM_DEFAULT_LIMITS) -> None:
         self.limits = limits
 
     def schedule(self, state: SchedulerState) -> StepPlan:
@@ -66,7 +72,7 @@ class FCFSPolicy(_Baseline):
 class PriorityPolicy(_Baseline):
     name = "priority"
 
-    def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
+    def __init__(self, limits: BatchLimits = VLLM_DEFAULT_LIMITS) -> None:
         self.limits = limits
 
     def schedule(self, state: SchedulerState) -> StepPlan:

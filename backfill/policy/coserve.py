@@ -6,8 +6,8 @@ TTFT) and offline tokens fill what the latency model says still fits. Offline re
 hold blocks an online request needs: they are preempted, checkpointed ones first.
 
 Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
-large as the preemption target allows: a step can only be aborted between layers, so one layer
-must take no longer than the preemption latency we promise.
+large as the preemption target allows: a step can only be aborted at a safepoint (three per
+layer), so the work between two safepoints must take no longer than the latency we promise.
 
 Algorithm 2: when an online request arrives during a preemptible step, abort the step at the
 next layer safepoint if finishing it would make the request miss its TTFT SLO.
@@ -28,8 +28,10 @@ from backfill.serving.api import SLO
 class CoServeConfig:
     slo: SLO = SLO()
     limits: BatchLimits = BatchLimits()
-    # Offline batching mode: largest batch whose per-layer time stays below this.
-    preempt_target_ms: float = 8.0
+    # Offline batching mode: largest batch whose time between two safepoints stays below this.
+    preempt_target_ms: float = 7.0
+    # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
+    safepoint_gaps_per_layer: float = 2.0
     offline_batch_max_tokens: int = 2048
     offline_batch_max_seqs: int = 128
     # Blocks kept free for online arrivals when offline admits new work.
@@ -83,7 +85,7 @@ class CoServePolicy:
 
     def _offline_batch_tokens(self) -> int:
         cfg = self.config
-        layer_budget_ms = cfg.preempt_target_ms * cfg.num_layers
+        layer_budget_ms = cfg.preempt_target_ms * cfg.num_layers * cfg.safepoint_gaps_per_layer
         n = self.latency.max_new_tokens(BatchShape(), layer_budget_ms, 0, cfg.offline_batch_max_tokens)
         return max(1, n)
 

@@ -36,8 +36,8 @@ class ServingConfig:
     max_model_len: int = 2048
     policy: str = "coserve"
     slo: SLO = SLO(ttft_ms=1000.0, tpot_ms=100.0)
-    limits: BatchLimits = BatchLimits()
-    preempt_target_ms: float = 8.0
+    limits: BatchLimits | None = None  # None: each policy's own default (baselines: vLLM's)
+    preempt_target_ms: float = 7.0
     interference_slack: float | None = None
     online_reserve_fraction: float = 0.1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -88,16 +88,17 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):
+    limits = {} if cfg.limits is None else {"limits": cfg.limits}
     if cfg.policy == "online-only":
-        return OnlineOnlyPolicy(cfg.limits)
+        return OnlineOnlyPolicy(**limits)
     if cfg.policy == "fcfs":
-        return FCFSPolicy(cfg.limits)
+        return FCFSPolicy(**limits)
     if cfg.policy == "priority":
-        return PriorityPolicy(cfg.limits)
+        return PriorityPolicy(**limits)
     if latency is None:
         raise InvalidRequestError("the coserve policy needs a latency profile")
     return CoServePolicy(latency, CoServeConfig(
-        slo=cfg.slo, limits=cfg.limits, preempt_target_ms=cfg.preempt_target_ms,
+        slo=cfg.slo, preempt_target_ms=cfg.preempt_target_ms, **limits,
         interference_slack=cfg.interference_slack, online_reserve_fraction=cfg.online_reserve_fraction,
         num_layers=num_layers))
 

@@ -100,7 +100,8 @@ def test_abort_at_safepoint_then_rerun_equals_no_abort(setup):
 
     aborted = runner.execute([SeqChunk("x", [9], 20, table)], safepoint=stop_at_two)
     assert aborted.aborted and aborted.aborted_at_layer == 2 and aborted.logits is None
-    assert seen == [1, 2]
+    # Checked before each layer and twice inside it (after attention, after gate/up).
+    assert seen == [0, 0, 1, 1, 1, 2]
     # The aborted step wrote KV for position 20 in layers 0-1 only; re-running overwrites it.
     rerun = runner.execute([SeqChunk("x", [7], 20, table)], safepoint=lambda layer: False)
     torch.testing.assert_close(rerun.logits, expected)
