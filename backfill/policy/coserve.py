@@ -39,7 +39,7 @@ class CoServeConfig:
     # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step.
     interference_slack: float | None = None
     # Plan co-serving steps to this share of the SLO budget, leaving room for estimate error.
-    slo_margin: float = 0.9
+    slo_margin: float = 0.85
     num_layers: int = 30
 
     def __post_init__(self) -> None:
@@ -68,20 +68,38 @@ class CoServePolicy:
     def __init__(self, latency: LatencyModel, config: CoServeConfig = CoServeConfig()) -> None:
         self.latency = latency
         self.config = config
-        # Measured / estimated step time (EWMA): the profile was taken on another day, maybe
-        # another load; what the steps take now corrects it.
-        self.correction = 1.0
+        # Measured / estimated step time (EWMA) per batch-size bucket: the profile was taken on
+        # another day, maybe under another load, and small and big steps drift differently.
+        self._corrections: dict[int, float] = {}
         self._offline_tokens = self._offline_batch_tokens()
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return min(max(num_tokens, 1).bit_length(), 12)
+
+    def correction_for(self, num_tokens: int) -> float:
+        return self._corrections.get(self._bucket(num_tokens), 1.0)
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         estimate = self.latency.estimate_ms(shape)
         if estimate <= 0 or duration_ms <= 0:
             return
         ratio = min(4.0, max(0.25, duration_ms / estimate))
-        self.correction = 0.9 * self.correction + 0.1 * ratio
+        bucket = self._bucket(shape.num_tokens)
+        self._corrections[bucket] = 0.9 * self._corrections.get(bucket, 1.0) + 0.1 * ratio
+
+    def _estimate_ms(self, shape: BatchShape) -> float:
+        return self.correction_for(shape.num_tokens) * self.latency.estimate_ms(shape)
 
     def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
-        return self.latency.max_new_tokens(base, budget_ms / self.correction, start_pos, limit)
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _offline_batch_tokens(self) -> int:
         cfg = self.config
@@ -120,8 +138,7 @@ class CoServePolicy:
             plan.add(seq)
         budget_ms = cfg.slo_margin * self._budget_ms(state)
         if cfg.interference_slack is not None:
-            budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self.correction
-                            * self.latency.estimate_ms(plan.shape))
+            budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self._estimate_ms(plan.shape))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
         for seq in offline:
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
@@ -158,10 +175,10 @@ class CoServePolicy:
         if not step.preemptible or not state.online:
             return False
         elapsed_ms = (state.now_s - step.started_s) * 1e3
-        remain_ms = max(self.correction * self.latency.estimate_ms(step.shape) - elapsed_ms, 0.0)
+        remain_ms = max(self._estimate_ms(step.shape) - elapsed_ms, 0.0)
         online_shape = BatchShape()
         for seq in state.online:
             online_shape = online_shape.plus(seq.num_pending_tokens, seq.num_computed_tokens)
-        exec_ms = self.correction * self.latency.estimate_ms(online_shape)
+        exec_ms = self._estimate_ms(online_shape)
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         return remain_ms + exec_ms + waited_ms > self.config.slo.ttft_ms

@@ -126,9 +126,9 @@ def test_measured_step_times_correct_the_profile():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(100)])
     before = policy.schedule(busy).num_tokens
-    for _ in range(40):   # the machine is twice as slow as profiled
+    for _ in range(40):   # steps of this size run twice as slow as profiled
         policy.observe_step(BatchShape(num_tokens=30), 2 * LATENCY.estimate_ms(BatchShape(num_tokens=30)))
-    assert 1.9 < policy.correction <= 2.0
+    assert 1.9 < policy.correction_for(30) <= 2.0 and policy.correction_for(300) == 1.0
     after = policy.schedule(busy).num_tokens
     assert after < before
-    assert LATENCY.estimate_ms(BatchShape(after)) * policy.correction <= 50 + 1e-6
+    assert LATENCY.estimate_ms(BatchShape(after)) * policy.correction_for(after) <= 50 + 1e-6
