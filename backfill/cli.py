@@ -101,6 +101,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+    from backfill.bench.coserve import save_json
+    from backfill.bench.server_overhead import run_server_overhead_bench
+    from backfill.serving.api import SLO
+    from backfill.serving.build import ServingConfig
+
+    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
+                            preempt_target_ms=args.preempt_target_ms)
+    slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
+    results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
+    if args.json:
+        save_json(results, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.engine.weights import load_model
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
@@ -126,6 +142,25 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     out = export_hf_dir(load_model(args.model), Path(args.out_dir))
     print(f"exported HF directory to {out}")
     return 0
+
+
+def _add_scenario_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of online trace per mode")
+    p.add_argument("--online-load", type=float, default=0.3, help="fraction of online capacity")
+    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
+    p.add_argument("--prompt-len", default="uniform:64:256")
+    p.add_argument("--output-len", default="uniform:16:64")
+    p.add_argument("--offline-prompt-len", default="uniform:128:384")
+    p.add_argument("--offline-output-len", default="uniform:64:192")
+    p.add_argument("--offline-concurrency", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--preempt-target-ms", type=float, default=7.0,
+                   help="coserve: longest offline work between two safepoints")
+    p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,29 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_engine)
 
     p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
-    _add_model_args(p)
+    _add_scenario_args(p)
     p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of online trace per mode")
-    p.add_argument("--online-load", type=float, default=0.3, help="fraction of online capacity")
-    p.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival times")
-    p.add_argument("--prompt-len", default="uniform:64:256")
-    p.add_argument("--output-len", default="uniform:16:64")
-    p.add_argument("--offline-prompt-len", default="uniform:128:384")
-    p.add_argument("--offline-output-len", default="uniform:64:192")
-    p.add_argument("--offline-concurrency", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
-    p.add_argument("--tpot-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--preempt-target-ms", type=float, default=7.0,
-                   help="coserve: longest offline work between two safepoints")
-    p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
-    p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
     p.set_defaults(func=cmd_bench_coserve)
+
+    p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), side by side")
+    _add_scenario_args(p)
+    p.add_argument("--out", default="runs/server", help="report folder")
+    p.set_defaults(func=cmd_bench_server)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
     _add_model_args(p)
