@@ -117,6 +117,13 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_node(args: argparse.Namespace) -> int:
+    from backfill.node.bench import main as node_bench_main
+
+    node_bench_main(args.rest)
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.engine.weights import load_model
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
@@ -219,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(p)
     p.add_argument("--out", default="runs/server", help="report folder")
     p.set_defaults(func=cmd_bench_server)
+
+    p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
+                                      "(options: see python -m backfill.node.bench --help)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench_node)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
     _add_model_args(p)

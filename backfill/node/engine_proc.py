@@ -1,0 +1,409 @@
+"""Engine processes colocated by a node runtime (Valve §3-§5): the parts online and offline share.
+
+    EngineSpec     frozen config of one engine process (model, KV layout, batch limits, threads).
+    GatedRunner    a ModelRunner whose every step runs through an extra safepoint hook, so an
+                   engine can park (or abort) between layers whatever its scheduling policy is.
+    HandleBlocks   maps the engine's KVBlockPool onto the node's memory handles: handle h is
+                   blocks [h*B, (h+1)*B). Every block starts retired; blocks of granted handles
+                   are admitted, blocks of released handles retired again.
+    EngineProcess  the driver's handle on one engine process (spawned, talks over a pipe):
+                   start / send / messages / stop. stop() always leaves the process gone, even
+                   when it was SIGSTOPped.
+
+The engines themselves live in online_engine.py and offline_engine.py. Each process pins torch
+to `spec.threads` threads (1 by default), so two engines on a 2-core machine do not fight over
+cores; the memory pool is logical here (each process owns a KV tensor the size of the whole
+pool and only uses the blocks of handles it holds), the portable form of Valve's VMM handles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
+from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
+
+ROLES = ("online", "offline")
+MODELS = ("default", "tiny")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    engine_id: str
+    role: str                          # "online" or "offline"
+    num_handles: int                   # the node's pool: handles x blocks_per_handle KV blocks
+    blocks_per_handle: int
+    block_size: int = 16
+    model: str = "default"             # default: SmolLM2-135M; tiny: ModelConfig.tiny(), random weights
+    seed: int = 0                      # weights seed of the tiny model
+    policy: str = ""                   # scheduling policy; "" = online-only / fcfs by role
+    max_batch_tokens: int = 256        # per step; bounds one layer's time, hence the pause latency
+    max_batch_seqs: int = 8
+    max_model_len: int = 1024
+    threads: int = 1                   # torch threads of this process
+    os_suspend: bool = False           # offline: ask the runtime to SIGSTOP us instead of only the flag
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise PolicyInputError("engine_id must be a non-empty string")
+        if self.role not in ROLES:
+            raise PolicyInputError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.model not in MODELS:
+            raise PolicyInputError(f"model must be one of {MODELS}, got {self.model!r}")
+        for name in ("num_handles", "blocks_per_handle", "block_size", "max_batch_tokens", "max_batch_seqs",
+                     "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PolicyInputError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise PolicyInputError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        allowed = {"online": ("online-only", "fcfs"), "offline": ("fcfs", "priority")}[self.role]
+        if self.policy and self.policy not in allowed:
+            raise PolicyInputError(f"a {self.role} engine runs one of {allowed}, got {self.policy!r}")
+        if self.os_suspend and self.role != "offline":
+            raise PolicyInputError("only an offline engine can be OS-suspended")
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.policy or ("online-only" if self.role == "online" else "fcfs")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_handles * self.blocks_per_handle
+
+
+class GatedRunner(ModelRunner):
+    """Runs each step with `gate_point(layer)` in front of the scheduler's own safepoint.
+
+    gate_point may block (a cooperative pause parks the step between layers) and returns True
+    to abort the step (nothing is committed; the scheduler redoes it later).
+    """
+
+    def __init__(self, model, kv: KVBlockPool, gate_point: Callable[[int], bool] | None = None) -> None:
+        super().__init__(model, kv)
+        self.gate_point = gate_point
+        self.step_durations_s: list[float] = []
+
+    def execute(self, chunks: list[SeqChunk], safepoint: Callable[[int], bool] | None = None) -> StepOutput:
+        gate = self.gate_point
+        blocked_s = 0.0
+        if gate is None:
+            out = super().execute(chunks, safepoint)
+        else:
+            def combined(layer: int) -> bool:
+                nonlocal blocked_s
+                t0 = time.perf_counter()
+                stop = gate(layer)
+                blocked_s += time.perf_counter() - t0
+                return stop or (safepoint is not None and safepoint(layer))
+            out = super().execute(chunks, combined)
+        if chunks and not out.aborted:
+            # Compute time only: time parked at a gate point is not the step's.
+            self.step_durations_s.append(out.duration_s - blocked_s)
+        return out
+
+
+class HandleBlocks:
+    """Which of the engine's KV blocks it may use: those of the node handles it holds."""
+
+    def __init__(self, kv: KVBlockPool, num_handles: int, blocks_per_handle: int) -> None:
+        if kv.num_blocks != num_handles * blocks_per_handle:
+            raise PolicyInputError(f"KV pool has {kv.num_blocks} blocks, the node pool "
+                                   f"{num_handles} x {blocks_per_handle}")
+        self.kv = kv
+        self.num_handles = num_handles
+        self.blocks_per_handle = blocks_per_handle
+        self.held: set[int] = set()
+        self._grant_order: dict[int, int] = {}
+        self._grants = itertools.count()
+        # Nothing is ours until the runtime grants it.
+        kv.retire(list(range(kv.num_blocks)))
+
+    def blocks(self, handle_id: int) -> list[int]:
+        if not 0 <= handle_id < self.num_handles:
+            raise PolicyInputError(f"no handle {handle_id}")
+        b = self.blocks_per_handle
+        return list(range(handle_id * b, (handle_id + 1) * b))
+
+    def handle_of(self, block_id: int) -> int:
+        return block_id // self.blocks_per_handle
+
+    def admit(self, handle_ids: tuple[int, ...] | list[int]) -> None:
+        """Use these newly granted handles. Free blocks are handed out oldest handle first (lowest
+        block first), like an allocator that fills memory from the bottom, so older handles carry
+        the running requests and newer ones the spare room."""
+        free = [b for h in self.held for b in self.blocks(h) if not self.kv.is_allocated(b)]
+        self.kv.retire(free)
+        for h in handle_ids:
+            self.held.add(h)
+            self._grant_order[h] = next(self._grants)
+            free.extend(self.blocks(h))
+        # KVBlockPool pops from the end of what admit() appended: put the first to use last.
+        free.sort(key=lambda b: (self._grant_order[self.handle_of(b)], b), reverse=True)
+        self.kv.admit(free)
+
+    def forget(self, handle_ids: tuple[int, ...] | list[int]) -> list[int]:
+        """Handles taken by reclamation; returns their blocks (the scheduler retires them)."""
+        blocks: list[int] = []
+        for h in handle_ids:
+            self.held.discard(h)
+            blocks.extend(self.blocks(h))
+        return blocks
+
+    def fully_free(self) -> list[int]:
+        """Held handles none of whose blocks is in use (these can be released)."""
+        return sorted(h for h in self.held if not any(self.kv.is_allocated(b) for b in self.blocks(h)))
+
+    def retire(self, handle_ids: list[int]) -> None:
+        for h in handle_ids:
+            self.kv.retire(self.blocks(h))
+            self.held.discard(h)
+
+    def covers(self, block_ids: list[int]) -> bool:
+        return all(self.handle_of(b) in self.held for b in block_ids)
+
+
+def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | None = None):
+    """Model, KV pool the size of the node pool, gated runner and scheduler of one engine process."""
+    import torch
+
+    from backfill.engine.config import ModelConfig
+    from backfill.engine.model import LlamaModel
+    from backfill.engine.weights import load_model, random_model
+    from backfill.policy.checkpoint import CheckpointConfig
+    from backfill.policy.planner import BatchLimits
+    from backfill.serving.build import ServingConfig, build_scheduler
+
+    torch.set_num_threads(spec.threads)
+    if spec.model == "tiny":
+        config = ModelConfig.tiny()
+        weights = random_model(config, spec.seed)
+    else:
+        loaded = load_model()
+        config, weights = loaded.config, loaded.weights
+    kv = KVBlockPool(config, spec.num_blocks, spec.block_size)
+    runner = GatedRunner(LlamaModel(config, weights), kv, gate_point)
+    limits = BatchLimits(max_batch_tokens=spec.max_batch_tokens, max_batch_seqs=spec.max_batch_seqs,
+                         prefill_chunk_tokens=spec.max_batch_tokens)
+    # Valve §5: reclaimed offline KV is recomputed, not restored from host checkpoints.
+    cfg = ServingConfig(device="cpu", block_size=spec.block_size, max_model_len=spec.max_model_len,
+                        policy=spec.scheduling_policy, limits=limits, checkpoint=CheckpointConfig(enabled=False),
+                        threads=spec.threads)
+    scheduler = build_scheduler(runner, cfg, tokenizer=None, model_name=config.name)
+    return runner, scheduler
+
+
+def request_dict(request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                 arrival_s: float | None = None) -> dict[str, Any]:
+    """A request as it travels to an engine process (greedy, fixed length: ignore_eos)."""
+    return {"request_id": str(request_id), "prompt_token_ids": [int(t) for t in prompt_token_ids],
+            "max_tokens": int(max_tokens), "arrival_s": time.monotonic() if arrival_s is None else float(arrival_s)}
+
+
+def make_request(d: dict[str, Any], request_class: str):
+    from backfill.engine.sampling_params import SamplingParams
+    from backfill.serving.api import GenerationRequest, RequestClass
+
+    return GenerationRequest(list(d["prompt_token_ids"]),
+                             SamplingParams(max_tokens=d["max_tokens"], temperature=0.0, ignore_eos=True),
+                             RequestClass(request_class), d["request_id"], d["arrival_s"])
+
+
+def _process_main(spec: EngineSpec, socket_path: str, conn) -> None:
+    import sys
+
+    # Arrivals and invalidations reach the engine thread within a millisecond.
+    sys.setswitchinterval(0.001)
+    if spec.role == "online":
+        from backfill.node.online_engine import run_online_engine
+        run_online_engine(spec, socket_path, conn)
+    else:
+        from backfill.node.offline_engine import run_offline_engine
+        run_offline_engine(spec, socket_path, conn)
+
+
+def _package_root() -> str:
+    import backfill
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(backfill.__file__)))
+
+
+class EngineProcess:
+    """The driver's side of one engine process (a child interpreter). Messages are (kind, payload) tuples:
+
+    to the engine    ("submit", request_dict)        online: serve this request
+                     ("add", [request_dict, ...])    offline: append to the backlog
+                     ("report", None)                offline: send ("counters", dict) now
+                     ("stop", None)                  finish up, send ("stats", dict), exit
+    from the engine  ("ready", info) once, ("done", record) per finished request,
+                     ("counters", dict), ("stats", dict) last, ("error", text) on a crash.
+    """
+
+    def __init__(self, spec: EngineSpec, socket_path: str) -> None:
+        self.spec = spec
+        self.socket_path = socket_path
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._inbox: list[tuple[str, Any]] = []
+        self.done: list[dict[str, Any]] = []
+        self.info: dict[str, Any] | None = None
+        self.stats: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._reader: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 120.0) -> "EngineProcess":
+        """Spawn `python -m backfill.node.engine_proc` (a fresh interpreter: no fork of our threads,
+        no re-import of the caller's main module) connected by a socket pair."""
+        if self._proc is not None:
+            raise NodeError(f"engine {self.spec.engine_id!r} was already started")
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "backfill.node.engine_proc", str(theirs.fileno()), self.socket_path,
+                 json.dumps(asdict(self.spec))], pass_fds=[theirs.fileno()], env=env)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"engine-{self.spec.engine_id}")
+        self._reader.start()
+        try:
+            self.wait_for("ready", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        if self._stopped or not self.alive:
+            raise EngineStoppedError(f"engine {self.spec.engine_id!r} is not running")
+        try:
+            self._conn.send((kind, payload))
+        except (OSError, EOFError) as exc:
+            raise EngineStoppedError(f"engine {self.spec.engine_id!r} went away: {exc}") from exc
+
+    def wait_for(self, kind: str, timeout_s: float) -> Any:
+        """Block until a message of this kind arrives; returns its payload."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while True:
+                for i, (k, payload) in enumerate(self._inbox):
+                    if k == kind:
+                        del self._inbox[i]
+                        return payload
+                if self.error is not None:
+                    raise NodeError(f"engine {self.spec.engine_id!r} failed: {self.error}")
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._reader is not None and not self._reader.is_alive()):
+                    raise NodeError(f"engine {self.spec.engine_id!r}: no {kind!r} within {timeout_s} s")
+                self._arrived.wait(min(left, 0.1))
+
+    def counters(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        self.send("report")
+        return self.wait_for("counters", timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, Any] | None:
+        """Ask the engine to finish and collect its stats; the process is gone afterwards, always."""
+        if self._stopped:
+            return self.stats
+        self._stopped = True
+        if self._proc is None:
+            return None
+        try:
+            if self.alive and self.error is None:
+                self._conn.send(("stop", None))
+                self.stats = self.wait_for("stats", timeout_s)
+        except (NodeError, OSError, EOFError):
+            pass
+        finally:
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                # A stopped (SIGSTOP) process ignores everything but SIGKILL until continued.
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(self._proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                self._proc.wait(timeout=10.0)
+            self._conn.close()
+            if self._reader is not None:
+                self._reader.join(timeout=5.0)
+        return self.stats
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._arrived:
+                if kind == "done":
+                    self.done.append(payload)
+                elif kind == "ready":
+                    self.info = payload
+                    self._inbox.append((kind, payload))
+                elif kind == "error":
+                    self.error = payload
+                else:
+                    self._inbox.append((kind, payload))
+                self._arrived.notify_all()
+        with self._arrived:
+            self._arrived.notify_all()
+
+
+def run_child(spec: EngineSpec, conn, body: Callable[[], dict[str, Any]]) -> None:
+    """Run an engine body in the child; send its stats, or the error that ended it."""
+    import traceback
+
+    try:
+        stats = body()
+        conn.send(("stats", stats))
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(limit=8)))
+        except (OSError, EOFError):
+            pass
+        raise
+    finally:
+        conn.close()
+
+
+def main(argv: list[str]) -> None:
+    """Child entry: engine_proc FD SOCKET_PATH SPEC_JSON."""
+    fd, socket_path, spec_json = argv
+    _process_main(EngineSpec(**json.loads(spec_json)), socket_path, Connection(int(fd)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
