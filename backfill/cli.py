@@ -117,13 +117,6 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_node(args: argparse.Namespace) -> int:
-    from backfill.node.bench import main as node_bench_main
-
-    node_bench_main(args.rest)
-    return 0
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.engine.weights import load_model
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
@@ -229,8 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
                                       "(options: see python -m backfill.node.bench --help)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench_node)
+    p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
     _add_model_args(p)
@@ -245,6 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "node"]:  # its own option parser, --help included
+        from backfill.node.bench import main as node_bench_main
+
+        try:
+            node_bench_main(argv[2:])
+        except BackfillError as exc:
+            print(f"backfill: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
