@@ -120,7 +120,9 @@ class CoServePolicy:
         if any(not s.in_prefill and s.running for s in online):
             return slo.tpot_ms
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in online)
-        return max(slo.ttft_ms - waited_ms, 0.0)
+        # Never longer than a decode step's budget either: a request arriving during this step
+        # waits for all of it, and in a burst such filled steps would stack up in its TTFT.
+        return min(max(slo.ttft_ms - waited_ms, 0.0), slo.tpot_ms)
 
     def _co_serving(self, state: SchedulerState) -> StepPlan:
         cfg = self.config
@@ -181,4 +183,4 @@ class CoServePolicy:
             online_shape = online_shape.plus(seq.num_pending_tokens, seq.num_computed_tokens)
         exec_ms = self._estimate_ms(online_shape)
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
-        return remain_ms + exec_ms + waited_ms > self.config.slo.ttft_ms
+        return remain_ms + exec_ms + waited_ms > self.config.slo_margin * self.config.slo.ttft_ms

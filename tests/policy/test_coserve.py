@@ -56,7 +56,7 @@ def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=50)))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=1000)))
     waiting_online = seq(0, ON, tokens=100, arrival=0.9)
     offline = seq(0, OFF, tokens=600)
     fresh = policy.schedule(state(waiting_online, offline, now=0.9))
@@ -132,3 +132,10 @@ def test_measured_step_times_correct_the_profile():
     after = policy.schedule(busy).num_tokens
     assert after < before
     assert LATENCY.estimate_ms(BatchShape(after)) * policy.correction_for(after) <= 50 + 1e-6
+
+
+def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), slo_margin=1.0))
+    plan = policy.schedule(state(seq(0, ON, tokens=20, arrival=1.0), seq(0, OFF, tokens=900), now=1.0))
+    assert plan.info["budget_ms"] == 50
+    assert LATENCY.estimate_ms(BatchShape(plan.num_tokens)) <= 50
