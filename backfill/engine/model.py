@@ -52,6 +52,9 @@ class AttentionMetadata:
 Safepoint = Callable[[int], bool]
 
 
+LM_HEAD_SLICES = 4  # safepoints inside the LM head of an abortable step (see forward)
+
+
 class LlamaModel:
     """Weights as plain tensors; no nn.Module machinery on the hot path (gpt-fast style)."""
 
@@ -67,6 +70,7 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = w("model.norm.weight")
+        self.lm_head_slice_rows = -(-self.lm_head.shape[0] // LM_HEAD_SLICES)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -150,7 +154,16 @@ class LlamaModel:
             # CPU BLAS picks a slow kernel for 3-15 rows against the wide vocabulary matrix; 16 rows
             # run faster than 8, so pad and drop the extra rows.
             last = F.pad(last, (0, 0, 0, 16 - rows))
-        return F.linear(last, self.lm_head)[:rows].float()
+        if safepoint is None:
+            return F.linear(last, self.lm_head)[:rows].float()
+        # The LM head reads the largest matrix of the model (the whole vocabulary); in slices with a
+        # safepoint between them a pause or preemption never waits for all of it.
+        parts = []
+        for i, w in enumerate(self.lm_head.split(self.lm_head_slice_rows)):
+            if i and safepoint(cfg.num_layers):
+                raise StepAborted(cfg.num_layers)
+            parts.append(F.linear(last, w)[:rows])
+        return torch.cat(parts, dim=1).float()
 
     def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""

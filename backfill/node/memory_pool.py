@@ -154,9 +154,15 @@ class SharedMemoryPool:
         # MIAD sees the use this allocation leads to; the request and the headroom top-up then
         # share a single reclamation, so one burst costs offline at most one pause.
         used_after = len(owner.handles) + n_handles
+        events_before = self._pressure_events()
         target = min(self._headroom_target(now_s, used_after, observe=True),
                      max(0, owner.max_handles - used_after))
-        missing = short + max(0, target - len(self._reserved))
+        # Valve §5: the reservation drives the reclamation rate toward MIAD's target, so the
+        # headroom is refilled by reclaiming only on a new pressure event or when this request
+        # reclaims anyway; otherwise it refills from handles as they are freed. (Without MIAD,
+        # e.g. StaticMem, the partition is always kept whole.)
+        refill_now = short > 0 or self.reservation is None or self._pressure_events() > events_before
+        missing = short + (max(0, target - len(self._reserved)) if refill_now else 0)
         if missing > len(self._free):
             self._reclaim(self._reclaim_count(missing - len(self._free)), now_s)
         got += [self._free.pop() for _ in range(short)]
@@ -182,6 +188,8 @@ class SharedMemoryPool:
         else:
             self._drop_occupancy(owner, set(ids))
             self._give_back(ids)
+            # A headroom left short (refills wait for freed handles) takes them before offline.
+            self._sync_headroom(now_s, observe=False)
 
     def tick(self, now_s: float) -> None:
         """Let time pass: MIAD shrinks the headroom, freed handles become available to offline."""
@@ -306,6 +314,9 @@ class SharedMemoryPool:
         if not observe:
             return self.reservation.headroom_handles
         return self.reservation.observe(now_s, used, used + len(self._reserved))
+
+    def _pressure_events(self) -> int:
+        return 0 if self.reservation is None else self.reservation.pressure_events
 
     def _sync_headroom(self, now_s: float, *, observe: bool = True) -> None:
         """Re-size the headroom from free handles only (never reclaims)."""

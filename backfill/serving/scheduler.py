@@ -142,9 +142,17 @@ class Scheduler:
         if not self._abort.is_set():
             return False
         if self._abort_requested_s is not None:
-            now = self.clock()
-            self.stats.preemption_events.append((now, (now - self._abort_requested_s) * 1e3))
+            if layer >= self.runner.config.num_layers:
+                # Only the LM head is left: finishing costs less than redoing the whole step.
+                return False
+            self._record_preemption()
         return True
+
+    def _record_preemption(self) -> None:
+        """The running step yields to an online arrival now (aborted, or done past its last layer)."""
+        now = self.clock()
+        self.stats.preemption_events.append((now, (now - self._abort_requested_s) * 1e3))
+        self._abort_requested_s = None
 
     # --- the scheduler thread -----------------------------------------------------------------
 
@@ -191,6 +199,8 @@ class Scheduler:
         started = time.perf_counter()
         out = self.runner.execute(chunks, self._safepoint if plan.preemptible else None)
         self._current = None
+        if self._abort_requested_s is not None and not out.aborted:
+            self._record_preemption()
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
         if not out.aborted:

@@ -5,7 +5,7 @@ import torch
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import LlamaModel
+from backfill.engine.model import LM_HEAD_SLICES, LlamaModel
 from backfill.engine.runner import ModelRunner, SeqChunk
 
 transformers = pytest.importorskip("transformers")
@@ -106,6 +106,34 @@ def test_abort_at_safepoint_then_rerun_equals_no_abort(setup):
     rerun = runner.execute([SeqChunk("x", [7], 20, table)], safepoint=lambda layer: False)
     torch.testing.assert_close(rerun.logits, expected)
     runner.kv.free(clean)
+    runner.kv.free(table)
+
+
+def test_lm_head_has_safepoints_and_aborts_cleanly(setup, tiny_config):
+    _, runner = setup
+    ids = _prompt(12, 5)
+    table = runner.kv.allocate(2)
+    expected = runner.execute([SeqChunk("h", ids, 0, table)]).logits
+    layers = tiny_config.num_layers
+    seen = []
+
+    def record(layer: int) -> bool:
+        seen.append(layer)
+        return False
+
+    sliced = runner.execute([SeqChunk("h", ids, 0, table)], safepoint=record)
+    # After the last layer, once more between each pair of LM head slices.
+    assert seen[-LM_HEAD_SLICES:] == [layers] * LM_HEAD_SLICES
+    torch.testing.assert_close(sliced.logits, expected)
+    calls = []
+
+    def stop_in_lm_head(layer: int) -> bool:
+        calls.append(layer)
+        return len(calls) == len(seen)  # the last check: between the last two slices
+
+    aborted = runner.execute([SeqChunk("h", ids, 0, table)], safepoint=stop_in_lm_head)
+    assert aborted.aborted and aborted.aborted_at_layer == layers
+    torch.testing.assert_close(runner.execute([SeqChunk("h", ids, 0, table)]).logits, expected)
     runner.kv.free(table)
 
 

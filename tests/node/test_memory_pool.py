@@ -133,6 +133,19 @@ def test_burst_and_headroom_top_up_share_one_reclamation():
     assert len(pool.handles_of("off")) == 10 - 3 - 2
 
 
+def test_headroom_use_without_pressure_refills_from_freed_handles_not_by_reclaiming():
+    journal = Journal()
+    pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=4), compute=journal)
+    pool.register("on", "online")
+    pool.register("off", "offline", on_invalidate=journal.invalidated)
+    held = pool.allocate("off", 6)                              # every free handle
+    pool.allocate("on", 1, now_s=1.0)                           # 1 of 4: no pressure
+    assert pool.stats.reclamations == 0 and "pause" not in journal.events
+    assert pool.reserved_handles == 3 and pool.free_handles == 0
+    pool.release("off", held[:2], now_s=2.0)                    # the short headroom comes first
+    assert pool.reserved_handles == 4 and pool.free_handles == 1
+
+
 def test_released_online_memory_refills_headroom_and_tick_shrinks_it():
     pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=2))
     pool.register("on", "online")

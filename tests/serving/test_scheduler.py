@@ -99,6 +99,33 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))
 
 
+def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
+    """Past the last layer only the LM head is left: the step completes instead of being redone,
+    and the preemption is recorded when it yields."""
+    offline = _requests(2, OFFLINE)
+    expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
+    tight = CoServePolicy(FLAT_LATENCY, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
+    scheduler = Scheduler(tiny_runner, tight)
+    for r in offline:
+        scheduler.add(r)
+    arrivals = iter(_requests(1, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
+    original = scheduler._safepoint
+    last_layer = tiny_runner.config.num_layers
+
+    def safepoint_with_late_arrival(layer: int) -> bool:
+        if layer == last_layer and not scheduler._abort.is_set():
+            request = next(arrivals, None)
+            if request is not None:
+                scheduler.add(request)
+        return original(layer)
+
+    scheduler._safepoint = safepoint_with_late_arrival
+    out, _ = _drain(scheduler)
+    assert scheduler.stats.aborted_steps == 0
+    assert len(scheduler.stats.preemption_latencies_ms) == 1
+    assert {k: out[k] for k in expected} == expected and len(out["on0"]) == 4
+
+
 def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner, device):
     """A small pool forces offline requests off the device; checkpointed KV comes back bit-exact."""
     small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8, device=device))
