@@ -72,6 +72,9 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
                "--kv-cache-gb", str(serving.kv_cache_gb), "--ttft-slo-ms", str(slo.ttft_ms),
                "--tpot-slo-ms", str(slo.tpot_ms), "--db", str(Path(tmp) / "server.db"),
                "--max-online-queue", "100000", "--log-level", "warning"]
+        cmd += ["--preempt-target-ms", str(serving.preempt_target_ms)]
+        if serving.interference_slack is not None:
+            cmd += ["--interference-slack", str(serving.interference_slack)]
         if serving.model:
             cmd += ["--model", serving.model]
         proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

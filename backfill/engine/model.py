@@ -174,9 +174,12 @@ class LlamaModel:
         ctx = max_blocks * kv.block_size
         keys = kv.k[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
         values = kv.v[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask,
-                                           enable_gqa=n_q != n_kv)
-        return o.squeeze(2)
+        # The query heads sharing a KV head become that head's "query rows" (they all sit at the
+        # same position): one attention per KV head, no expanded copies of K and V. On CPU this is
+        # 3-6x faster than enable_gqa with a mask, which dominated long-context decode steps.
+        grouped = q.reshape(batch, n_kv, n_q // n_kv, hd)
+        o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_key_mask)
+        return o.reshape(batch, n_q, hd)
 
     def _attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         cfg = self.config

@@ -33,7 +33,7 @@ class CoServeConfig:
     # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
     safepoint_gaps_per_layer: float = 2.0
     offline_batch_max_tokens: int = 2048
-    offline_batch_max_seqs: int = 128
+    offline_batch_max_seqs: int = 256  # vLLM's default max_num_seqs
     # Blocks kept free for online arrivals when offline admits new work.
     online_reserve_fraction: float = 0.1
     # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step.
@@ -101,10 +101,14 @@ class CoServePolicy:
                 hi = mid - 1
         return lo
 
-    def _offline_batch_tokens(self) -> int:
+    def _offline_step_budget_ms(self) -> float:
+        """Longest offline-batching step whose stretches between safepoints meet the preemption target."""
         cfg = self.config
-        layer_budget_ms = cfg.preempt_target_ms * cfg.num_layers * cfg.safepoint_gaps_per_layer
-        n = self.latency.max_new_tokens(BatchShape(), layer_budget_ms, 0, cfg.offline_batch_max_tokens)
+        return cfg.preempt_target_ms * cfg.num_layers * cfg.safepoint_gaps_per_layer
+
+    def _offline_batch_tokens(self) -> int:
+        n = self.latency.max_new_tokens(BatchShape(), self._offline_step_budget_ms(), 0,
+                                        self.config.offline_batch_max_tokens)
         return max(1, n)
 
     def schedule(self, state: SchedulerState) -> StepPlan:
@@ -157,6 +161,7 @@ class CoServePolicy:
         cfg = self.config
         offline = decode_first(state.offline)
         plan = PlanBuilder(state, self._offline_tokens, cfg.offline_batch_max_seqs, self._offline_tokens)
+        step_budget_ms = self._offline_step_budget_ms()
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
         for seq in offline:
             if plan.tokens_left <= 0:
@@ -168,7 +173,15 @@ class CoServePolicy:
                 others = [s for s in reversed(offline) if s.running and s.seq_id != seq.seq_id
                           and s.arrival_s > seq.arrival_s]
                 plan.make_room(seq, 1, recompute_cost_order(others))
-            plan.add(seq)
+            # Decode attention grows with context: long offline contexts get fewer tokens per step,
+            # so the stretch between two safepoints still meets the preemption target.
+            room = self._budget_tokens(plan.shape, step_budget_ms, seq.num_computed_tokens,
+                                       min(seq.num_pending_tokens, plan.tokens_left))
+            if room <= 0:
+                if plan.scheduled:
+                    break
+                room = 1  # the step must make progress even if one token is over the estimate
+            plan.add(seq, token_cap=room)
         return plan.plan(preemptible=True, mode="offline-batching")
 
     # --- Algorithm 2: online arrival during a running step ---------------------------------------

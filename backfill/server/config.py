@@ -28,9 +28,10 @@ OPTION_TYPES: dict[str, type] = {
     "ttft_slo_ms": float, "tpot_slo_ms": float, "kv_cache_gb": float, "max_model_len": int,
     "db": str, "api_key": str, "max_online_queue": int, "max_body_mb": float,
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
-    "log_level": str, "tiny": bool,
+    "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float,
 }
-_SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len")
+_SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
+                 "interference_slack")
 
 
 def default_db_path(port: int) -> Path:
@@ -103,6 +104,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p("--ttft-slo-ms", type=float, default=None, help="online time-to-first-token SLO (default 1000)")
     p("--tpot-slo-ms", type=float, default=None, help="online time-per-output-token SLO (default 100)")
     p("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB (default 1)")
+    p("--preempt-target-ms", type=float, default=None,
+      help="coserve: longest offline work between two safepoints (default 7)")
+    p("--interference-slack", type=float, default=None,
+      help="coserve: a co-serving step may take at most (1 + this) x its online work alone (default: no cap)")
     p("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default 2048)")
     p("--db", default=None, metavar="PATH", help="SQLite file for files and batches "
       "(default $BACKFILL_CACHE_DIR or ~/.cache/backfill, server-<port>.db)")

@@ -57,6 +57,10 @@ class ServingConfig:
             raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError("threads must be >= 1")
+        if not self.preempt_target_ms > 0:
+            raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
+        if self.interference_slack is not None and not self.interference_slack >= 0:
+            raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -42,6 +42,18 @@ def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
     assert all(ids(plan)[f"offline{i}"] == 1 for i in range(40))
 
 
+def test_offline_batching_counts_decode_context_against_the_preemption_target():
+    # 1 ms per 1,000 context tokens: each decode at 1,000 tokens of context adds 1 ms.
+    latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), ms_per_kctx=1.0)
+    policy = CoServePolicy(latency, CoServeConfig(preempt_target_ms=1.0, num_layers=30))  # 60 ms steps
+    plan = policy.schedule(state(*[decoding(i, OFF, ctx=1000) for i in range(40)]))
+    # 24 decodes would be 20 + (24 - 8) + 24 x 1.001 > 60 ms.
+    assert plan.mode == "offline-batching" and plan.num_tokens == 23
+    # Even one decode over the budget still runs: the step must make progress.
+    tight = CoServePolicy(latency, CoServeConfig(preempt_target_ms=0.2, num_layers=30))  # 12 ms steps
+    assert tight.schedule(state(*[decoding(i, OFF, ctx=1000) for i in range(3)])).num_tokens == 1
+
+
 def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
@@ -53,6 +65,16 @@ def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
     # 50 ms budget allows 8 + 30 = 38 tokens at short context: 4 online + 34 offline.
     assert LATENCY.estimate_ms(BatchShape(plan.num_tokens)) <= 50 + 5
     assert 30 <= plan.num_tokens - 4 <= 34
+
+
+def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
+    # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                  interference_slack=0.1))
+    online = [decoding(i, ON, arrival=0.5) for i in range(4)]
+    plan = policy.schedule(state(*online, *[decoding(i, OFF) for i in range(100)]))
+    assert plan.info["budget_ms"] == pytest.approx(22.0)
+    assert plan.num_tokens - 4 == 6  # the 20 ms floor holds up to 8 tokens, then 2 more fit in 2 ms
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():

@@ -46,6 +46,8 @@ def test_json_config_file(monkeypatch, tmp_path):
     path.write_text('{"kv-cache-gb": 2, "max_model_len": 1024, "max-body-mb": 5}')
     config = parse("--config", str(path))
     assert config.serving.kv_cache_gb == 2.0 and config.serving.max_model_len == 1024 and config.max_body_mb == 5.0
+    tuned = parse("--preempt-target-ms", "4", "--interference-slack", "0.05").serving
+    assert (tuned.preempt_target_ms, tuned.interference_slack) == (4.0, 0.05)
 
 
 @pytest.mark.parametrize("text, suffix, message", [
@@ -78,6 +80,8 @@ def test_missing_config_file(tmp_path):
     (["--dtype", "int3"], InvalidRequestError, "dtype"),
     (["--ttft-slo-ms", "0"], InvalidRequestError, "ttft_ms"),
     (["--kv-cache-gb", "0"], InvalidRequestError, "kv_cache_gb"),
+    (["--preempt-target-ms", "0"], InvalidRequestError, "preempt_target_ms"),
+    (["--interference-slack", "-0.5"], InvalidRequestError, "interference_slack"),
 ])
 def test_invalid_values(monkeypatch, argv, error, message):
     monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
