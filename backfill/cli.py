@@ -44,6 +44,11 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slack(args: argparse.Namespace) -> dict[str, float]:
+    """--interference-slack only when given, so ServingConfig's default applies otherwise."""
+    return {} if args.interference_slack is None else {"interference_slack": args.interference_slack}
+
+
 def _scenario(args: argparse.Namespace):
     from backfill.bench.coserve import CoserveScenario
 
@@ -60,7 +65,7 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
     scenario = _scenario(args)
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
-                            preempt_target_ms=args.preempt_target_ms, interference_slack=args.interference_slack)
+                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
         from backfill.engine.weights import load_model
         from backfill.serving.build import build_runner, load_or_profile
@@ -108,7 +113,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
-                            preempt_target_ms=args.preempt_target_ms, interference_slack=args.interference_slack)
+                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
     slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
     results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
     if args.json:
@@ -161,7 +166,8 @@ def _add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preempt-target-ms", type=float, default=7.0,
                    help="coserve: longest offline work between two safepoints")
     p.add_argument("--interference-slack", type=float, default=None,
-                   help="coserve: a co-serving step may take at most (1 + this) x its online work alone")
+                   help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
+                        "(default 0.05; inf: no cap)")
     p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
 
 

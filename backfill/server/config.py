@@ -107,7 +107,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p("--preempt-target-ms", type=float, default=None,
       help="coserve: longest offline work between two safepoints (default 7)")
     p("--interference-slack", type=float, default=None,
-      help="coserve: a co-serving step may take at most (1 + this) x its online work alone (default: no cap)")
+      help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
+      "(default 0.05; inf: no cap)")
     p("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default 2048)")
     p("--db", default=None, metavar="PATH", help="SQLite file for files and batches "
       "(default $BACKFILL_CACHE_DIR or ~/.cache/backfill, server-<port>.db)")

@@ -38,7 +38,8 @@ class ServingConfig:
     slo: SLO = SLO(ttft_ms=1000.0, tpot_ms=100.0)
     limits: BatchLimits | None = None  # None: each policy's own default (baselines: vLLM's)
     preempt_target_ms: float = 7.0
-    interference_slack: float | None = None
+    # coserve: a co-serving step takes at most 1.05x its online work alone (inf or None: no cap).
+    interference_slack: float | None = 0.05
     online_reserve_fraction: float = 0.1
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use

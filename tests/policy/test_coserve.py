@@ -75,6 +75,9 @@ def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     plan = policy.schedule(state(*online, *[decoding(i, OFF) for i in range(100)]))
     assert plan.info["budget_ms"] == pytest.approx(22.0)
     assert plan.num_tokens - 4 == 6  # the 20 ms floor holds up to 8 tokens, then 2 more fit in 2 ms
+    uncapped = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                    interference_slack=float("inf")))
+    assert uncapped.schedule(state(*online, *[decoding(i, OFF) for i in range(100)])).info["budget_ms"] == 50
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():

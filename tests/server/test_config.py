@@ -24,6 +24,7 @@ def test_defaults(monkeypatch, tmp_path):
     assert (config.host, config.port, config.api_key, config.tiny) == ("127.0.0.1", 8000, None, False)
     assert config.db_path == tmp_path / "server-8000.db" == default_db_path(8000)
     assert config.serving.policy == "coserve" and config.serving.slo.ttft_ms == 1000.0
+    assert config.serving.interference_slack == 0.05
 
 
 def test_flags_override_file_and_env(monkeypatch, tmp_path):
