@@ -71,8 +71,8 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
                "--policy", "coserve", "--dtype", serving.dtype, "--device", serving.device,
                "--kv-cache-gb", str(serving.kv_cache_gb), "--ttft-slo-ms", str(slo.ttft_ms),
                "--tpot-slo-ms", str(slo.tpot_ms), "--db", str(Path(tmp) / "server.db"),
-               "--max-online-queue", "100000", "--log-level", "warning"]
-        cmd += ["--preempt-target-ms", str(serving.preempt_target_ms)]
+               "--max-online-queue", "100000", "--log-level", "warning",
+               "--preempt-target-ms", str(serving.preempt_target_ms)]
         if serving.interference_slack is not None:
             cmd += ["--interference-slack", str(serving.interference_slack)]
         if serving.model:

@@ -15,7 +15,6 @@ next layer safepoint if finishing it would make the request miss its TTFT SLO.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
@@ -144,7 +143,7 @@ class CoServePolicy:
                 plan.make_room(seq, want, victims)
             plan.add(seq)
         budget_ms = cfg.slo_margin * self._budget_ms(state)
-        if cfg.interference_slack is not None and math.isfinite(cfg.interference_slack):
+        if cfg.interference_slack is not None:  # inf leaves the SLO budget as it is
             budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self._estimate_ms(plan.shape))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
         for seq in offline:

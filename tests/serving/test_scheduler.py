@@ -72,26 +72,33 @@ def test_online_only_policy_never_runs_offline(tiny_runner):
     assert scheduler.stats.output_tokens == {"online": 24, "offline": 0}
 
 
-def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
-    """Online arrivals abort pure-offline steps (Algorithm 2); offline output is unchanged."""
-    offline = _requests(4, OFFLINE)
+def _offline_with_arrivals_at(tiny_runner, layer: int, num_offline: int, num_online: int):
+    """A tight-TTFT coserve scheduler on offline work; an online request shows up at `layer`'s
+    safepoint of each step until num_online have arrived. Returns it and the offline tokens alone."""
+    offline = _requests(num_offline, OFFLINE)
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
     tight = CoServePolicy(FLAT_LATENCY, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
     scheduler = Scheduler(tiny_runner, tight)
     for r in offline:
         scheduler.add(r)
-    arrivals = iter(_requests(3, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
+    arrivals = iter(_requests(num_online, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
     original = scheduler._safepoint
 
-    def safepoint_with_arrival(layer: int) -> bool:
-        # An online request shows up while an offline step is between layers 1 and 2.
-        if layer == 2 and not scheduler._abort.is_set():
+    def safepoint_with_arrival(at: int) -> bool:
+        if at == layer and not scheduler._abort.is_set():
             request = next(arrivals, None)
             if request is not None:
                 scheduler.add(request)
-        return original(layer)
+        return original(at)
 
     scheduler._safepoint = safepoint_with_arrival
+    return scheduler, expected
+
+
+def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
+    """Online arrivals abort pure-offline steps (Algorithm 2); offline output is unchanged."""
+    # An online request shows up while an offline step is between layers 1 and 2.
+    scheduler, expected = _offline_with_arrivals_at(tiny_runner, 2, num_offline=4, num_online=3)
     out, _ = _drain(scheduler)
     assert scheduler.stats.aborted_steps == 3
     assert len(scheduler.stats.preemption_latencies_ms) == 3
@@ -102,24 +109,8 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
 def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
     """Past the last layer only the LM head is left: the step completes instead of being redone,
     and the preemption is recorded when it yields."""
-    offline = _requests(2, OFFLINE)
-    expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
-    tight = CoServePolicy(FLAT_LATENCY, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
-    scheduler = Scheduler(tiny_runner, tight)
-    for r in offline:
-        scheduler.add(r)
-    arrivals = iter(_requests(1, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
-    original = scheduler._safepoint
-    last_layer = tiny_runner.config.num_layers
-
-    def safepoint_with_late_arrival(layer: int) -> bool:
-        if layer == last_layer and not scheduler._abort.is_set():
-            request = next(arrivals, None)
-            if request is not None:
-                scheduler.add(request)
-        return original(layer)
-
-    scheduler._safepoint = safepoint_with_late_arrival
+    scheduler, expected = _offline_with_arrivals_at(tiny_runner, tiny_runner.config.num_layers,
+                                                    num_offline=2, num_online=1)
     out, _ = _drain(scheduler)
     assert scheduler.stats.aborted_steps == 0
     assert len(scheduler.stats.preemption_latencies_ms) == 1
