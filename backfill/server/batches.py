@@ -106,6 +106,7 @@ class BatchWorker:
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._accepting = True
+        self._stopped = False
         self._main: asyncio.Task | None = None
 
     @property
@@ -114,6 +115,7 @@ class BatchWorker:
 
     def start(self) -> None:
         self._accepting = True
+        self._stopped = False
         self._main = asyncio.create_task(self._loop(), name="backfill-batch-worker")
 
     def wake(self) -> None:
@@ -133,13 +135,17 @@ class BatchWorker:
         for task in tasks:
             task.cancel()
         if self._main is not None:
+            # The flag, not only the cancel, ends the loop: on Python 3.11 asyncio.wait_for swallows
+            # a cancel that lands as its awaited event is set (lines finishing here set _wake).
+            self._stopped = True
+            self._wake.set()
             self._main.cancel()
             tasks.append(self._main)
         await asyncio.gather(*tasks, return_exceptions=True)
         self._main = None
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             self._wake.clear()   # before the tick: a wake-up during it triggers the next one at once
             try:
                 await self._tick()

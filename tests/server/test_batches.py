@@ -158,3 +158,20 @@ def test_worker_fails_batch_whose_input_file_vanished(tmp_path):
     store.close()
     assert failed["status"] == "failed" and failed["failed_at"]
     assert failed["errors"]["data"][0]["code"] == "file_not_found"
+
+
+def test_worker_stops_even_when_woken_as_it_is_cancelled(tmp_path):
+    """A line finishing during shutdown wakes the worker's loop just as stop() cancels it; on
+    Python 3.11 asyncio.wait_for then swallows the cancel, and the loop must still end."""
+    app = make_app(tmp_path / "s.db")
+    state = app.state.backfill
+
+    async def run() -> None:
+        worker = BatchWorker(state.store, state.service, max_in_flight=4, poll_interval_s=30.0)
+        worker.start()
+        await asyncio.sleep(0.05)   # the loop now waits on its wake-up event
+        worker.wake()               # woken and cancelled in the same turn of the event loop
+        await asyncio.wait_for(worker.stop(time.monotonic()), timeout=10)
+
+    asyncio.run(run())
+    state.store.close()
