@@ -80,7 +80,9 @@ class NodeBenchConfig:
     offline_prompt_tokens: tuple[int, int] = (128, 256)
     offline_output_tokens: int = 64
     offline_backlog: int = 2000
-    num_handles: int = 40
+    # 32 handles = 2,048 tokens: the offline batch (8 requests of up to 320 tokens) fills the pool,
+    # so online pressure has to reclaim (Valve §5's setting: offline uses all spare memory).
+    num_handles: int = 32
     blocks_per_handle: int = 4
     block_size: int = 16
     static_online_handles: int = 8           # StaticMem: the online partition
@@ -88,7 +90,7 @@ class NodeBenchConfig:
     offline_batch_seqs: int = 8
     miad: MIADConfig = field(default_factory=lambda: MIADConfig(
         target_events_per_min=6.0, initial_headroom_handles=2, initial_interval_s=2.0, min_interval_s=0.5,
-        interval_step_s=0.5, rate_window_s=30.0, control_period_s=2.5))
+        interval_factor=1.5, interval_step_s=0.25, rate_window_s=30.0, control_period_s=2.5))
     gate: GateConfig = field(default_factory=GateConfig)
     warmup_s: float = 3.0
 
@@ -167,15 +169,21 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
         miad_before = pool.reservation.pressure_events if pool.reservation is not None else 0
 
         t0 = time.monotonic()
+        cpu0 = time.process_time()
+        # The pool once a second: whether offline fills it (then pressure reclaims) and how MIAD
+        # moves its headroom and release interval.
+        timeline: list[dict[str, Any]] = []
         for t, d in online_trace:
-            delay = t0 + t - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            while (delay := t0 + t - time.monotonic()) > 0:
+                if not timeline or time.monotonic() - t0 - timeline[-1]["t_s"] >= 1.0:
+                    timeline.append({"t_s": round(time.monotonic() - t0, 3), **runtime.memory_snapshot()})
+                time.sleep(min(delay, 1.0))
             online.send("submit", {**d, "arrival_s": time.monotonic()})
         deadline = time.monotonic() + 120.0
         while len(online.done) < len(online_trace) + 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         window_s = time.monotonic() - t0
+        runtime_cpu_s = time.process_time() - cpu0
         # Online is idle now; the gate reopens after its cooldown and offline answers again.
         offline_after = offline.counters(timeout_s=10.0) if offline is not None else None
         on_stats = online.stop()
@@ -198,6 +206,8 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
                    "allocated_handles": on_stats["allocated_handles"] if on_stats else None},
         "preemptions_per_online_request": {"mean": float(np.mean(preempt)) if preempt else None,
                                            "max": max(preempt, default=0)},
+        # CPU the runtime (this process: gate, pool, IPC) took; it shares the cores with the engines.
+        "runtime_cpu_s": runtime_cpu_s,
     }
     if offline is None:
         return result
@@ -224,7 +234,12 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
                    - pool_before["reclaimed_handles"], "reclamations_per_min": reclamations * 60.0 / window_s,
                    "miad_target_per_min": cfg.miad.target_events_per_min if phase.memory != "static" else None,
                    "miad_pressure_events": (pool.reservation.pressure_events - miad_before)
-                   if pool.reservation is not None else None},
+                   if pool.reservation is not None else None,
+                   "miad_final_interval_s": pool.reservation.release_interval_s
+                   if pool.reservation is not None else None,
+                   "offline_handles_mean": float(np.mean([p["held"].get("offline", 0) for p in timeline]))
+                   if timeline else None,
+                   "timeline": timeline},
     })
     return result
 

@@ -148,6 +148,7 @@ class SharedMemoryPool:
         offline_held = sum(len(o.handles) for o in self._owners.values() if o.role is EngineRole.OFFLINE)
         if n_handles > len(self._reserved) + len(self._free) + offline_held:
             raise OverAllocationError(f"online asked for {n_handles} handles; the whole pool cannot supply them")
+        headroom_missed = n_handles > len(self._reserved)
         got = [self._reserved.pop() for _ in range(min(n_handles, len(self._reserved)))]
         got += [self._free.pop() for _ in range(min(n_handles - len(got), len(self._free)))]
         short = n_handles - len(got)
@@ -155,7 +156,7 @@ class SharedMemoryPool:
         # share a single reclamation, so one burst costs offline at most one pause.
         used_after = len(owner.handles) + n_handles
         events_before = self._pressure_events()
-        target = min(self._headroom_target(now_s, used_after, observe=True),
+        target = min(self._headroom_target(now_s, used_after, observe=True, headroom_missed=headroom_missed),
                      max(0, owner.max_handles - used_after))
         # Valve §5: the reservation drives the reclamation rate toward MIAD's target, so the
         # headroom is refilled by reclaiming only on a new pressure event or when this request
@@ -308,12 +309,12 @@ class SharedMemoryPool:
 
     # --- headroom ----------------------------------------------------------------------------
 
-    def _headroom_target(self, now_s: float, used: int, observe: bool) -> int:
+    def _headroom_target(self, now_s: float, used: int, observe: bool, headroom_missed: bool = False) -> int:
         if self.reservation is None:
             return 0
         if not observe:
             return self.reservation.headroom_handles
-        return self.reservation.observe(now_s, used, used + len(self._reserved))
+        return self.reservation.observe(now_s, used, used + len(self._reserved), headroom_missed=headroom_missed)
 
     def _pressure_events(self) -> int:
         return 0 if self.reservation is None else self.reservation.pressure_events
@@ -367,7 +368,7 @@ class StaticMemPool(SharedMemoryPool):
         self.online_handles = online_handles
         super().__init__(config, reservation=None, compute=compute)
 
-    def _headroom_target(self, now_s: float, used: int, observe: bool) -> int:
+    def _headroom_target(self, now_s: float, used: int, observe: bool, headroom_missed: bool = False) -> int:
         return max(0, self.online_handles - used)
 
     def _reclaim_count(self, short: int) -> int:

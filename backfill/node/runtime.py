@@ -152,6 +152,18 @@ class NodeRuntime:
         with self._lock:
             return {eid: e.role for eid, e in self._engines.items()}
 
+    def memory_snapshot(self) -> dict[str, Any]:
+        """The pool now: handles per engine, free, online headroom and MIAD's release interval."""
+        with self._lock:
+            if self.pool is None:
+                return {}
+            pool = self.pool
+            return {"held": {eid: len(pool.handles_of(eid)) for eid in self._engines},
+                    "free": pool.free_handles, "headroom": pool.reserved_handles,
+                    "release_interval_s": pool.reservation.release_interval_s if pool.reservation else None,
+                    "pressure_events": pool.reservation.pressure_events if pool.reservation else None,
+                    "reclamations": pool.stats.reclamations}
+
     # --- ComputeControl (used by the memory pool during reclamation) -------------------------
 
     def pause_offline(self) -> None:

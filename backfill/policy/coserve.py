@@ -149,6 +149,10 @@ class CoServePolicy:
         for seq in offline:
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
+            if seq.needs_restore:
+                # Copying its KV back is not in the latency model (and on CPU it runs inside the
+                # online step's time): preempted offline work resumes in offline batching mode.
+                continue
             room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
                                        min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
             if room > 0:

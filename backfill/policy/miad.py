@@ -6,14 +6,18 @@ from the reservation instead of reclaiming offline memory on the critical path.
     pressure event  online use reaches 90% of what it was granted (use + headroom):
                     headroom is multiplied by `increase_factor` (multiplicative increase), at
                     every observation until use is back under 90%; one excursion above the
-                    threshold counts as one event.
+                    threshold counts as one event, and so does every allocation inside an
+                    excursion that the headroom could not cover (`headroom_missed`): each of
+                    those takes memory from offline, which is what the target bounds.
     no pressure     the headroom shrinks by one handle every `interval` (additive decrease).
-    the interval    is itself MIAD-controlled: when a pressure event makes the rate over a
-                    sliding window exceed the user's target, the interval is multiplied by
-                    `interval_factor` (shrink more slowly); every `control_period_s` with the
+    the interval    is itself MIAD-controlled, once every `control_period_s`: with the rate over
+                    the sliding window above the user's target and new events since the last
+                    period, it is multiplied by `interval_factor` (shrink more slowly); with the
                     rate at or under the target, it drops by `interval_step_s`. (Valve does not
-                    say how often it compares; these choices keep one event from counting
-                    twice and the controller's speed independent of the interval itself.)
+                    say how often it compares. Raising only on new events keeps events that
+                    are still in the window from compounding the increase period after period;
+                    raising at most once per period keeps one burst from counting as many.
+                    Until a window has passed, the rate is over the time seen so far.)
 
 This drives the pressure-event rate -- and hence the reclamation rate -- toward the target.
 Pure object: the caller passes the time with every observation.
@@ -69,9 +73,11 @@ class MIADReservation:
         self._headroom = config.initial_headroom_handles
         self._interval_s = config.initial_interval_s
         self._now_s = float(now_s)
+        self._start_s = float(now_s)
         self._last_change_s = float(now_s)   # the additive-decrease clock
         self._next_control_s = float(now_s) + config.control_period_s
         self._in_pressure = False
+        self._new_events = 0                 # events since the last control period
         self._events_s: deque[float] = deque()
         self.pressure_events = 0
 
@@ -87,10 +93,14 @@ class MIADReservation:
         """Pressure-event rate over the sliding window ending at now_s."""
         self._check_time(now_s)
         self._expire(now_s)
-        return len(self._events_s) * 60.0 / self.config.rate_window_s
+        return self._rate_per_min(now_s)
 
-    def observe(self, now_s: float, used_handles: int, granted_handles: int) -> int:
-        """Feed the online engine's current use and grant; returns the headroom to keep."""
+    def observe(self, now_s: float, used_handles: int, granted_handles: int, *,
+                headroom_missed: bool = False) -> int:
+        """Feed the online engine's current use and grant; returns the headroom to keep.
+
+        headroom_missed: this use comes from an allocation larger than the headroom held.
+        """
         self._check_time(now_s)
         if not (isinstance(used_handles, int) and isinstance(granted_handles, int)
                 and 0 <= used_handles <= granted_handles):
@@ -105,14 +115,10 @@ class MIADReservation:
             # self-limiting). Counted as one event per excursion above the threshold.
             self._headroom = min(cfg.max_headroom_handles,
                                  max(self._headroom + 1, math.ceil(self._headroom * cfg.increase_factor)))
-            if not self._in_pressure:
+            if not self._in_pressure or headroom_missed:
                 self.pressure_events += 1
                 self._events_s.append(now_s)
-                self._expire(now_s)
-                if len(self._events_s) * 60.0 / cfg.rate_window_s > cfg.target_events_per_min:
-                    # Increase on the event itself, once per event: re-multiplying every period
-                    # for events still in the window would run the interval up to its maximum.
-                    self._interval_s = min(cfg.max_interval_s, self._interval_s * cfg.interval_factor)
+                self._new_events += 1
         if pressure or self._in_pressure:
             # The additive-decrease clock starts when pressure is last seen.
             self._last_change_s = now_s
@@ -144,8 +150,19 @@ class MIADReservation:
     def _adapt_interval(self, at_s: float) -> None:
         cfg = self.config
         self._expire(at_s)
-        if len(self._events_s) * 60.0 / cfg.rate_window_s <= cfg.target_events_per_min:
+        new_events, self._new_events = self._new_events, 0
+        if self._rate_per_min(at_s) <= cfg.target_events_per_min:
             self._interval_s = max(cfg.min_interval_s, self._interval_s - cfg.interval_step_s)
+        elif new_events:
+            self._interval_s = min(cfg.max_interval_s, self._interval_s * cfg.interval_factor)
+
+    def _rate_per_min(self, now_s: float) -> float:
+        # Until a whole window has passed, the rate is over the time observed so far, so a
+        # window's worth of events does not pass unchecked at start; but never over less than
+        # the time one event may take at the target, so a single event is never over target.
+        cfg = self.config
+        span_s = min(cfg.rate_window_s, max(now_s - self._start_s, 60.0 / cfg.target_events_per_min))
+        return len(self._events_s) * 60.0 / span_s
 
     def _expire(self, now_s: float) -> None:
         while self._events_s and self._events_s[0] <= now_s - self.config.rate_window_s:

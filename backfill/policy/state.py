@@ -37,6 +37,11 @@ class SeqView:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def needs_restore(self) -> bool:
+        """Preempted with a host checkpoint: its KV is copied back before it runs again."""
+        return not self.running and self.num_computed_tokens > 0
+
+    @property
     def in_prefill(self) -> bool:
         return self.num_pending_tokens > 1
 

@@ -242,7 +242,7 @@ class Scheduler:
             return
         for seq in list(self.seqs.values()):
             if lost.intersection(seq.block_table):
-                self._preempt(seq)
+                self._preempt(seq, save_tail=False)
         self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
     def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
@@ -287,9 +287,18 @@ class Scheduler:
 
     # --- preemption, checkpoint, restore (ConServe §4.4) ---------------------------------------
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed."""
-        keep = min(seq.num_computed, seq.checkpoint.num_tokens)
+    def _preempt(self, seq: Sequence, *, save_tail: bool = True) -> None:
+        """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed.
+
+        Checkpoints after steps hold whole blocks only; a request whose checkpoint is that far
+        along gets its partial last block copied now (one block, while its KV is still valid:
+        not after a reclamation took its blocks), so it resumes without recomputing anything.
+        """
+        ckpt = seq.checkpoint
+        whole_tokens = seq.num_computed // self.kv.block_size * self.kv.block_size
+        if save_tail and seq.block_table and whole_tokens <= ckpt.num_tokens < seq.num_computed:
+            self._copy_to_checkpoint(seq, seq.num_computed)
+        keep = min(seq.num_computed, ckpt.num_tokens)
         lost = seq.num_computed - keep
         seq.num_recomputed_tokens += lost
         self.stats.recomputed_tokens += lost
@@ -318,16 +327,20 @@ class Scheduler:
             self._checkpoint(self.seqs[seq_id])
 
     def _checkpoint(self, seq: Sequence) -> None:
-        """Incremental: copy only blocks written since the last checkpoint (the partial tail again)."""
-        bs = self.kv.block_size
+        """Incremental: copy the blocks filled since the last checkpoint. A partial last block is
+        left for _preempt: copying it again after every decode step would move a whole block per
+        request per step, on CPU in the online requests' inter-token time."""
+        whole_tokens = seq.num_computed // self.kv.block_size * self.kv.block_size
+        if whole_tokens > seq.checkpoint.num_tokens:
+            self._copy_to_checkpoint(seq, whole_tokens)
+
+    def _copy_to_checkpoint(self, seq: Sequence, upto_tokens: int) -> None:
         ckpt = seq.checkpoint
-        first = ckpt.num_tokens // bs
-        last = self.kv.blocks_needed(seq.num_computed)
-        if last <= first and ckpt.num_tokens == seq.num_computed:
-            return
+        first = ckpt.num_tokens // self.kv.block_size
+        last = self.kv.blocks_needed(upto_tokens)
         host = self.kv.copy_to_host(seq.block_table[first:last])
         del ckpt.blocks[first:]
         ckpt.blocks.extend(HostBlocks(host.data[:, :, i:i + 1]) for i in range(last - first))
-        self.stats.checkpointed_tokens += seq.num_computed - ckpt.num_tokens
+        self.stats.checkpointed_tokens += upto_tokens - ckpt.num_tokens
         self.stats.checkpoint_bytes += host.nbytes
-        ckpt.num_tokens = seq.num_computed
+        ckpt.num_tokens = upto_tokens

@@ -133,6 +133,19 @@ def test_burst_and_headroom_top_up_share_one_reclamation():
     assert len(pool.handles_of("off")) == 10 - 3 - 2
 
 
+def test_each_allocation_past_the_headroom_in_a_burst_is_one_event_and_one_reclamation():
+    pool = SharedMemoryPool(PoolConfig(40, 1), reservation=miad(headroom=1))
+    pool.register("on", "online")
+    pool.register("off", "offline")
+    pool.allocate("off", 39)
+    pool.allocate("on", 2, now_s=1.0)                           # past the headroom: event 1
+    pool.allocate("on", pool.reserved_handles, now_s=1.5)       # uses the headroom up, still in pressure
+    assert pool.reservation.pressure_events == 1
+    pool.allocate("on", pool.reserved_handles + 3, now_s=2.0)   # past it again in the same burst
+    # One reclamation per event: MIAD's event rate is the rate offline is disturbed at.
+    assert pool.reservation.pressure_events == 2 and pool.stats.reclamations == 2
+
+
 def test_headroom_use_without_pressure_refills_from_freed_handles_not_by_reclaiming():
     journal = Journal()
     pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=4), compute=journal)

@@ -67,6 +67,18 @@ def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
     assert 30 <= plan.num_tokens - 4 <= 34
 
 
+def test_preempted_offline_work_with_a_checkpoint_waits_for_offline_batching_to_restore():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    # Preempted: no device blocks, 40 tokens of KV on the host; and a fresh offline request.
+    preempted = seq(1, OFF, tokens=41, computed=40, ckpt=40, arrival=0.1)
+    fresh = seq(2, OFF, tokens=10, arrival=0.2)
+    assert preempted.needs_restore and not fresh.needs_restore
+    co = policy.schedule(state(decoding(0, ON, arrival=0.5), preempted, fresh))
+    assert co.mode == "co-serving" and set(ids(co)) == {"online0", "offline2"}
+    batching = policy.schedule(state(preempted, fresh))
+    assert batching.mode == "offline-batching" and "offline1" in ids(batching)
+
+
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,

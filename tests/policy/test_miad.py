@@ -53,21 +53,41 @@ def test_no_decrease_while_under_pressure():
     assert m.advance(65.0) == h - 1
 
 
-def test_interval_grows_on_events_above_target_and_shrinks_each_quiet_period():
+def test_interval_grows_once_per_period_with_new_events_and_shrinks_each_quiet_period():
     m = MIADReservation(cfg(target_events_per_min=2.0, initial_interval_s=50.0, max_interval_s=1000.0,
                             control_period_s=5.0, interval_step_s=1.0))
-    for i in range(3):                                                  # 3 events in 60 s > 2/min
+    for i in range(3):                                                  # a burst: 3 events in 5 s
         m.observe(2.0 * i, 9, 10)
         m.observe(2.0 * i + 1, 0, 10)
-    assert m.events_per_min(5.0) == 3.0
-    assert m.release_interval_s == 100.0                                # only the 3rd event exceeded
-    # Control ticks every 5 s: while 3 events are in the 60 s window the rate is above target
-    # and the interval holds; once it is at or below, each tick takes 1 s off.
-    m.advance(59.0)
+    # Younger than its window, the controller judges the rate over max(elapsed, 60 s / target).
+    assert m.events_per_min(5.0) == 3 * 60 / 30
+    m.advance(5.0)
+    assert m.release_interval_s == 100.0                                # one increase for the burst
+    # The events stay in the window (rate above target) but are not new: the interval holds
+    # instead of compounding every period.
+    m.advance(55.0)
     assert m.release_interval_s == 100.0
-    m.advance(80.0)                                     # ticks at 60 (2/min, not above), 65 ... 80
+    # At 60 s the first event leaves the 60 s window (2/min, not above): each tick takes 1 s off.
+    m.advance(80.0)                                                     # ticks at 60, 65, ... 80
     assert m.release_interval_s == 100.0 - 5
     assert m.events_per_min(80.0) == 0.0
+
+
+def test_a_single_event_at_start_is_not_over_target():
+    m = MIADReservation(cfg(target_events_per_min=2.0, initial_interval_s=10.0, control_period_s=5.0))
+    m.observe(1.0, 9, 10)
+    assert m.events_per_min(5.0) == 2.0
+    m.advance(5.0)
+    assert m.release_interval_s == 9.0                                  # at target: additive decrease
+
+
+def test_an_allocation_the_headroom_misses_counts_as_an_event_inside_an_excursion():
+    m = MIADReservation(cfg(initial_headroom_handles=2))
+    m.observe(0.0, 9, 10)
+    m.observe(1.0, 12, 12)                                              # same excursion, headroom held
+    assert m.pressure_events == 1
+    m.observe(2.0, 20, 20, headroom_missed=True)                        # outgrew it: offline pays again
+    assert m.pressure_events == 2
 
 
 def _simulate(target_per_min, seed=0, minutes=240):

@@ -142,6 +142,48 @@ def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_c
     assert small.kv.num_free == small.kv.num_blocks
 
 
+ALWAYS_CHECKPOINT = CheckpointConfig(start_usage=0.0, full_usage=0.01)   # every offline request, every step
+
+
+def test_checkpoints_after_steps_copy_whole_blocks_only(tiny_config, tiny_runner, device):
+    """Re-copying the partial last block after every decode step would move a block per request per
+    step; only blocks that filled up are copied, up to the step before a request's last (after
+    its last step a finished request is not checkpointed)."""
+    pool = KVBlockPool(tiny_config, num_blocks=64, block_size=8, device=device)
+    scheduler = Scheduler(ModelRunner(tiny_runner.model, pool), CoServePolicy(FLAT_LATENCY),
+                          checkpoint_policy=AdaptiveCheckpointPolicy(ALWAYS_CHECKPOINT))
+    reqs = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
+    for r in reqs:
+        scheduler.add(r)
+    _drain(scheduler)
+    whole_blocks = sum((len(r.prompt_token_ids) + 28) // 8 for r in reqs)
+    assert scheduler.stats.preempted_requests == 0
+    assert scheduler.stats.checkpointed_tokens == whole_blocks * 8
+    assert scheduler.stats.checkpoint_bytes == whole_blocks * pool.nbytes // pool.num_blocks
+
+
+def test_preemption_saves_the_partial_block_so_nothing_is_recomputed(tiny_config, tiny_runner, device):
+    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8, device=device))
+    offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
+    online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
+    expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
+    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0)),
+                          checkpoint_policy=AdaptiveCheckpointPolicy(ALWAYS_CHECKPOINT))
+    for r in offline:
+        scheduler.add(r)
+
+    def arrive(step: int) -> None:
+        if step == 12:
+            for r in online:
+                scheduler.add(r)
+
+    out, _ = _drain(scheduler, arrive)
+    stats = scheduler.stats
+    assert out == expected
+    assert stats.preempted_requests > 0 and stats.restored_tokens > 0
+    assert stats.recomputed_tokens == 0
+
+
 def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config, tiny_runner, device):
     small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=12, block_size=8, device=device))
     reqs = _requests(5, OFFLINE, prompt_len=9, params=SamplingParams.greedy_params(max_tokens=30))
