@@ -108,7 +108,8 @@ async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, pr
     engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "wasted_tokens": stats.wasted_tokens,
                     "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
                     "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                    "output_tokens": dict(stats.output_tokens), "send_lag_p99_ms": metrics.send_lag_ms.p99}
+                    "output_tokens": dict(stats.output_tokens), "send_lag_p99_ms": metrics.send_lag_ms.p99,
+                    "mode_busy_s": dict(stats.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens)}
     return ModeResult(metrics, run.records, {"engine": engine_stats})
 
 

@@ -54,6 +54,10 @@ class SchedulerStats:
     finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     last_step_mode: str = "idle"
     busy_s: float = 0.0
+    # Per plan mode (co-serving, offline-batching, priority, ...): step time, checkpoint and
+    # restore copies included, and the offline tokens its steps produced.
+    mode_busy_s: dict[str, float] = field(default_factory=dict)
+    mode_offline_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def preemption_latencies_ms(self) -> list[float]:
@@ -173,6 +177,15 @@ class Scheduler:
             return events
         plan = self.policy.schedule(self.snapshot())
         self.stats.last_step_mode = plan.mode
+        started = time.perf_counter()
+        offline_before = self.stats.output_tokens["offline"]
+        events += self._run_plan(plan)
+        busy, made = self.stats.mode_busy_s, self.stats.mode_offline_tokens
+        busy[plan.mode] = busy.get(plan.mode, 0.0) + time.perf_counter() - started
+        made[plan.mode] = made.get(plan.mode, 0) + self.stats.output_tokens["offline"] - offline_before
+        return events
+
+    def _run_plan(self, plan: StepPlan) -> list[TokenEvent]:
         for seq_id in plan.preempt:
             self._preempt(self.seqs[seq_id])
         chunks: list[SeqChunk] = []
@@ -187,8 +200,8 @@ class Scheduler:
                                    seq.block_table, want_logits=start + item.num_tokens == seq.num_tokens))
             shape = shape.plus(item.num_tokens, start)
         if not chunks:
-            return events
-        return events + self._execute(chunks, shape, plan)
+            return []
+        return self._execute(chunks, shape, plan)
 
     def _execute(self, chunks: list[SeqChunk], shape: BatchShape, plan: StepPlan) -> list[TokenEvent]:
         self._abort.clear()

@@ -54,6 +54,17 @@ def test_report_without_baseline(tmp_path):
     assert len(files.plots) == 3
 
 
+def test_report_breaks_engine_time_down_by_step_mode(tmp_path):
+    run = _run(0.1, 10, [])
+    engine = {"mode_busy_s": {"co-serving": 2.0, "offline-batching": 4.0},
+              "mode_offline_tokens": {"co-serving": 10, "offline-batching": 800}}
+    md = write_report({"coserve": ModeResult(run.metrics, run.records, {"engine": engine})}, tmp_path).markdown
+    text = md.read_text()
+    assert "## Engine time by step mode" in text
+    assert "| coserve | offline-batching | 4.0 | 800 | 200.0 |" in text
+    assert "| coserve | co-serving | 2.0 | 10 | 5.0 |" in text
+
+
 def test_ratios_and_summary_text():
     base, co = _run(0.1, 0, []), _run(0.2, 20, [5.0])
     r = ratios(co.metrics, base.metrics)

@@ -182,6 +182,9 @@ def test_preemption_saves_the_partial_block_so_nothing_is_recomputed(tiny_config
     assert out == expected
     assert stats.preempted_requests > 0 and stats.restored_tokens > 0
     assert stats.recomputed_tokens == 0
+    # Per-mode accounting covers every offline token.
+    assert set(stats.mode_busy_s) == {"offline-batching", "co-serving"}
+    assert sum(stats.mode_offline_tokens.values()) == stats.output_tokens["offline"] == 4 * 30
 
 
 def test_without_checkpoints_preempted_requests_recompute_and_match(tiny_config, tiny_runner, device):
