@@ -47,6 +47,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         probs = torch.softmax(sorted_scores, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = probs.cumsum(dim=-1) - probs >= p.top_p
+        # Explicitly: a top_p below float32's range (1e-300) rounds to 0, and 0 >= 0 would drop it.
+        drop[0] = False
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)

@@ -112,7 +112,8 @@ class MIADReservation:
         if pressure:
             # Multiplicative increase on every observation under pressure, so the headroom
             # grows until use falls below the threshold (and then stops: the growth is
-            # self-limiting). Counted as one event per excursion above the threshold.
+            # self-limiting). One event per excursion above the threshold, plus one per
+            # allocation inside it that the headroom could not cover.
             self._headroom = min(cfg.max_headroom_handles,
                                  max(self._headroom + 1, math.ceil(self._headroom * cfg.increase_factor)))
             if not self._in_pressure or headroom_missed:

@@ -50,3 +50,12 @@ def test_tiny_temperature_behaves_like_greedy_instead_of_overflowing():
     logits = torch.tensor([[1.0, 3.0, 2.0]]) * 1e3
     p = SamplingParams(temperature=1e-300, seed=1)
     assert sample(logits, [p], [make_generator(p)]) == [1]
+
+
+def test_top_p_below_float32_range_keeps_the_most_likely_token():
+    # 1e-300 rounds to 0 in float32; the first token must still stay (it used to be dropped too,
+    # leaving nothing to sample: "probability tensor contains inf, nan or element < 0").
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    p = SamplingParams(temperature=1.0, top_p=1e-300, seed=1)
+    gen = make_generator(p)
+    assert {sample(logits, [p], [gen])[0] for _ in range(20)} == {1}
