@@ -69,8 +69,11 @@ class CoServePolicy:
         self.latency = latency
         self.config = config
         # Measured / estimated step time (EWMA) per batch-size bucket: the profile was taken on
-        # another day, maybe under another load, and small and big steps drift differently.
+        # another day, maybe under another load, and small and big steps drift differently. A
+        # bucket not seen yet follows the drift of all steps: when the machine slows down, the
+        # rare mixed-step sizes must not keep the profile's (now optimistic) times.
         self._corrections: dict[int, float] = {}
+        self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
 
     @staticmethod
@@ -78,7 +81,7 @@ class CoServePolicy:
         return min(max(num_tokens, 1).bit_length(), 12)
 
     def correction_for(self, num_tokens: int) -> float:
-        return self._corrections.get(self._bucket(num_tokens), 1.0)
+        return self._corrections.get(self._bucket(num_tokens), self._overall_correction)
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         estimate = self.latency.estimate_ms(shape)
@@ -86,7 +89,8 @@ class CoServePolicy:
             return
         ratio = min(4.0, max(0.25, duration_ms / estimate))
         bucket = self._bucket(shape.num_tokens)
-        self._corrections[bucket] = 0.9 * self._corrections.get(bucket, 1.0) + 0.1 * ratio
+        self._corrections[bucket] = 0.9 * self._corrections.get(bucket, self._overall_correction) + 0.1 * ratio
+        self._overall_correction = 0.9 * self._overall_correction + 0.1 * ratio
 
     def _estimate_ms(self, shape: BatchShape) -> float:
         return self.correction_for(shape.num_tokens) * self.latency.estimate_ms(shape)
@@ -149,9 +153,11 @@ class CoServePolicy:
         for seq in offline:
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
-            if seq.needs_restore:
-                # Copying its KV back is not in the latency model (and on CPU it runs inside the
-                # online step's time): preempted offline work resumes in offline batching mode.
+            if seq.needs_restore or seq.in_prefill:
+                # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its
+                # context, building its causal mask) is in the latency model; on CPU a 1-15 token
+                # offline chunk made a 33 ms online step 7-10 ms longer. Offline requests start
+                # and resume in offline batching mode; co-serving steps carry offline decodes.
                 continue
             room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
                                        min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
