@@ -121,13 +121,14 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> s
         lines.append(f"| {name} | {m.online.requests} / {m.online.completed} / {m.online.failed} | "
                      f"{m.offline.requests} / {m.offline.completed} / {m.offline.failed} / {m.offline.cancelled} | "
                      f"{m.duration_s:.1f} | {m.preemptions} |")
-    by_mode = {name: res.config.get("engine", {}).get("mode_busy_s") for name, res in results.items()}
-    if any(by_mode.values()):
+    engines = {name: res.config["engine"] for name, res in results.items()
+               if res.config.get("engine", {}).get("mode_busy_s")}
+    if engines:
         lines += ["", "## Engine time by step mode", "",
                   "| mode | step mode | busy (s) | offline tokens | offline tok/s while in it |", "|---|---|---:|---:|---:|"]
-        for name, busy in by_mode.items():
-            made = results[name].config["engine"].get("mode_offline_tokens", {}) if busy else {}
-            for step_mode, seconds in sorted((busy or {}).items()):
+        for name, engine in engines.items():
+            made = engine.get("mode_offline_tokens", {})
+            for step_mode, seconds in sorted(engine["mode_busy_s"].items()):
                 tokens = made.get(step_mode, 0)
                 rate = f"{tokens / seconds:.1f}" if seconds > 0 else "-"
                 lines.append(f"| {name} | {step_mode} | {seconds:.1f} | {tokens} | {rate} |")

@@ -112,7 +112,8 @@ def _ms(values: list[float]) -> dict[str, float | None]:
     return {"n": len(ms), "p50": _pct(ms, 50), "p99": _pct(ms, 99), "max": max(ms) if ms else None}
 
 
-def _trace(cfg: NodeBenchConfig, vocab: int) -> tuple[list[tuple[float, dict]], list[dict]]:
+def make_trace(cfg: NodeBenchConfig, vocab: int) -> tuple[list[tuple[float, dict]], list[dict]]:
+    """The online trace (arrival time, request) and the offline backlog of a run."""
     rng = np.random.default_rng(cfg.seed)
     times = parse_arrival_spec(cfg.arrivals).generate(rng, cfg.duration_s)
     online = []
@@ -251,7 +252,7 @@ def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str |
 
     sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
     vocab = ModelConfig.tiny().vocab_size if config.model == "tiny" else ModelConfig.smollm2_135m().vocab_size
-    online_trace, backlog = _trace(config, vocab)
+    online_trace, backlog = make_trace(config, vocab)
     started = time.monotonic()
     phases: dict[str, Any] = {}
     for name in config.phases:

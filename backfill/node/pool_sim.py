@@ -1,7 +1,7 @@
 """The node benchmark's memory side in simulated time: the real SharedMemoryPool and MIAD policy,
 no engines.
 
-Online requests arrive on the benchmark's trace (same arrival spec, lengths and seed); each one
+Online requests arrive on the benchmark's own trace (bench.make_trace); each one
 needs KV for its prompt and grows by a token per decode step, and the online engine allocates
 handles when it runs short and gives back whole handles it no longer needs, as
 online_engine.py does. The offline engine takes every free handle at once (memory-bound
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backfill.bench.arrivals import parse_arrival_spec
 from backfill.errors import PolicyInputError
+from backfill.node.bench import NodeBenchConfig, make_trace
 from backfill.node.memory_pool import EngineRole, PoolConfig, SharedMemoryPool
-from backfill.policy.miad import MIADConfig, MIADReservation
+from backfill.policy.miad import MIADReservation
 
 
 @dataclass(frozen=True)
@@ -35,24 +35,19 @@ class PoolSimResult:
         return self.reclamations * 60.0 / self.duration_s
 
 
-def simulate_pool(miad: MIADConfig, *, duration_s: float, seed: int = 0, arrivals: str = "gamma:0.5:2",
-                  prompt_tokens: tuple[int, int] = (64, 128), output_tokens: tuple[int, int] = (16, 32),
-                  num_handles: int = 32, blocks_per_handle: int = 4, block_size: int = 16,
-                  step_s: float = 0.065, vocab_size: int = 49152) -> PoolSimResult:
-    """One online decode step (every active request +1 token) per step_s of simulated time."""
-    if not (duration_s > 0 and step_s > 0):
-        raise PolicyInputError(f"need duration_s > 0 and step_s > 0, got {duration_s}, {step_s}")
-    # Same draws, in the same order, as the node benchmark's trace (bench._trace).
-    rng = np.random.default_rng(seed)
-    times = parse_arrival_spec(arrivals).generate(rng, duration_s)
-    requests = []
-    for t in times:
-        n = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
-        out = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
-        rng.integers(3, vocab_size, n)  # the prompt's token ids: drawn only to keep the stream aligned
-        requests.append((float(t), n, out))
+def simulate_pool(config: NodeBenchConfig = NodeBenchConfig(), *, step_s: float = 0.065,
+                  vocab_size: int = 49152) -> PoolSimResult:
+    """config's trace, pool and MIAD settings; one online decode step (every active request +1
+    token) per step_s of simulated time. vocab_size keeps the trace's random draws aligned with a
+    run on the default model."""
+    if not step_s > 0:
+        raise PolicyInputError(f"step_s must be > 0, got {step_s}")
+    online_trace, _ = make_trace(config, vocab_size)
+    requests = [(t, len(d["prompt_token_ids"]), d["max_tokens"]) for t, d in online_trace]
+    num_handles, blocks_per_handle, block_size = config.num_handles, config.blocks_per_handle, config.block_size
+    duration_s = config.duration_s
 
-    pool = SharedMemoryPool(PoolConfig(num_handles, blocks_per_handle), reservation=MIADReservation(miad))
+    pool = SharedMemoryPool(PoolConfig(num_handles, blocks_per_handle), reservation=MIADReservation(config.miad))
     pool.register("online", EngineRole.ONLINE)
     pool.register("offline", EngineRole.OFFLINE)
     held: list[int] = []

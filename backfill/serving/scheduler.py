@@ -308,8 +308,7 @@ class Scheduler:
         not after a reclamation took its blocks), so it resumes without recomputing anything.
         """
         ckpt = seq.checkpoint
-        whole_tokens = seq.num_computed // self.kv.block_size * self.kv.block_size
-        if save_tail and seq.block_table and whole_tokens <= ckpt.num_tokens < seq.num_computed:
+        if save_tail and seq.block_table and self._whole_block_tokens(seq) <= ckpt.num_tokens < seq.num_computed:
             self._copy_to_checkpoint(seq, seq.num_computed)
         keep = min(seq.num_computed, ckpt.num_tokens)
         lost = seq.num_computed - keep
@@ -343,9 +342,13 @@ class Scheduler:
         """Incremental: copy the blocks filled since the last checkpoint. A partial last block is
         left for _preempt: copying it again after every decode step would move a whole block per
         request per step, on CPU in the online requests' inter-token time."""
-        whole_tokens = seq.num_computed // self.kv.block_size * self.kv.block_size
+        whole_tokens = self._whole_block_tokens(seq)
         if whole_tokens > seq.checkpoint.num_tokens:
             self._copy_to_checkpoint(seq, whole_tokens)
+
+    def _whole_block_tokens(self, seq: Sequence) -> int:
+        """Computed tokens that fill whole KV blocks (the partial last block left out)."""
+        return seq.num_computed // self.kv.block_size * self.kv.block_size
 
     def _copy_to_checkpoint(self, seq: Sequence, upto_tokens: int) -> None:
         ckpt = seq.checkpoint

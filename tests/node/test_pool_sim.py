@@ -10,7 +10,7 @@ from backfill.node.pool_sim import simulate_pool
 def test_bench_miad_settings_track_the_reclamation_target_over_ten_minutes():
     cfg = NodeBenchConfig()
     for seed in (0, 1, 2):
-        result = simulate_pool(cfg.miad, duration_s=600.0, seed=seed, num_handles=cfg.num_handles)
+        result = simulate_pool(replace(cfg, duration_s=600.0, seed=seed))
         # Offline fills the pool, so every pressure event reclaims and MIAD's count is the pool's.
         assert result.pressure_events == result.reclamations
         assert result.mean_offline_handles > 0.5 * cfg.num_handles
@@ -20,11 +20,13 @@ def test_bench_miad_settings_track_the_reclamation_target_over_ten_minutes():
 
 def test_a_lower_target_reclaims_less_often():
     cfg = NodeBenchConfig()
-    rates = [simulate_pool(replace(cfg.miad, target_events_per_min=target), duration_s=600.0,
-                           num_handles=cfg.num_handles).reclamations_per_min for target in (2.0, 6.0)]
+    rates = [simulate_pool(replace(cfg, duration_s=600.0, miad=replace(cfg.miad, target_events_per_min=target)))
+             .reclamations_per_min for target in (2.0, 6.0)]
     assert rates[0] < rates[1]
 
 
-def test_bad_durations_are_refused():
+def test_bad_settings_are_refused():
     with pytest.raises(PolicyInputError):
-        simulate_pool(NodeBenchConfig().miad, duration_s=0.0)
+        simulate_pool(NodeBenchConfig(), step_s=0.0)
+    with pytest.raises(PolicyInputError):
+        simulate_pool(NodeBenchConfig(duration_s=0.0))

@@ -117,15 +117,15 @@ def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
     assert {k: out[k] for k in expected} == expected and len(out["on0"]) == 4
 
 
-def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner, device):
-    """A small pool forces offline requests off the device; checkpointed KV comes back bit-exact."""
+def _online_burst_on_a_small_pool(tiny_config, tiny_runner, device, checkpoint: CheckpointConfig):
+    """4 offline requests on a 14-block pool, 2 online ones arriving at step 12: offline is
+    preempted. Returns the scheduler, the small runner, the tokens out and the undisturbed tokens."""
     small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8, device=device))
     offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
     online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
-    policy = CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0))
-    scheduler = Scheduler(small, policy,
-                          checkpoint_policy=AdaptiveCheckpointPolicy(CheckpointConfig(start_usage=0.0)))
+    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0)),
+                          checkpoint_policy=AdaptiveCheckpointPolicy(checkpoint))
     for r in offline:
         scheduler.add(r)
 
@@ -134,7 +134,14 @@ def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_c
             for r in online:
                 scheduler.add(r)
 
-    out, reasons = _drain(scheduler, arrive)
+    out, _ = _drain(scheduler, arrive)
+    return scheduler, small, out, expected
+
+
+def test_memory_pressure_preempts_offline_and_checkpoint_restore_is_exact(tiny_config, tiny_runner, device):
+    """A small pool forces offline requests off the device; checkpointed KV comes back bit-exact."""
+    scheduler, small, out, expected = _online_burst_on_a_small_pool(tiny_config, tiny_runner, device,
+                                                                    CheckpointConfig(start_usage=0.0))
     stats = scheduler.stats
     assert out == expected, "preempted-and-resumed requests must produce the undisturbed tokens"
     assert stats.preempted_requests > 0 and stats.restored_tokens > 0 and stats.checkpointed_tokens > 0
@@ -163,21 +170,7 @@ def test_checkpoints_after_steps_copy_whole_blocks_only(tiny_config, tiny_runner
 
 
 def test_preemption_saves_the_partial_block_so_nothing_is_recomputed(tiny_config, tiny_runner, device):
-    small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=14, block_size=8, device=device))
-    offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
-    online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
-    expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
-    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0)),
-                          checkpoint_policy=AdaptiveCheckpointPolicy(ALWAYS_CHECKPOINT))
-    for r in offline:
-        scheduler.add(r)
-
-    def arrive(step: int) -> None:
-        if step == 12:
-            for r in online:
-                scheduler.add(r)
-
-    out, _ = _drain(scheduler, arrive)
+    scheduler, _, out, expected = _online_burst_on_a_small_pool(tiny_config, tiny_runner, device, ALWAYS_CHECKPOINT)
     stats = scheduler.stats
     assert out == expected
     assert stats.preempted_requests > 0 and stats.restored_tokens > 0
