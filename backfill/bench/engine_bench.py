@@ -156,8 +156,10 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
-               "bandwidth_floor_ms": floor_ms, "decode": [], "hf": []}
-        log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step")
+               "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
+               "decode": [], "hf": []}
+        log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
+            f"matmuls via {runner.model.matmul_kernel}")
         for batch in batches:
             d = bench_decode(runner, batch, prompt_len, new_tokens)
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms

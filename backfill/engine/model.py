@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.linear import Linear, onednn_packing_enabled
 
 
 class StepAborted(Exception):
@@ -67,24 +68,31 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
+        packed = onednn_packing_enabled(self.device, dtype)
+        self.matmul_kernel = "onednn-packed" if packed else "torch.mm"
+
+        def linear(*names: str) -> Linear:
+            # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
+            return Linear(torch.cat([w(n) for n in names]), packed)
+
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
+        self.vocab_size = lm_head.shape[0]
+        # The LM head reads the largest matrix of the model (the whole vocabulary); in slices with
+        # a safepoint between them a pause or preemption never waits for all of it.
+        slice_rows = -(-self.vocab_size // LM_HEAD_SLICES)
+        self.lm_head_slices = [Linear(part, packed) for part in lm_head.split(slice_rows)]
         self.final_norm = w("model.norm.weight")
-        self.lm_head_slice_rows = -(-self.lm_head.shape[0] // LM_HEAD_SLICES)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
-            # Projections are stored transposed ([in, out]): x @ W runs up to 2x faster than
-            # F.linear's x @ W.T for the small row counts of decode batches on CPU BLAS.
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                               w(p + "self_attn.v_proj.weight")]).t().contiguous(),
-                o=w(p + "self_attn.o_proj.weight").t().contiguous(),
+                qkv=linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
+                o=linear(p + "self_attn.o_proj.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).t().contiguous(),
-                down=w(p + "mlp.down_proj.weight").t().contiguous(),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             ))
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64)
                                                 / config.head_dim))
@@ -97,8 +105,8 @@ class LlamaModel:
     @property
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head is not self.embed:
-            n += self.lm_head.numel()
+        if not self.config.tie_word_embeddings:
+            n += sum(part.numel() for part in self.lm_head_slices)
         return n + sum(t.numel() for layer in self.layers for t in layer.values())
 
     @property
@@ -125,7 +133,7 @@ class LlamaModel:
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
             x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = torch.mm(x, layer["qkv"])
+            qkv = layer["qkv"](x)
             # RoPE on q and k together: one rotation over n_q + n_kv heads.
             qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
             q, k = qk[:, :n_q], qk[:, n_q:]
@@ -133,36 +141,26 @@ class LlamaModel:
             kv.k[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
             kv.v[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
             attn = self._attention(q, li, meta, kv)
-            # addmm fuses the residual add into the projection (h + x @ W).
-            h = torch.addmm(h, attn, layer["o"])
+            h = layer["o"].add_to(h, attn)
             # Two more safepoints inside the layer (after attention, after gate/up) halve the
             # longest stretch without a check: the MLP is three quarters of a layer's work.
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
             x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = torch.mm(x, layer["gate_up"]).chunk(2, dim=-1)
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
-            h = torch.addmm(h, act, layer["down"])
+            h = layer["down"].add_to(h, act)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
         last = h.index_select(0, meta.logits_index)
         last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
-        rows = last.shape[0]
-        if self.device.type == "cpu" and 2 < rows < 16:
-            # CPU BLAS picks a slow kernel for 3-15 rows against the wide vocabulary matrix; 16 rows
-            # run faster than 8, so pad and drop the extra rows.
-            last = F.pad(last, (0, 0, 0, 16 - rows))
-        if safepoint is None:
-            return F.linear(last, self.lm_head)[:rows].float()
-        # The LM head reads the largest matrix of the model (the whole vocabulary); in slices with a
-        # safepoint between them a pause or preemption never waits for all of it.
         parts = []
-        for i, w in enumerate(self.lm_head.split(self.lm_head_slice_rows)):
-            if i and safepoint(cfg.num_layers):
+        for i, part in enumerate(self.lm_head_slices):
+            if i and safepoint is not None and safepoint(cfg.num_layers):
                 raise StepAborted(cfg.num_layers)
-            parts.append(F.linear(last, w)[:rows])
+            parts.append(part(last))
         return torch.cat(parts, dim=1).float()
 
     def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:

@@ -158,3 +158,15 @@ def test_runner_rejects_positions_beyond_context(setup, tiny_config):
     _, runner = setup
     with pytest.raises(ValueError, match="beyond"):
         runner.execute([SeqChunk("s", [3], tiny_config.max_position_embeddings, list(range(100)))])
+
+
+def test_plain_blas_layout_matches_hf_too(tiny_config, device, monkeypatch):
+    """BACKFILL_CPU_MATMUL=blas (or a device without oneDNN packing) keeps the plain layout."""
+    monkeypatch.setenv("BACKFILL_CPU_MATMUL", "blas")
+    hf = _hf_reference(tiny_config)
+    model = LlamaModel(tiny_config, dict(hf.state_dict()), device=device)
+    assert model.matmul_kernel == "torch.mm"
+    runner = ModelRunner(model, KVBlockPool(tiny_config, num_blocks=16, block_size=8, device=device))
+    ids = _prompt(21, 5)
+    out = runner.execute([SeqChunk("a", ids, 0, runner.kv.allocate(runner.kv.blocks_needed(len(ids))))])
+    _close(out.logits[0], _hf_logits(hf, ids)[-1])
