@@ -5,6 +5,12 @@ budget from the SLOs (TPOT when online requests decode, else what is left of the
 TTFT) and offline tokens fill what the latency model says still fits. Offline requests never
 hold blocks an online request needs: they are preempted, checkpointed ones first.
 
+The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
+whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
+(never past the SLO itself). Steps slowed by online prefills draw the bank down, so the next
+steps carry fewer offline tokens; the paper's per-step budget would instead hold every step
+to the SLO and let those prefill-heavy steps push a request's mean over it.
+
 Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
 large as the preemption target allows: a step can only be aborted at a safepoint (three per
 layer), so the work between two safepoints must take no longer than the latency we promise.
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, recompute_cost_order
-from backfill.policy.state import SchedulerState, StepPlan
+from backfill.policy.state import SchedulerState, SeqView, StepPlan
 from backfill.serving.api import SLO
 
 
@@ -40,6 +46,9 @@ class CoServeConfig:
     interference_slack: float | None = None
     # Plan co-serving steps to this share of the SLO budget, leaving room for estimate error.
     slo_margin: float = 0.85
+    # Let a decoding online request spend the time it banked by running faster than its TPOT
+    # SLO (see the module doc); False: every step's budget is the TPOT SLO (ConServe §4.5).
+    bank_tpot_slack: bool = True
     num_layers: int = 30
 
     def __post_init__(self) -> None:
@@ -123,14 +132,28 @@ class CoServePolicy:
     # --- Algorithm 1: co-serving mode -----------------------------------------------------------
 
     def _budget_ms(self, state: SchedulerState) -> float:
-        slo = self.config.slo
-        online = state.online
-        if any(not s.in_prefill and s.running for s in online):
-            return slo.tpot_ms
-        waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in online)
+        """How long this step may take, already scaled by slo_margin."""
+        cfg = self.config
+        target_tpot_ms = cfg.slo_margin * cfg.slo.tpot_ms
+        decoding = [s for s in state.online if s.running and not s.in_prefill]
+        if decoding:
+            if not cfg.bank_tpot_slack:
+                return target_tpot_ms
+            # After this step a request has n + 1 tokens; its TPOT so far is
+            # (now + step - first token) / n, which must stay within the target.
+            allowance = min(self._tpot_allowance_ms(s, state.now_s, target_tpot_ms) for s in decoding)
+            return min(allowance, cfg.slo.tpot_ms)
+        waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         # Never longer than a decode step's budget either: a request arriving during this step
         # waits for all of it, and in a burst such filled steps would stack up in its TTFT.
-        return min(max(slo.ttft_ms - waited_ms, 0.0), slo.tpot_ms)
+        return cfg.slo_margin * min(max(cfg.slo.ttft_ms - waited_ms, 0.0), cfg.slo.tpot_ms)
+
+    @staticmethod
+    def _tpot_allowance_ms(seq: SeqView, now_s: float, target_tpot_ms: float) -> float:
+        if seq.first_token_s is None or seq.num_output_tokens < 1:
+            return target_tpot_ms
+        decode_ms = (now_s - seq.first_token_s) * 1e3
+        return target_tpot_ms * seq.num_output_tokens - decode_ms
 
     def _co_serving(self, state: SchedulerState) -> StepPlan:
         cfg = self.config
@@ -146,7 +169,7 @@ class CoServePolicy:
             if state.blocks_for(seq, want) > plan.free_blocks:
                 plan.make_room(seq, want, victims)
             plan.add(seq)
-        budget_ms = cfg.slo_margin * self._budget_ms(state)
+        budget_ms = self._budget_ms(state)
         if cfg.interference_slack is not None:  # inf leaves the SLO budget as it is
             budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self._estimate_ms(plan.shape))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)

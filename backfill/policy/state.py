@@ -26,6 +26,7 @@ class SeqView:
     num_checkpointed_tokens: int = 0  # tokens whose KV has a host copy
     max_tokens: int = 16
     num_output_tokens: int = 0
+    first_token_s: float | None = None  # when its first output token was sampled (scheduler clock)
 
     @property
     def is_online(self) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.linear import onednn_packing_enabled
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.errors import InvalidRequestError
@@ -79,7 +80,10 @@ class ServingConfig:
 def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return root / "profiles" / f"{safe}-{cfg.dtype}-{cfg.resolved_device()}-t{torch.get_num_threads()}.json"
+    device = cfg.resolved_device()
+    # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py).
+    kernel = "onednn" if onednn_packing_enabled(torch.device(device), cfg.torch_dtype) else "mm"
+    return root / "profiles" / f"{safe}-{cfg.dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
 
 
 def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:

@@ -168,7 +168,8 @@ class Scheduler:
     def _view(self, s: Sequence) -> SeqView:
         return SeqView(s.seq_id, s.request_class, s.request.arrival_time, len(s.prompt_ids), s.num_tokens,
                        s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
-                       s.checkpoint.num_tokens, s.request.sampling.max_tokens, len(s.output_ids))
+                       s.checkpoint.num_tokens, s.request.sampling.max_tokens, len(s.output_ids),
+                       s.first_token_s)
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()

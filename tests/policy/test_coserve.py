@@ -94,6 +94,44 @@ def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     assert uncapped.schedule(state(*online, *[decoding(i, OFF) for i in range(100)])).info["budget_ms"] == 50
 
 
+def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
+    """An online request decoding for decode_s seconds since its first token, outputs tokens out."""
+    base = decoding(i, ON, arrival=0.0)
+    return SeqView(base.seq_id, ON, 0.0, base.num_prompt_tokens, base.num_tokens, base.num_computed_tokens,
+                   base.num_blocks, True, num_output_tokens=outputs, first_token_s=now - decode_s, max_tokens=64)
+
+
+def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
+    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8)  # target 40 ms per token
+    offline = [decoding(i, OFF) for i in range(100)]
+    # 20 tokens in 0.5 s: 25 ms each, 300 ms banked against the 40 ms target. The step may take up
+    # to the SLO itself (50 ms), never the whole bank.
+    ahead = online_decoding(0, outputs=20, decode_s=0.5)
+    banked = CoServePolicy(LATENCY, cfg).schedule(state(ahead, *offline))
+    assert banked.info["budget_ms"] == 50
+    per_step = CoServePolicy(LATENCY, CoServeConfig(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False))
+    plain = per_step.schedule(state(ahead, *offline))
+    assert plain.info["budget_ms"] == pytest.approx(40)
+    assert banked.num_tokens - plain.num_tokens == 10  # 10 ms more at 1 ms per token past 8
+
+
+def test_a_request_behind_its_tpot_slo_gets_a_step_without_offline_tokens():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8))
+    # 20 tokens in 0.79 s: its mean would pass 40 ms/token after a step of more than 10 ms.
+    behind = online_decoding(0, outputs=20, decode_s=0.79)
+    plan = policy.schedule(state(behind, *[decoding(i, OFF) for i in range(100)]))
+    assert plan.info["budget_ms"] == pytest.approx(10)
+    assert ids(plan) == {"online0": 1}  # online work always runs; no offline token fits 10 ms
+
+
+def test_the_least_banked_decoding_request_sets_the_budget():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8))
+    ahead = online_decoding(0, outputs=20, decode_s=0.5)
+    tight = online_decoding(1, outputs=10, decode_s=0.37)  # 400 - 370 = 30 ms left
+    plan = policy.schedule(state(ahead, tight, *[decoding(i, OFF) for i in range(100)]))
+    assert plan.info["budget_ms"] == pytest.approx(30)
+
+
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=1000)))
     waiting_online = seq(0, ON, tokens=100, arrival=0.9)
