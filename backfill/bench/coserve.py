@@ -37,6 +37,7 @@ from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.serving.api import SLO
 from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
 from backfill.serving.engine import AsyncEngine
+from backfill.serving.torch_thread import run_on_torch_thread
 
 MODES = ("online-only", "fcfs", "priority", "coserve")
 
@@ -98,11 +99,7 @@ async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, pr
     finally:
         await engine.stop()
     stats = engine.scheduler.stats
-    # Offline requests cut at the end of the run are cancelled; the engine must be empty again.
-    for seq_id in list(engine.scheduler.seqs):
-        engine.scheduler.cancel(seq_id)
-    while engine.scheduler.has_work():
-        engine.scheduler.step()
+    run_on_torch_thread(_drain, engine.scheduler)
     metrics = compute_metrics(run.records, slo=slo, duration_s=run.duration_s, engine_samples=run.samples,
                               preemption_events=target.preemption_events(run.t0_monotonic_s))
     engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "wasted_tokens": stats.wasted_tokens,
@@ -113,17 +110,33 @@ async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, pr
     return ModeResult(metrics, run.records, {"engine": engine_stats})
 
 
+def _drain(scheduler) -> None:
+    """Offline requests cut at the end of the run are cancelled; the engine must be empty again."""
+    for seq_id in list(scheduler.seqs):
+        scheduler.cancel(seq_id)
+    while scheduler.has_work():
+        scheduler.step()
+
+
+def load_and_profile(serving: ServingConfig):
+    """The model, its runner and latency profile, built on the torch thread the engine runs on."""
+    from backfill.engine.weights import load_model
+
+    def build():
+        loaded = load_model(serving.model)
+        runner = build_runner(loaded.config, loaded.weights, serving)
+        return loaded, runner, load_or_profile(runner, serving, loaded.config.name)
+
+    return run_on_torch_thread(build)
+
+
 def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
                       modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
                       progress: bool = True, log=print) -> dict[str, ModeResult]:
-    from backfill.engine.weights import load_model
-
     for mode in modes:
         if mode not in MODES:
             raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    loaded = load_model(serving.model)
-    runner = build_runner(loaded.config, loaded.weights, serving)
-    latency = load_or_profile(runner, serving, loaded.config.name)
+    loaded, runner, latency = load_and_profile(serving)
     results: dict[str, ModeResult] = {}
     slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
     ordered = sorted(modes, key=lambda m: m != "online-only")  # the baseline first: it calibrates SLOs

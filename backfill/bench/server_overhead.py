@@ -21,11 +21,11 @@ from pathlib import Path
 
 import httpx
 
-from backfill.bench.coserve import CoserveScenario, _run_mode, make_workload, run_http_bench
+from backfill.bench.coserve import CoserveScenario, _run_mode, load_and_profile, make_workload, run_http_bench
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.errors import BackfillError
 from backfill.serving.api import SLO
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
+from backfill.serving.build import ServingConfig, build_scheduler
 from backfill.serving.engine import AsyncEngine
 
 
@@ -51,11 +51,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) ->
 
 def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig, slo: SLO,
                               out_dir: str | Path = "runs/server", progress: bool = True) -> dict[str, ModeResult]:
-    from backfill.engine.weights import load_model
-
-    loaded = load_model(serving.model)
-    runner = build_runner(loaded.config, loaded.weights, serving)
-    latency = load_or_profile(runner, serving, loaded.config.name)
+    loaded, runner, latency = load_and_profile(serving)
     cfg = replace(serving, policy="coserve", slo=slo)
     engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
                          loaded.tokenizer, loaded.config.name)

@@ -22,6 +22,7 @@ from backfill.policy.planner import BatchLimits
 from backfill.serving.api import SLO
 from backfill.serving.engine import AsyncEngine
 from backfill.serving.scheduler import Scheduler
+from backfill.serving.torch_thread import run_on_torch_thread
 
 POLICIES = ("coserve", "priority", "fcfs", "online-only")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,6 +149,10 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
 
 def build_engine(cfg: ServingConfig) -> AsyncEngine:
     """The serving stack on the configured model (the embedded default model when cfg.model is None)."""
+    return run_on_torch_thread(_build_engine, cfg)
+
+
+def _build_engine(cfg: ServingConfig) -> AsyncEngine:
     from backfill.engine.weights import load_model
 
     loaded = load_model(cfg.model)
@@ -158,6 +163,10 @@ def build_engine(cfg: ServingConfig) -> AsyncEngine:
 
 def build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None = None, seed: int = 0) -> AsyncEngine:
     """A tiny random-weight model with a byte tokenizer: the real stack, fast enough for tests."""
+    return run_on_torch_thread(_build_tiny_engine, cfg, model_config, seed)
+
+
+def _build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None, seed: int) -> AsyncEngine:
     from backfill.engine.byte_tokenizer import ByteTokenizer
     from backfill.engine.weights import random_model
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: the scheduler loop on its own thread, with an asyncio streaming API.
+"""AsyncEngine: the scheduler loop on the torch thread, with an asyncio streaming API.
 
 The server and the benchmark harness both use this; nothing else drives the scheduler.
 """
@@ -9,11 +9,13 @@ import asyncio
 import logging
 import sys
 import threading
+from concurrent.futures import Future
 from typing import AsyncIterator
 
 from backfill.errors import EngineStoppedError
 from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
 from backfill.serving.scheduler import Scheduler
+from backfill.serving.torch_thread import start_on_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +27,13 @@ class AsyncEngine:
         self.model_name = model_name
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop_future: Future | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop_future is not None and not self._loop_future.done()
 
     async def start(self) -> None:
         if self.running:
@@ -41,15 +43,15 @@ class AsyncEngine:
         # arriving online request reach the safepoint flag within a layer, not 5 ms later.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="backfill-scheduler", daemon=True)
-        self._thread.start()
+        # On the thread that built the model: one OpenMP pool (see torch_thread).
+        self._loop_future = start_on_torch_thread(self._run)
 
     async def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-            self._thread = None
+        if self._loop_future is not None:
+            await asyncio.wrap_future(self._loop_future)
+            self._loop_future = None
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Queue request and return its event stream. Raises a typed error at once on bad input."""
