@@ -67,11 +67,9 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
-        from backfill.engine.weights import load_model
-        from backfill.serving.build import build_runner, load_or_profile
+        from backfill.bench.coserve import load_and_profile
 
-        loaded = load_model(args.model)
-        latency = load_or_profile(build_runner(loaded.config, loaded.weights, serving), serving, loaded.config.name)
+        loaded, _, latency = load_and_profile(serving)
         result = run_http_bench(args.url, args.served_model or loaded.config.name, scenario, loaded.tokenizer,
                                 latency, label=args.label, api_key=args.api_key, out_dir=args.out)
         results = {args.label: result}

@@ -1,8 +1,8 @@
 """Decode step time of one online request: the scheduler stepped directly vs. inside AsyncEngine.
 
 Shows the cost of running torch on a second thread (a second OpenMP pool, see
-backfill/serving/torch_thread.py). --split builds the model on the main thread and runs the
-engine loop on another, as the engine did before the torch thread existed.
+backfill/serving/torch_thread.py). --split builds the model on the main thread, so the engine
+loop runs on another, as it did before the torch thread existed.
 
     .venv/bin/python scripts/thread_probe.py [--split] [--rounds 3]
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
 import time
 
 from backfill.bench.engine_bench import _prompt
@@ -44,11 +43,12 @@ def main() -> None:
     args = parser.parse_args()
     scheduler_module.Scheduler._run_plan = _timed_run_plan(scheduler_module.Scheduler._run_plan)
     cfg = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, policy="online-only")
-    build = lambda: (lambda m: (m, build_runner(m.config, m.weights, cfg)))(load_model(None))  # noqa: E731
-    if args.split:
-        loaded, runner = build()
-    else:
-        loaded, runner = run_on_torch_thread(build)
+
+    def build():
+        loaded = load_model(None)
+        return loaded, build_runner(loaded.config, loaded.weights, cfg)
+
+    loaded, runner = build() if args.split else run_on_torch_thread(build)
 
     def request() -> GenerationRequest:
         return GenerationRequest(_prompt(150, 3, loaded.config.vocab_size),
@@ -64,10 +64,7 @@ def main() -> None:
 
     async def engine() -> float:
         eng = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name), loaded.tokenizer)
-        if args.split:
-            await _start_on_own_thread(eng)
-        else:
-            await eng.start()
+        await eng.start()
         STEP_MS.clear()
         async for _ in eng.submit(request()):
             pass
@@ -77,20 +74,6 @@ def main() -> None:
     for _ in range(args.rounds):
         d = direct() if args.split else run_on_torch_thread(direct)
         print(f"scheduler stepped directly: {d:.1f} ms   inside AsyncEngine: {asyncio.run(engine()):.1f} ms")
-
-
-async def _start_on_own_thread(engine: AsyncEngine) -> None:
-    from concurrent.futures import Future
-
-    engine._loop = asyncio.get_running_loop()
-    future: Future = Future()
-
-    def run() -> None:
-        engine._run()
-        future.set_result(None)
-
-    threading.Thread(target=run, daemon=True).start()
-    engine._loop_future = future
 
 
 if __name__ == "__main__":

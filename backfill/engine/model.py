@@ -77,10 +77,9 @@ class LlamaModel:
 
         self.embed = w("model.embed_tokens.weight")
         lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.vocab_size = lm_head.shape[0]
         # The LM head reads the largest matrix of the model (the whole vocabulary); in slices with
         # a safepoint between them a pause or preemption never waits for all of it.
-        slice_rows = -(-self.vocab_size // LM_HEAD_SLICES)
+        slice_rows = -(-lm_head.shape[0] // LM_HEAD_SLICES)
         self.lm_head_slices = [Linear(part, packed) for part in lm_head.split(slice_rows)]
         self.final_norm = w("model.norm.weight")
         self.layers = []

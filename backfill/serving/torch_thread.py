@@ -75,15 +75,7 @@ def start_on_torch_thread(fn: Callable[[], None]) -> Future:
 
 
 def _start_on_own_thread(fn: Callable[[], None]) -> Future:
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # handed to whoever awaits the engine's stop
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=run, name="backfill-scheduler", daemon=True).start()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backfill-scheduler")
+    future = executor.submit(fn)
+    executor.shutdown(wait=False)  # the thread ends with fn
     return future

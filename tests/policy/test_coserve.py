@@ -1,5 +1,7 @@
 """Policy decisions on hand-built scheduler states (no engine, no tensors)."""
 
+from dataclasses import replace
+
 import pytest
 
 from backfill.errors import InvalidRequestError
@@ -96,9 +98,7 @@ def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
 
 def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
     """An online request decoding for decode_s seconds since its first token, outputs tokens out."""
-    base = decoding(i, ON, arrival=0.0)
-    return SeqView(base.seq_id, ON, 0.0, base.num_prompt_tokens, base.num_tokens, base.num_computed_tokens,
-                   base.num_blocks, True, num_output_tokens=outputs, first_token_s=now - decode_s, max_tokens=64)
+    return replace(decoding(i, ON), num_output_tokens=outputs, first_token_s=now - decode_s, max_tokens=64)
 
 
 def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
