@@ -130,6 +130,9 @@ def test_online_busy_pauses_offline_and_cooldown_is_honored(runtime, offline_eng
 def test_reclamation_pauses_offline_and_delivers_invalidated_blocks(runtime, offline_engine):
     _, counter, events = offline_engine(runtime, n_handles=6)
     ready = [e for e in read_log(events) if "ready" in e][0]["ready"]
+    # The block report is one-way and travels on the offline engine's own connection, so it
+    # may still be in flight when the engine logs "ready"; reclaim only once the runtime has it.
+    wait_for(lambda: len(runtime.pool.reported_requests("off")) == 6, what="block report")
     with NodeClient.connect(runtime.socket_path, "on", "online") as online:
         got = online.allocate(2)
         assert len(got) == 2 and set(got) <= set(ready)
