@@ -8,8 +8,11 @@ hold blocks an online request needs: they are preempted, checkpointed ones first
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
 whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
 (never past the SLO itself). Steps slowed by online prefills draw the bank down, so the next
-steps carry fewer offline tokens; the paper's per-step budget would instead hold every step
-to the SLO and let those prefill-heavy steps push a request's mean over it.
+steps carry fewer offline tokens. What the bank cannot see is the future: an online request
+arriving later stalls every decoding request for its prefill, and a request that had spent its
+bank would end over the SLO. So the bank is only spent above a reserve for such prefills, sized
+by the longest prompt among recent online requests (a request has to earn it first: early tokens
+spend nothing). The paper's per-step budget, or the interference cap when one is set, is the floor.
 
 Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
 large as the preemption target allows: a step can only be aborted at a safepoint (three per
@@ -21,6 +24,7 @@ next layer safepoint if finishing it would make the request miss its TTFT SLO.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
@@ -49,6 +53,8 @@ class CoServeConfig:
     # Let a decoding online request spend the time it banked by running faster than its TPOT
     # SLO (see the module doc); False: every step's budget is the TPOT SLO (ConServe §4.5).
     bank_tpot_slack: bool = True
+    # Bank kept back for this many future online prefills (of the longest recent online prompt).
+    bank_reserve_prefills: float = 1.0
     num_layers: int = 30
 
     def __post_init__(self) -> None:
@@ -60,6 +66,8 @@ class CoServeConfig:
             raise InvalidRequestError("interference_slack must be >= 0")
         if not 0.0 < self.slo_margin <= 1.0:
             raise InvalidRequestError("slo_margin must be in (0, 1]")
+        if not self.bank_reserve_prefills >= 0:
+            raise InvalidRequestError("bank_reserve_prefills must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,7 @@ class CoServePolicy:
         self._corrections: dict[int, float] = {}
         self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
+        self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -132,21 +141,40 @@ class CoServePolicy:
     # --- Algorithm 1: co-serving mode -----------------------------------------------------------
 
     def _budget_ms(self, state: SchedulerState) -> float:
-        """How long this step may take, already scaled by slo_margin."""
+        """The paper's per-step budget, already scaled by slo_margin (ConServe §4.5)."""
         cfg = self.config
-        target_tpot_ms = cfg.slo_margin * cfg.slo.tpot_ms
-        decoding = [s for s in state.online if s.running and not s.in_prefill]
-        if decoding:
-            if not cfg.bank_tpot_slack:
-                return target_tpot_ms
-            # After this step a request has n + 1 tokens; its TPOT so far is
-            # (now + step - first token) / n, which must stay within the target.
-            allowance = min(self._tpot_allowance_ms(s, state.now_s, target_tpot_ms) for s in decoding)
-            return min(allowance, cfg.slo.tpot_ms)
+        if any(s.running and not s.in_prefill for s in state.online):
+            return cfg.slo_margin * cfg.slo.tpot_ms
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         # Never longer than a decode step's budget either: a request arriving during this step
         # waits for all of it, and in a burst such filled steps would stack up in its TTFT.
         return cfg.slo_margin * min(max(cfg.slo.ttft_ms - waited_ms, 0.0), cfg.slo.tpot_ms)
+
+    def _banked_budget_ms(self, state: SchedulerState) -> float:
+        """How long this step may take spending only what every decoding online request banked
+        above the reserve for future prefills (see the module doc); never more than the SLO."""
+        cfg = self.config
+        target_tpot_ms = cfg.slo_margin * cfg.slo.tpot_ms
+        decoding = [s for s in state.online if s.running and not s.in_prefill]
+        if not decoding:
+            return 0.0
+        # After this step a request has n + 1 tokens; its TPOT so far is
+        # (now + step - first token) / n, which must stay within the target.
+        allowance = min(self._tpot_allowance_ms(s, state.now_s, target_tpot_ms) for s in decoding)
+        return min(allowance - self._prefill_reserve_ms(), cfg.slo.tpot_ms)
+
+    def _note_online_prompts(self, state: SchedulerState) -> None:
+        for s in state.online:
+            self._recent_online_prompts[s.seq_id] = s.num_prompt_tokens
+            self._recent_online_prompts.move_to_end(s.seq_id)
+        while len(self._recent_online_prompts) > 32:
+            self._recent_online_prompts.popitem(last=False)
+
+    def _prefill_reserve_ms(self) -> float:
+        longest = max(self._recent_online_prompts.values(), default=0)
+        if longest == 0 or self.config.bank_reserve_prefills == 0:
+            return 0.0
+        return self.config.bank_reserve_prefills * self._estimate_ms(BatchShape().plus(longest, 0))
 
     @staticmethod
     def _tpot_allowance_ms(seq: SeqView, now_s: float, target_tpot_ms: float) -> float:
@@ -157,6 +185,7 @@ class CoServePolicy:
 
     def _co_serving(self, state: SchedulerState) -> StepPlan:
         cfg = self.config
+        self._note_online_prompts(state)
         limits = cfg.limits
         online = decode_first(state.online)
         offline = decode_first(state.offline)
@@ -172,6 +201,8 @@ class CoServePolicy:
         budget_ms = self._budget_ms(state)
         if cfg.interference_slack is not None:  # inf leaves the SLO budget as it is
             budget_ms = min(budget_ms, (1.0 + cfg.interference_slack) * self._estimate_ms(plan.shape))
+        if cfg.bank_tpot_slack:
+            budget_ms = max(budget_ms, self._banked_budget_ms(state))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
         for seq in offline:
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:

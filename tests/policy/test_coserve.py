@@ -115,21 +115,38 @@ def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens
     assert banked.num_tokens - plain.num_tokens == 10  # 10 ms more at 1 ms per token past 8
 
 
-def test_a_request_behind_its_tpot_slo_gets_a_step_without_offline_tokens():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8))
-    # 20 tokens in 0.79 s: its mean would pass 40 ms/token after a step of more than 10 ms.
+def test_a_request_behind_its_tpot_target_spends_no_bank():
+    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, interference_slack=0.1,
+                        bank_reserve_prefills=0)
+    # 20 tokens in 0.79 s: its mean would pass 40 ms/token after a step of more than 10 ms, so the
+    # step gets the interference cap and nothing from the bank: 1.1 x the 20 ms online step.
     behind = online_decoding(0, outputs=20, decode_s=0.79)
-    plan = policy.schedule(state(behind, *[decoding(i, OFF) for i in range(100)]))
-    assert plan.info["budget_ms"] == pytest.approx(10)
-    assert ids(plan) == {"online0": 1}  # online work always runs; no offline token fits 10 ms
+    plan = CoServePolicy(LATENCY, cfg).schedule(state(behind, *[decoding(i, OFF) for i in range(100)]))
+    assert plan.info["budget_ms"] == pytest.approx(22)
+    assert plan.num_tokens == 10  # 20 ms up to 8 tokens, then 1 ms per token
 
 
 def test_the_least_banked_decoding_request_sets_the_budget():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8,
+                                                  interference_slack=0.1, bank_reserve_prefills=0))
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
     tight = online_decoding(1, outputs=10, decode_s=0.37)  # 400 - 370 = 30 ms left
     plan = policy.schedule(state(ahead, tight, *[decoding(i, OFF) for i in range(100)]))
     assert plan.info["budget_ms"] == pytest.approx(30)
+
+
+def test_the_bank_keeps_a_reserve_for_the_longest_recent_online_prefill():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=5000, tpot_ms=50), slo_margin=0.8,
+                                                  interference_slack=0.1))
+    offline = [decoding(i, OFF) for i in range(100)]
+    ahead = online_decoding(0, outputs=20, decode_s=0.5)  # 300 ms banked
+    # A 300-token prompt seen recently: prefilling it again would take 20 + 292 ms > 300 ms.
+    policy.schedule(state(seq(1, ON, tokens=300), *offline))
+    assert policy.schedule(state(ahead, *offline)).info["budget_ms"] == pytest.approx(22)
+    # Once 32 newer online requests with short prompts have been seen, the long one ages out.
+    for i in range(32):
+        policy.schedule(state(seq(100 + i, ON, tokens=40), *offline))
+    assert policy.schedule(state(ahead, *offline)).info["budget_ms"] == 50
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
