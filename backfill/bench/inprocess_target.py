@@ -31,8 +31,8 @@ class InProcessTarget:
 
     def preemption_events(self, t0_monotonic: float) -> list[tuple[float, float]]:
         """(seconds since t0, latency ms) of every offline step aborted for an online arrival."""
-        return [(t - t0_monotonic, ms) for t, ms in self.engine.scheduler.stats.preemption_events
-                if t >= t0_monotonic]
+        return [(e.at_s - t0_monotonic, e.latency_ms) for e in self.engine.scheduler.stats.preemption_events
+                if e.at_s >= t0_monotonic]
 
     async def sample_stats(self) -> dict[str, float]:
         scheduler = self.engine.scheduler

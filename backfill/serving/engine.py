@@ -6,6 +6,7 @@ The server and the benchmark harness both use this; nothing else drives the sche
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -42,6 +43,12 @@ class AsyncEngine:
         # The scheduler thread and the event loop share the GIL; a short switch interval lets an
         # arriving online request reach the safepoint flag within a layer, not 5 ms later.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+        # A full collection holds the GIL while it scans every tracked object: with the model,
+        # tokenizer and a benchmark's workload loaded that took 30-130 ms, stalling the step loop
+        # and the arrival path alike (preemption outliers of 55-75 ms). What exists now lives as
+        # long as the engine; freezing it leaves full collections only the objects made since.
+        gc.collect()
+        gc.freeze()
         self._stopping.clear()
         # On the thread that built the model: one OpenMP pool (see torch_thread).
         self._loop_future = start_on_torch_thread(self._run)

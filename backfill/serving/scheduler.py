@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -38,13 +38,33 @@ class SchedulingPolicy(Protocol):
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None: ...
 
 
+class PreemptionRecord(NamedTuple):
+    """An offline step yielding to an online arrival (ConServe §4.3), with where the time went."""
+
+    at_s: float             # monotonic time the step yielded
+    latency_ms: float       # from the online arrival to the yield
+    flag_ms: float          # from the arrival to the abort flag being set (the rest: finishing a layer)
+    layer: int | None       # safepoint the step stopped at; None: it ran to its end (only the LM head was left)
+    step_tokens: int        # tokens in the step that yielded
+
+
+class StepRecord(NamedTuple):
+    """One scheduler step, for finding where online latency went (the last few thousand are kept)."""
+
+    at_s: float             # monotonic time the step started
+    mode: str               # the plan's mode (co-serving, offline-batching, ...)
+    online_tokens: int
+    offline_tokens: int
+    busy_ms: float          # the whole step: restores, the forward pass, sampling, checkpoints
+    aborted: bool
+
+
 @dataclass
 class SchedulerStats:
     steps: int = 0
     aborted_steps: int = 0
     wasted_tokens: int = 0              # tokens of aborted steps (computed, then thrown away)
-    # (monotonic time the offline step yielded, ms from the online arrival that asked for it)
-    preemption_events: list[tuple[float, float]] = field(default_factory=list)
+    preemption_events: list[PreemptionRecord] = field(default_factory=list)
     preempted_requests: int = 0         # requests taken off the device to free blocks
     checkpointed_tokens: int = 0
     checkpoint_bytes: int = 0
@@ -58,10 +78,11 @@ class SchedulerStats:
     # restore copies included, and the offline tokens its steps produced.
     mode_busy_s: dict[str, float] = field(default_factory=dict)
     mode_offline_tokens: dict[str, int] = field(default_factory=dict)
+    step_log: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=20_000))
 
     @property
     def preemption_latencies_ms(self) -> list[float]:
-        return [latency for _, latency in self.preemption_events]
+        return [event.latency_ms for event in self.preemption_events]
 
 
 class Scheduler:
@@ -87,6 +108,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._abort_requested_s: float | None = None
+        self._abort_flagged_s = 0.0
         self._current: RunningStep | None = None
 
     # --- called from any thread ---------------------------------------------------------------
@@ -140,6 +162,7 @@ class Scheduler:
                                self.max_model_len)
         if self.policy.should_abort_step(state, step):
             self._abort_requested_s = min(r.arrival_time for r in arrivals)
+            self._abort_flagged_s = now
             self._abort.set()
 
     def _safepoint(self, layer: int) -> bool:
@@ -149,13 +172,15 @@ class Scheduler:
             if layer >= self.runner.config.num_layers:
                 # Only the LM head is left: finishing costs less than redoing the whole step.
                 return False
-            self._record_preemption()
+            self._record_preemption(layer)
         return True
 
-    def _record_preemption(self) -> None:
+    def _record_preemption(self, layer: int | None) -> None:
         """The running step yields to an online arrival now (aborted, or done past its last layer)."""
-        now = self.clock()
-        self.stats.preemption_events.append((now, (now - self._abort_requested_s) * 1e3))
+        now, arrival = self.clock(), self._abort_requested_s
+        step_tokens = self._current.shape.num_tokens if self._current is not None else 0
+        self.stats.preemption_events.append(PreemptionRecord(
+            now, (now - arrival) * 1e3, (self._abort_flagged_s - arrival) * 1e3, layer, step_tokens))
         self._abort_requested_s = None
 
     # --- the scheduler thread -----------------------------------------------------------------
@@ -178,12 +203,17 @@ class Scheduler:
             return events
         plan = self.policy.schedule(self.snapshot())
         self.stats.last_step_mode = plan.mode
-        started = time.perf_counter()
-        offline_before = self.stats.output_tokens["offline"]
+        online_tokens = sum(item.num_tokens for item in plan.scheduled
+                            if self.seqs[item.seq_id].request_class is RequestClass.ONLINE)
+        started_s, started = self.clock(), time.perf_counter()
+        offline_before, aborted_before = self.stats.output_tokens["offline"], self.stats.aborted_steps
         events += self._run_plan(plan)
+        busy_s = time.perf_counter() - started
         busy, made = self.stats.mode_busy_s, self.stats.mode_offline_tokens
-        busy[plan.mode] = busy.get(plan.mode, 0.0) + time.perf_counter() - started
+        busy[plan.mode] = busy.get(plan.mode, 0.0) + busy_s
         made[plan.mode] = made.get(plan.mode, 0) + self.stats.output_tokens["offline"] - offline_before
+        self.stats.step_log.append(StepRecord(started_s, plan.mode, online_tokens, plan.num_tokens - online_tokens,
+                                              busy_s * 1e3, self.stats.aborted_steps > aborted_before))
         return events
 
     def _run_plan(self, plan: StepPlan) -> list[TokenEvent]:
@@ -212,9 +242,9 @@ class Scheduler:
             self._on_online_arrival()  # an arrival raced with planning
         started = time.perf_counter()
         out = self.runner.execute(chunks, self._safepoint if plan.preemptible else None)
-        self._current = None
         if self._abort_requested_s is not None and not out.aborted:
-            self._record_preemption()
+            self._record_preemption(None)
+        self._current = None
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
         if not out.aborted:
