@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from backfill.errors import BackfillError
+from backfill.errors import BackfillError, InvalidRequestError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,8 @@ def _scenario(args: argparse.Namespace):
                            prompt_len=args.prompt_len, output_len=args.output_len,
                            offline_prompt_len=args.offline_prompt_len, offline_output_len=args.offline_output_len,
                            offline_concurrency=args.offline_concurrency, seed=args.seed,
-                           ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+                           ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                           rounds=getattr(args, "rounds", 1))
 
 
 def cmd_bench_coserve(args: argparse.Namespace) -> int:
@@ -68,6 +69,9 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
         from backfill.bench.coserve import load_and_profile
+
+        if scenario.rounds > 1:
+            raise InvalidRequestError("--rounds interleaves in-process modes; with --url there is one mode")
 
         loaded, _, latency = load_and_profile(serving)
         result = run_http_bench(args.url, args.served_model or loaded.config.name, scenario, loaded.tokenizer,
@@ -215,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
     _add_scenario_args(p)
     p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleave the modes in this many rounds of duration/rounds each and pool them "
+                        "(ratios then compare modes run minutes apart less on a machine whose speed drifts)")
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")

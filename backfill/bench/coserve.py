@@ -13,6 +13,11 @@ Online capacity is the rate at which one request at a time would keep the engine
 engine busy about 30% of the time. The SLOs given to the policies are online-only's own P99
 TTFT and TPOT from the same run ("keep my latency where it is alone") unless set explicitly.
 
+On a shared machine, speed drifts over minutes; a ratio between two modes run minutes apart
+measures that drift too. --rounds R splits the run into R rounds, each a fresh trace of
+duration/R seconds (seed + round) replayed against every mode in turn, and pools each mode's
+rounds. The SLOs come from the first round's online-only run.
+
 With --url, the same workload is sent to an OpenAI-compatible server instead (one mode,
 named by --label), measured the same way.
 """
@@ -21,14 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from backfill.bench.arrivals import gamma_arrivals
-from backfill.bench.driver import run_workload
+from backfill.bench.driver import RunResult, run_workload
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
-from backfill.bench.metrics import compute_metrics
+from backfill.bench.metrics import RequestRecord, compute_metrics
 from backfill.bench.prompts import PromptSource
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
@@ -56,10 +61,13 @@ class CoserveScenario:
     seed: int = 0
     ttft_slo_ms: float | None = None   # None: online-only's P99 TTFT in this run
     tpot_slo_ms: float | None = None   # None: online-only's P99 TPOT in this run
+    rounds: int = 1                    # modes interleaved in this many rounds (see the module doc)
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0 or not 0 < self.online_load <= 1.0 or not self.cv > 0:
             raise InvalidRequestError("need duration_s > 0, 0 < online_load <= 1 and cv > 0")
+        if self.rounds < 1:
+            raise InvalidRequestError(f"rounds must be >= 1, got {self.rounds}")
         for spec in (self.prompt_len, self.output_len, self.offline_prompt_len, self.offline_output_len):
             parse_length_spec(spec)
 
@@ -91,7 +99,16 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
     return replace(workload, meta={**workload.meta, "online_rate_per_s": rate, "online_load": scenario.online_load})
 
 
-async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, progress: bool) -> ModeResult:
+@dataclass
+class RoundResult:
+    """One mode's share of one round: the driver's run, the engine's preemptions and counters."""
+
+    run: RunResult
+    preemptions: list[tuple[float, float]]       # (s since the round's t0, latency ms)
+    engine: dict = field(default_factory=dict)
+
+
+async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) -> RoundResult:
     target = InProcessTarget(engine)
     await engine.start()
     try:
@@ -100,14 +117,55 @@ async def _run_mode(engine: AsyncEngine, workload: Workload, slo: SLO | None, pr
         await engine.stop()
     stats = engine.scheduler.stats
     run_on_torch_thread(_drain, engine.scheduler)
-    metrics = compute_metrics(run.records, slo=slo, duration_s=run.duration_s, engine_samples=run.samples,
-                              preemption_events=target.preemption_events(run.t0_monotonic_s))
+    t0 = run.t0_monotonic_s
     engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "wasted_tokens": stats.wasted_tokens,
                     "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
                     "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                    "output_tokens": dict(stats.output_tokens), "send_lag_p99_ms": metrics.send_lag_ms.p99,
-                    "mode_busy_s": dict(stats.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens)}
-    return ModeResult(metrics, run.records, {"engine": engine_stats})
+                    "output_tokens": dict(stats.output_tokens),
+                    "mode_busy_s": dict(stats.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens),
+                    "preemptions": [e._asdict() | {"at_s": e.at_s - t0} for e in stats.preemption_events
+                                    if e.at_s >= t0]}
+    return RoundResult(run, target.preemption_events(t0), engine_stats)
+
+
+def _shifted(record: RequestRecord, offset_s: float, prefix: str) -> RequestRecord:
+    def shift(t: float | None) -> float | None:
+        return None if t is None else t + offset_s
+
+    return replace(record, request_id=prefix + record.request_id, scheduled_s=shift(record.scheduled_s),
+                   send_s=shift(record.send_s), first_token_s=shift(record.first_token_s),
+                   chunk_times_s=[t + offset_s for t in record.chunk_times_s], end_s=shift(record.end_s))
+
+
+def _summed(counters: list[dict]) -> dict:
+    out: dict = {}
+    for c in counters:
+        for key, value in c.items():
+            if isinstance(value, dict):
+                out[key] = _summed([out.get(key, {}), value])
+            elif isinstance(value, list):
+                out[key] = out.get(key, []) + value
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
+    """One mode's rounds as one run: each round's times follow the previous round's end."""
+    records, samples, preemptions, counters = [], [], [], []
+    offset_s = 0.0
+    for k, part in enumerate(rounds):
+        prefix = f"r{k}-" if len(rounds) > 1 else ""
+        records += [_shifted(r, offset_s, prefix) for r in part.run.records]
+        samples += [(t + offset_s, stats) for t, stats in part.run.samples]
+        preemptions += [(t + offset_s, ms) for t, ms in part.preemptions]
+        counters.append({**part.engine, "preemptions": [e | {"at_s": e["at_s"] + offset_s}
+                                                        for e in part.engine.get("preemptions", [])]})
+        offset_s += part.run.duration_s
+    metrics = compute_metrics(records, slo=slo, duration_s=offset_s, engine_samples=samples,
+                              preemption_events=preemptions)
+    engine_stats = _summed(counters) | {"send_lag_p99_ms": metrics.send_lag_ms.p99}
+    return ModeResult(metrics, records, {"engine": engine_stats, "rounds": len(rounds)})
 
 
 def _drain(scheduler) -> None:
@@ -137,25 +195,31 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
         if mode not in MODES:
             raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     loaded, runner, latency = load_and_profile(serving)
-    results: dict[str, ModeResult] = {}
     slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
     ordered = sorted(modes, key=lambda m: m != "online-only")  # the baseline first: it calibrates SLOs
+    parts: dict[str, list[RoundResult]] = {mode: [] for mode in ordered}
+    meta: dict[str, dict] = {}
+    for k in range(scenario.rounds):
+        round_scenario = replace(scenario, duration_s=scenario.duration_s / scenario.rounds, seed=scenario.seed + k)
+        for mode in ordered:
+            workload = make_workload(round_scenario, loaded.tokenizer, latency, with_offline=mode != "online-only")
+            cfg = replace(serving, policy=mode, slo=slo)
+            engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
+                                 loaded.tokenizer, loaded.config.name)
+            label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
+            log(f"== {mode}{label}: {workload.name}, {len(workload.requests)} online requests, "
+                f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
+            parts[mode].append(asyncio.run(_run_round(engine, workload, progress)))
+            meta[mode] = {"policy": mode, "slo": asdict(slo), "scenario": asdict(scenario), "dtype": serving.dtype,
+                          "workload": dict(workload.meta)}
+            if mode == "online-only" and k == 0:
+                m = pool_rounds(parts[mode], None).metrics.online
+                slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
+    results: dict[str, ModeResult] = {}
     for mode in ordered:
-        workload = make_workload(scenario, loaded.tokenizer, latency, with_offline=mode != "online-only")
-        cfg = replace(serving, policy=mode, slo=slo)
-        engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
-                             loaded.tokenizer, loaded.config.name)
-        log(f"== {mode}: {workload.name}, {len(workload.requests)} online requests, "
-            f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
-        result = asyncio.run(_run_mode(engine, workload, slo if mode != "online-only" else None, progress))
-        results[mode] = ModeResult(result.metrics, result.records,
-                                   {**result.config, "policy": mode, "slo": asdict(slo),
-                                    "scenario": asdict(scenario), "dtype": serving.dtype,
-                                    "workload": dict(workload.meta)})
-        print_summary(mode, result.metrics)
-        if mode == "online-only":
-            m = result.metrics.online
-            slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
+        pooled = pool_rounds(parts[mode], slo if mode != "online-only" else None)
+        results[mode] = ModeResult(pooled.metrics, pooled.records, {**pooled.config, **meta[mode]})
+        print_summary(mode, pooled.metrics)
     baseline = "online-only" if "online-only" in results else None
     files = write_report(results, out_dir, baseline=baseline)
     log(f"report: {files.markdown}")

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from backfill.bench.coserve import CoserveScenario, _run_mode, load_and_profile, make_workload, run_http_bench
+from backfill.bench.coserve import (CoserveScenario, _run_round, load_and_profile, make_workload, pool_rounds,
+                                   run_http_bench)
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.errors import BackfillError
 from backfill.serving.api import SLO
@@ -56,7 +57,7 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
     engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
                          loaded.tokenizer, loaded.config.name)
     workload = make_workload(scenario, loaded.tokenizer, latency, with_offline=True)
-    results = {"in-process": asyncio.run(_run_mode(engine, workload, slo, progress))}
+    results = {"in-process": pool_rounds([asyncio.run(_run_round(engine, workload, progress))], slo)}
     print_summary("in-process", results["in-process"].metrics)
     del engine, runner
 
