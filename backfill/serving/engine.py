@@ -59,6 +59,7 @@ class AsyncEngine:
         if self._loop_future is not None:
             await asyncio.wrap_future(self._loop_future)
             self._loop_future = None
+        gc.unfreeze()  # cycles among what was frozen at start can be collected again
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Queue request and return its event stream. Raises a typed error at once on bad input."""
