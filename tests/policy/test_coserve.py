@@ -187,6 +187,16 @@ def test_algorithm_2_aborts_only_when_ttft_would_be_missed():
     assert not policy.should_abort_step(arrival, co_serving_step)
 
 
+def test_algorithm_2_with_an_interference_cap_lets_an_arrival_wait_only_a_slack_share_of_its_prefill():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), interference_slack=0.1))
+    arrival = state(seq(0, ON, tokens=50, arrival=1.0), now=1.0)   # online prefill: ~62 ms
+    # Finishing a ~72 ms step keeps the 2 s TTFT SLO, but 72 ms is more than 10% of 62 ms.
+    assert policy.should_abort_step(arrival, RunningStep(BatchShape(num_tokens=60), 1.0, True))
+    # 70 ms into it, ~2 ms remain: under 6.2 ms, the step finishes.
+    assert not policy.should_abort_step(state(seq(0, ON, tokens=50, arrival=1.07), now=1.07),
+                                        RunningStep(BatchShape(num_tokens=60), 1.0, True))
+
+
 def test_priority_fills_with_offline_without_budget_and_never_aborts():
     policy = PriorityPolicy(BatchLimits(max_batch_tokens=256))
     plan = policy.schedule(state(decoding(0, ON), *[seq(i, OFF, tokens=200) for i in range(3)]))
