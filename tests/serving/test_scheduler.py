@@ -102,6 +102,15 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     out, _ = _drain(scheduler)
     assert scheduler.stats.aborted_steps == 3
     assert len(scheduler.stats.preemption_latencies_ms) == 3
+    for event in scheduler.stats.preemption_events:
+        # Flagged on arrival (inside add), yielded at the same layer's safepoint: no step in between.
+        assert event.layer == 2 and event.step_tokens > 0
+        assert 0 <= event.flag_ms <= event.latency_ms
+    aborted = [s for s in scheduler.stats.step_log if s.aborted]
+    assert len(aborted) == 3 and all(s.mode == "offline-batching" and s.online_tokens == 0 for s in aborted)
+    # Every online token fed once: the prompt, then each output token but the last.
+    fed = sum(len(r.prompt_token_ids) + 4 - 1 for r in _requests(3, ONLINE, prefix="on"))
+    assert sum(s.online_tokens for s in scheduler.stats.step_log) == fed
     assert {k: out[k] for k in expected} == expected
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))
 
@@ -114,6 +123,7 @@ def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
     out, _ = _drain(scheduler)
     assert scheduler.stats.aborted_steps == 0
     assert len(scheduler.stats.preemption_latencies_ms) == 1
+    assert scheduler.stats.preemption_events[0].layer is None  # ran to its end
     assert {k: out[k] for k in expected} == expected and len(out["on0"]) == 4
 
 
