@@ -56,6 +56,7 @@ class StepRecord(NamedTuple):
     online_tokens: int
     offline_tokens: int
     busy_ms: float          # the whole step: restores, the forward pass, sampling, checkpoints
+    forward_ms: float       # the model's forward pass alone (to an abort, if aborted)
     aborted: bool
 
 
@@ -109,6 +110,7 @@ class Scheduler:
         self._abort = threading.Event()
         self._abort_requested_s: float | None = None
         self._abort_flagged_s = 0.0
+        self._forward_ms = 0.0
         self._current: RunningStep | None = None
 
     # --- called from any thread ---------------------------------------------------------------
@@ -207,13 +209,15 @@ class Scheduler:
                             if self.seqs[item.seq_id].request_class is RequestClass.ONLINE)
         started_s, started = self.clock(), time.perf_counter()
         offline_before, aborted_before = self.stats.output_tokens["offline"], self.stats.aborted_steps
+        self._forward_ms = 0.0
         events += self._run_plan(plan)
         busy_s = time.perf_counter() - started
         busy, made = self.stats.mode_busy_s, self.stats.mode_offline_tokens
         busy[plan.mode] = busy.get(plan.mode, 0.0) + busy_s
         made[plan.mode] = made.get(plan.mode, 0) + self.stats.output_tokens["offline"] - offline_before
         self.stats.step_log.append(StepRecord(started_s, plan.mode, online_tokens, plan.num_tokens - online_tokens,
-                                              busy_s * 1e3, self.stats.aborted_steps > aborted_before))
+                                              busy_s * 1e3, self._forward_ms,
+                                              self.stats.aborted_steps > aborted_before))
         return events
 
     def _run_plan(self, plan: StepPlan) -> list[TokenEvent]:
@@ -245,6 +249,7 @@ class Scheduler:
         if self._abort_requested_s is not None and not out.aborted:
             self._record_preemption(None)
         self._current = None
+        self._forward_ms = out.duration_s * 1e3
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
         if not out.aborted:
