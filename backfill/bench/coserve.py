@@ -101,10 +101,10 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
 
 @dataclass
 class RoundResult:
-    """One mode's share of one round: the driver's run, the engine's preemptions and counters."""
+    """One mode's share of one round: the driver's run and the engine's counters, among them its
+    preemption records (times in s since the round's t0)."""
 
     run: RunResult
-    preemptions: list[tuple[float, float]]       # (s since the round's t0, latency ms)
     engine: dict = field(default_factory=dict)
 
 
@@ -125,7 +125,7 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
                     "mode_busy_s": dict(stats.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens),
                     "preemptions": [e._asdict() | {"at_s": e.at_s - t0} for e in stats.preemption_events
                                     if e.at_s >= t0]}
-    return RoundResult(run, target.preemption_events(t0), engine_stats)
+    return RoundResult(run, engine_stats)
 
 
 def _shifted(record: RequestRecord, offset_s: float, prefix: str) -> RequestRecord:
@@ -158,9 +158,9 @@ def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
         prefix = f"r{k}-" if len(rounds) > 1 else ""
         records += [_shifted(r, offset_s, prefix) for r in part.run.records]
         samples += [(t + offset_s, stats) for t, stats in part.run.samples]
-        preemptions += [(t + offset_s, ms) for t, ms in part.preemptions]
-        counters.append({**part.engine, "preemptions": [e | {"at_s": e["at_s"] + offset_s}
-                                                        for e in part.engine.get("preemptions", [])]})
+        shifted = [e | {"at_s": e["at_s"] + offset_s} for e in part.engine.get("preemptions", [])]
+        preemptions += [(e["at_s"], e["latency_ms"]) for e in shifted]
+        counters.append({**part.engine, "preemptions": shifted})
         offset_s += part.run.duration_s
     metrics = compute_metrics(records, slo=slo, duration_s=offset_s, engine_samples=samples,
                               preemption_events=preemptions)

@@ -29,11 +29,6 @@ class InProcessTarget:
             # Timed on arrival at the client, as an HTTP client would see it.
             yield StreamChunk(time.monotonic(), len(event.token_ids))
 
-    def preemption_events(self, t0_monotonic: float) -> list[tuple[float, float]]:
-        """(seconds since t0, latency ms) of every offline step aborted for an online arrival."""
-        return [(e.at_s - t0_monotonic, e.latency_ms) for e in self.engine.scheduler.stats.preemption_events
-                if e.at_s >= t0_monotonic]
-
     async def sample_stats(self) -> dict[str, float]:
         scheduler = self.engine.scheduler
         stats = scheduler.stats

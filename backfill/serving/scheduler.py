@@ -74,7 +74,7 @@ class SchedulerStats:
     output_tokens: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     last_step_mode: str = "idle"
-    busy_s: float = 0.0
+    busy_s: float = 0.0                 # in forward passes (runner.execute), aborted ones included
     # Per plan mode (co-serving, offline-batching, priority, ...): step time, checkpoint and
     # restore copies included, and the offline tokens its steps produced.
     mode_busy_s: dict[str, float] = field(default_factory=dict)
@@ -110,7 +110,6 @@ class Scheduler:
         self._abort = threading.Event()
         self._abort_requested_s: float | None = None
         self._abort_flagged_s = 0.0
-        self._forward_ms = 0.0
         self._current: RunningStep | None = None
 
     # --- called from any thread ---------------------------------------------------------------
@@ -209,14 +208,14 @@ class Scheduler:
                             if self.seqs[item.seq_id].request_class is RequestClass.ONLINE)
         started_s, started = self.clock(), time.perf_counter()
         offline_before, aborted_before = self.stats.output_tokens["offline"], self.stats.aborted_steps
-        self._forward_ms = 0.0
+        forward_before_s = self.stats.busy_s
         events += self._run_plan(plan)
         busy_s = time.perf_counter() - started
         busy, made = self.stats.mode_busy_s, self.stats.mode_offline_tokens
         busy[plan.mode] = busy.get(plan.mode, 0.0) + busy_s
         made[plan.mode] = made.get(plan.mode, 0) + self.stats.output_tokens["offline"] - offline_before
         self.stats.step_log.append(StepRecord(started_s, plan.mode, online_tokens, plan.num_tokens - online_tokens,
-                                              busy_s * 1e3, self._forward_ms,
+                                              busy_s * 1e3, (self.stats.busy_s - forward_before_s) * 1e3,
                                               self.stats.aborted_steps > aborted_before))
         return events
 
@@ -249,7 +248,6 @@ class Scheduler:
         if self._abort_requested_s is not None and not out.aborted:
             self._record_preemption(None)
         self._current = None
-        self._forward_ms = out.duration_s * 1e3
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
         if not out.aborted:
