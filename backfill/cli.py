@@ -12,7 +12,8 @@ from backfill.errors import BackfillError, InvalidRequestError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with bf16 matmul kernels, else float32")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
 
 
@@ -200,13 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of online trace per mode")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    # bf16: on CPU its batched steps are 1.5-2x faster than fp32, which is what co-serving harvests.
-    p.set_defaults(func=cmd_demo, dtype="bfloat16")
+    p.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
     _add_model_args(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)

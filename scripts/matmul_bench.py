@@ -40,9 +40,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    packed = onednn_packing_enabled(torch.device("cpu"), torch.float32)
     print("dtype     matmul   batch   x@W[in,out] us (GB/s)   F.linear[out,in] us (GB/s)   oneDNN packed us (GB/s)")
     for dtype in (torch.float32, torch.bfloat16):
+        packed = onednn_packing_enabled(torch.device("cpu"), dtype)
         for name, (n_in, n_out) in SHAPES.items():
             w_in_out = torch.randn(n_in, n_out, dtype=dtype)
             w_out_in = w_in_out.t().contiguous()

@@ -150,9 +150,10 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     bandwidth = measure_device_bandwidth_gbs(device)
     result["read_bandwidth_gbs"] = bandwidth
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
-    for dtype_name in dtypes:
-        cfg = ServingConfig(dtype=dtype_name, device=device, kv_cache_gb=2.0,
+    for asked in dtypes:
+        cfg = ServingConfig(dtype=asked, device=device, kv_cache_gb=2.0,
                             max_model_len=prompt_len + new_tokens + 8)
+        dtype_name = cfg.resolved_dtype
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,

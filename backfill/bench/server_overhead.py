@@ -65,7 +65,7 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", "coserve", "--dtype", serving.dtype, "--device", serving.device,
+               "--policy", "coserve", "--dtype", serving.resolved_dtype, "--device", serving.device,
                "--kv-cache-gb", str(serving.kv_cache_gb), "--ttft-slo-ms", str(slo.ttft_ms),
                "--tpot-slo-ms", str(slo.tpot_ms), "--db", str(Path(tmp) / "server.db"),
                "--max-online-queue", "100000", "--log-level", "warning",

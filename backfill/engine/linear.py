@@ -14,10 +14,21 @@ transposed, [in, out]: `x @ W` beats `F.linear`'s `x @ W.T` for decode-sized bat
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has native bf16 GEMM kernels (AVX-512 BF16 / AMX / AVX-NE-CONVERT via oneDNN).
+
+    Without them (e.g. AVX2-only Zen 3) PyTorch's bf16 matmuls fall back to a scalar-ish path:
+    on such a machine scripts/matmul_bench.py measured 8-50x the fp32 time for the same shapes.
+    """
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return torch.backends.mkldnn.is_available() and probe is not None and bool(probe())
 
 
 def onednn_packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -26,17 +37,43 @@ def onednn_packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if os.environ.get("BACKFILL_CPU_MATMUL", "onednn").lower() == "blas":
         return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    # oneDNN reorders bf16 weights only where the CPU converts bf16 natively; elsewhere it raises.
+    return dtype != torch.bfloat16 or cpu_has_bf16_matmul()
+
+
+@dataclass(frozen=True)
+class MatmulKernel:
+    """How a model's weight matmuls run: packed for oneDNN or plain, and in which dtype."""
+
+    packed: bool
+    compute_dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return "onednn-packed" if self.packed else "torch.mm"
+
+
+def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
+    compute_dtype = dtype
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16_matmul():
+        # No bf16 GEMM on this CPU: keep bf16 activations and KV cache but multiply in fp32,
+        # which is 8-50x faster here than PyTorch's bf16 fallback.
+        compute_dtype = torch.float32
+    return MatmulKernel(onednn_packing_enabled(device, compute_dtype), compute_dtype)
 
 
 class Linear:
     """y = x @ W.T (+ residual) for a weight given as [out, in], like nn.Linear's."""
 
-    __slots__ = ("weight", "packed", "out_features", "in_features")
+    __slots__ = ("weight", "packed", "compute_dtype", "out_features", "in_features")
 
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
+    def __init__(self, weight: torch.Tensor, packed: bool, compute_dtype: torch.dtype | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = packed
+        self.compute_dtype = compute_dtype or weight.dtype
+        weight = weight.to(self.compute_dtype)
         if packed:
             # The batch size only hints oneDNN's choice of block layout; any batch runs on it.
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
@@ -44,15 +81,24 @@ class Linear:
             self.weight = weight.t().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.compute_dtype:
+            return self(x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return torch.mm(x, self.weight)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ W.T, with the add fused into the matmul's epilogue."""
+        if x.dtype != self.compute_dtype:
+            return self.add_to(residual.to(self.compute_dtype), x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
         return torch.addmm(residual, x, self.weight)
 
     def numel(self) -> int:
         return self.out_features * self.in_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads from this weight (in its compute dtype)."""
+        return self.numel() * self.compute_dtype.itemsize

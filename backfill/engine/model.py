@@ -9,6 +9,7 @@ scheduler has not committed, so it is simply overwritten when the work is redone
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.linear import Linear, onednn_packing_enabled
+from backfill.engine.linear import Linear, matmul_kernel_for
+
+log = logging.getLogger(__name__)
 
 
 class StepAborted(Exception):
@@ -68,19 +71,22 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        packed = onednn_packing_enabled(self.device, dtype)
-        self.matmul_kernel = "onednn-packed" if packed else "torch.mm"
+        kernel = matmul_kernel_for(self.device, dtype)
+        self.matmul_kernel = kernel.name
+        if kernel.compute_dtype != dtype:
+            self.matmul_kernel += f" in {str(kernel.compute_dtype).removeprefix('torch.')}"
+            log.warning("this CPU has no %s matmul kernels; weight matmuls run in %s", dtype, kernel.compute_dtype)
 
         def linear(*names: str) -> Linear:
             # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
-            return Linear(torch.cat([w(n) for n in names]), packed)
+            return Linear(torch.cat([w(n) for n in names]), kernel.packed, kernel.compute_dtype)
 
         self.embed = w("model.embed_tokens.weight")
         lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         # The LM head reads the largest matrix of the model (the whole vocabulary); in slices with
         # a safepoint between them a pause or preemption never waits for all of it.
         slice_rows = -(-lm_head.shape[0] // LM_HEAD_SLICES)
-        self.lm_head_slices = [Linear(part, packed) for part in lm_head.split(slice_rows)]
+        self.lm_head_slices = [Linear(part, kernel.packed, kernel.compute_dtype) for part in lm_head.split(slice_rows)]
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
@@ -102,15 +108,10 @@ class LlamaModel:
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
 
     @property
-    def num_parameters(self) -> int:
-        n = self.embed.numel() + self.final_norm.numel()
-        if not self.config.tie_word_embeddings:
-            n += sum(part.numel() for part in self.lm_head_slices)
-        return n + sum(t.numel() for layer in self.layers for t in layer.values())
-
-    @property
     def weight_bytes(self) -> int:
-        return self.num_parameters * self.embed.element_size()
+        """Bytes one decode step reads from the weights: every matmul's (in its compute dtype) and the norms'."""
+        tensors = [t for layer in self.layers for t in layer.values()] + self.lm_head_slices + [self.final_norm]
+        return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in tensors)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

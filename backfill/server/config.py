@@ -98,7 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p("--port", type=int, default=None, help="port to bind (default 8000)")
     p("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
     p("--served-model-name", default=None, help="model id clients use (default: the model's name)")
-    p("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto (bfloat16 where it has fast matmuls)")
     p("--device", default=None, help="auto (default), cpu or cuda[:N]")
     p("--policy", default=None, help="scheduling policy: coserve (default), priority, fcfs or online-only")
     p("--ttft-slo-ms", type=float, default=None, help="online time-to-first-token SLO (default 1000)")

@@ -10,7 +10,7 @@ import torch
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.linear import onednn_packing_enabled
+from backfill.engine.linear import cpu_has_bf16_matmul, matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.errors import InvalidRequestError
@@ -26,12 +26,20 @@ from backfill.serving.torch_thread import run_on_torch_thread
 
 POLICIES = ("coserve", "priority", "fcfs", "online-only")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def auto_dtype(device: str) -> str:
+    """The fastest sound dtype on the device: bf16 on CUDA and on CPUs with bf16 matmul kernels, else fp32."""
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
 
 
 @dataclass(frozen=True)
 class ServingConfig:
     model: str | None = None          # GGUF file or HF directory; None = embedded default model
-    dtype: str = "float32"
+    dtype: str = "float32"            # or auto: see auto_dtype
     device: str = "auto"              # auto = cuda when present, else cpu
     kv_cache_gb: float = 1.0
     block_size: int = 16
@@ -48,8 +56,8 @@ class ServingConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.policy not in POLICIES:
@@ -66,8 +74,12 @@ class ServingConfig:
             raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
 
     @property
+    def resolved_dtype(self) -> str:
+        return auto_dtype(self.resolved_device()) if self.dtype == "auto" else self.dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.resolved_dtype]
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -83,8 +95,9 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     device = cfg.resolved_device()
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py).
-    kernel = "onednn" if onednn_packing_enabled(torch.device(device), cfg.torch_dtype) else "mm"
-    return root / "profiles" / f"{safe}-{cfg.dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
+    kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype)
+    name = ("onednn" if kernel.packed else "mm") + ("" if kernel.compute_dtype == cfg.torch_dtype else "-fp32")
+    return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{name}-t{torch.get_num_threads()}.json"
 
 
 def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from backfill.engine.linear import Linear, onednn_packing_enabled
+from backfill.engine import linear as linear_module
+from backfill.engine.linear import Linear, cpu_has_bf16_matmul, matmul_kernel_for, onednn_packing_enabled
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_packing_enabled(CPU, torch.float32),
@@ -11,7 +12,11 @@ needs_onednn = pytest.mark.skipif(not onednn_packing_enabled(CPU, torch.float32)
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [
+    (torch.float32, 1e-4),
+    pytest.param(torch.bfloat16, 5e-2, marks=pytest.mark.skipif(
+        not cpu_has_bf16_matmul(), reason="this CPU has no bf16 matmul kernels for oneDNN to pack for")),
+])
 @pytest.mark.parametrize("rows", [1, 3, 8, 32, 100])
 def test_packed_matches_plain_at_any_batch_size(dtype, tol, rows):
     torch.manual_seed(rows)
@@ -39,3 +44,32 @@ def test_packing_is_chosen_per_device_dtype_and_environment(monkeypatch):
     assert not onednn_packing_enabled(CPU, torch.float16)
     monkeypatch.setenv("BACKFILL_CPU_MATMUL", "blas")
     assert not onednn_packing_enabled(CPU, torch.float32)
+
+
+def test_bf16_packing_needs_bf16_kernels(monkeypatch):
+    monkeypatch.delenv("BACKFILL_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_matmul", lambda: False)
+    assert not onednn_packing_enabled(CPU, torch.bfloat16)
+
+
+def test_bf16_without_bf16_kernels_multiplies_in_fp32(monkeypatch):
+    """An AVX2-only CPU keeps bf16 activations but runs the matmuls in fp32 (no 8-50x bf16 fallback)."""
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_matmul", lambda: False)
+    kernel = matmul_kernel_for(CPU, torch.bfloat16)
+    assert kernel.compute_dtype == torch.float32
+    assert matmul_kernel_for(CPU, torch.float32).compute_dtype == torch.float32
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    x, residual = torch.randn(7, 64).to(torch.bfloat16), torch.randn(7, 96).to(torch.bfloat16)
+    lin = Linear(weight, kernel.packed, kernel.compute_dtype)
+    assert lin.nbytes == 96 * 64 * 4
+    expected = x.float() @ weight.float().t()
+    assert lin(x).dtype == torch.bfloat16 and lin.add_to(residual, x).dtype == torch.bfloat16
+    torch.testing.assert_close(lin(x).float(), expected, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(lin.add_to(residual, x).float(), residual.float() + expected, atol=5e-2, rtol=5e-2)
+
+
+def test_bf16_keeps_bf16_matmuls_where_the_cpu_has_them(monkeypatch):
+    monkeypatch.setattr(linear_module, "cpu_has_bf16_matmul", lambda: True)
+    assert matmul_kernel_for(CPU, torch.bfloat16).compute_dtype == torch.bfloat16
+    assert matmul_kernel_for(torch.device("cuda"), torch.bfloat16) == linear_module.MatmulKernel(False, torch.bfloat16)

@@ -100,3 +100,15 @@ def test_tiny_is_hidden_from_help():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     assert "--tiny" not in parser.format_help() and "--max-online-queue" in parser.format_help()
+
+
+def test_auto_dtype_resolves_per_device(monkeypatch):
+    from backfill.serving import build
+
+    config = parse("--dtype", "auto", "--device", "cpu")
+    assert config.serving.dtype == "auto"
+    monkeypatch.setattr(build, "cpu_has_bf16_matmul", lambda: False)
+    assert config.serving.resolved_dtype == "float32" and config.serving.torch_dtype.is_floating_point
+    monkeypatch.setattr(build, "cpu_has_bf16_matmul", lambda: True)
+    assert config.serving.resolved_dtype == "bfloat16"
+    assert parse("--dtype", "float16").serving.resolved_dtype == "float16"
