@@ -15,6 +15,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with bf16 matmul kernels, else float32")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="CPU: compile single-sequence decode steps with torch.compile (faster batch-1 "
+                        "decode; a few seconds to compile at load, the matmul weights held twice)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -24,7 +27,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
-    llm = LLM(ServingConfig(model=args.model, dtype=args.dtype, device=args.device, policy="fcfs"))
+    llm = LLM(ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            compile_decode=args.compile_decode, policy="fcfs"))
     for delta in llm.stream(args.prompt, params, chat=not args.raw):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -37,7 +41,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
                               args.new_tokens, args.device, with_hf=not args.no_hf,
-                              random_weights=args.random_weights)
+                              random_weights=args.random_weights, compile_decode=args.compile_decode)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -66,7 +70,8 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     scenario = _scenario(args)
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
+    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            compile_decode=args.compile_decode, kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
         from backfill.bench.coserve import load_and_profile
@@ -92,7 +97,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32)
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device)
+    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            compile_decode=args.compile_decode)
     print(f"backfill demo: {args.duration:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
           "then co-served with a backlog of offline batch requests.\n")
     results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
@@ -115,7 +121,8 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from backfill.serving.api import SLO
     from backfill.serving.build import ServingConfig
 
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
+    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            compile_decode=args.compile_decode, kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
     results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
@@ -130,7 +137,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
     from backfill.serving.profiler import profile_latency
 
-    cfg = ServingConfig(model=args.model, dtype=args.dtype, device=args.device)
+    cfg = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
+                            compile_decode=args.compile_decode)
     loaded = load_model(args.model)
     latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)
@@ -206,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
     _add_model_args(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)

@@ -59,6 +59,17 @@ def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int) -> dict:
             "decode_steps": len(step_s), "context_tokens": prompt_len + new_tokens}
 
 
+def _bench_eager_batch1(runner, prompt_len: int, new_tokens: int, floor_ms: float) -> dict:
+    """Batch 1 on the eager path of the same model, right after the compiled run: a side-by-side pair."""
+    compiled, runner.model.compiled_decode = runner.model.compiled_decode, None
+    try:
+        d = bench_decode(runner, 1, prompt_len, new_tokens)
+    finally:
+        runner.model.compiled_decode = compiled
+    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+    return d
+
+
 def _limits(batch: int, prompt_len: int):
     from backfill.policy.planner import BatchLimits
     return BatchLimits(max_batch_tokens=max(batch * prompt_len, 512), max_batch_seqs=max(batch, 1),
@@ -135,7 +146,7 @@ def measure_device_bandwidth_gbs(device: str) -> float:
 def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                      batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
-                     log=print) -> dict:
+                     compile_decode: bool = False, log=print) -> dict:
     from backfill.engine.weights import LoadedModel, load_model, random_model
 
     if random_weights:
@@ -152,11 +163,12 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     for asked in dtypes:
         cfg = ServingConfig(dtype=asked, device=device, kv_cache_gb=2.0,
-                            max_model_len=prompt_len + new_tokens + 8)
+                            max_model_len=prompt_len + new_tokens + 8, compile_decode=compile_decode)
         dtype_name = cfg.resolved_dtype
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
+               "compiled_decode": runner.model.compiled_decode is not None,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
         log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
@@ -167,6 +179,10 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
             run["decode"].append(d)
             log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.1f} ms "
                 f"({d['tpot_over_floor']:.2f}x floor), {d['tokens_per_s']:.0f} tok/s")
+        if runner.model.compiled_decode is not None and 1 in batches:
+            eager = run["decode_batch1_eager"] = _bench_eager_batch1(runner, prompt_len, new_tokens, floor_ms)
+            log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
+                f"({eager['tpot_over_floor']:.2f}x floor)")
         run["prefill"] = bench_prefill(runner)
         log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
         if with_hf:

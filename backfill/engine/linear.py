@@ -49,10 +49,21 @@ class MatmulKernel:
 
     packed: bool
     compute_dtype: torch.dtype
+    upcast_from: torch.dtype | None = None  # the model's dtype, where the matmuls cannot run in it
+
+    @property
+    def upcast(self) -> bool:
+        return self.upcast_from is not None
 
     @property
     def name(self) -> str:
-        return "onednn-packed" if self.packed else "torch.mm"
+        kernel = "onednn-packed" if self.packed else "torch.mm"
+        return kernel + (f" in {str(self.compute_dtype).removeprefix('torch.')}" if self.upcast else "")
+
+    @property
+    def slug(self) -> str:
+        """The kernel in a file name (latency profiles depend on it)."""
+        return ("onednn" if self.packed else "mm") + ("-fp32" if self.upcast else "")
 
 
 def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
@@ -61,7 +72,8 @@ def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
         # No bf16 GEMM on this CPU: keep bf16 activations and KV cache but multiply in fp32,
         # which is 8-50x faster here than PyTorch's bf16 fallback.
         compute_dtype = torch.float32
-    return MatmulKernel(onednn_packing_enabled(device, compute_dtype), compute_dtype)
+    return MatmulKernel(onednn_packing_enabled(device, compute_dtype), compute_dtype,
+                        dtype if compute_dtype != dtype else None)
 
 
 class Linear:

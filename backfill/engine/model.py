@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from backfill.engine.compiled_decode import CompiledDecode, PlainLayer
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
@@ -63,7 +64,8 @@ class LlamaModel:
     """Weights as plain tensors; no nn.Module machinery on the hot path (gpt-fast style)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 compile_decode: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -73,8 +75,7 @@ class LlamaModel:
 
         kernel = matmul_kernel_for(self.device, dtype)
         self.matmul_kernel = kernel.name
-        if kernel.compute_dtype != dtype:
-            self.matmul_kernel += f" in {str(kernel.compute_dtype).removeprefix('torch.')}"
+        if kernel.upcast:
             log.warning("this CPU has no %s matmul kernels; weight matmuls run in %s", dtype, kernel.compute_dtype)
 
         def linear(*names: str) -> Linear:
@@ -106,6 +107,27 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.compiled_decode: CompiledDecode | None = None
+        if compile_decode:
+            self.compiled_decode = self._build_compiled_decode(w, lm_head)
+
+    def _build_compiled_decode(self, w: Callable[[str], torch.Tensor], lm_head: torch.Tensor) -> CompiledDecode | None:
+        if self.device.type != "cpu":
+            log.warning("compiled decode is built for CPU; %s decode stays eager", self.device)
+            return None
+        cfg = self.config
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            layers.append(PlainLayer(
+                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                               w(p + "self_attn.v_proj.weight")]),
+                o=w(p + "self_attn.o_proj.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight")))
+        compiled = CompiledDecode(layers, lm_head, cfg.hidden_size, self.dtype, cfg.rms_norm_eps,
+                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return compiled if compiled.ready else None
 
     @property
     def weight_bytes(self) -> int:
@@ -118,10 +140,21 @@ class LlamaModel:
         rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
         return torch.addcmul(x * cos, rotated, sin)
 
+    def _write_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool) -> None:
+        n_kv, hd = self.config.num_kv_heads, self.config.head_dim
+        kv.k[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
+        kv.v[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
+
+    def _is_single_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (input_ids.shape[0] == 1 and meta.decode_token_index is not None and not meta.prefills
+                and meta.logits_index.shape[0] == 1)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
                 safepoint: Safepoint | None = None) -> torch.Tensor:
         """Run all layers on the flat batch; return fp32 logits [N, vocab] for meta.logits_index."""
+        if self.compiled_decode is not None and self._is_single_decode(input_ids, meta):
+            return self._forward_compiled_decode(input_ids, meta, kv, safepoint)
         cfg = self.config
         n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = n_q * hd, n_kv * hd
@@ -138,8 +171,7 @@ class LlamaModel:
             qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
             q, k = qk[:, :n_q], qk[:, n_q:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
-            kv.k[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
-            kv.v[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
+            self._write_kv(li, k, v, meta, kv)
             attn = self._attention(q, li, meta, kv)
             h = layer["o"].add_to(h, attn)
             # Two more safepoints inside the layer (after attention, after gate/up) halve the
@@ -162,6 +194,32 @@ class LlamaModel:
                 raise StepAborted(cfg.num_layers)
             parts.append(part(last))
         return torch.cat(parts, dim=1).float()
+
+    def _forward_compiled_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
+                                 safepoint: Safepoint | None) -> torch.Tensor:
+        """forward for one decoding sequence: the same layers, safepoints and KV writes, with the
+        fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
+        cfg, fast = self.config, self.compiled_decode
+        n_q, n_kv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        h = self.embed.index_select(0, input_ids)
+        cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
+            if safepoint is not None and li > 0 and safepoint(li):
+                raise StepAborted(li)
+            q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin, eps, n_q, n_kv)
+            self._write_kv(li, k, v, meta, kv)
+            attn = self._decode_attention(q, li, meta, kv).reshape(1, n_q * cfg.head_dim)
+            h = fast.residual_projection(h, attn, plain.o)
+            if safepoint is not None and safepoint(li):
+                raise StepAborted(li)
+            act = fast.mlp_in(h, layer["mlp_norm"], plain.gate_up, eps)
+            if safepoint is not None and safepoint(li):
+                raise StepAborted(li)
+            h = fast.residual_projection(h, act, plain.down)
+        if safepoint is not None and safepoint(cfg.num_layers):
+            raise StepAborted(cfg.num_layers)
+        return fast.lm_head_logits(h, self.final_norm, fast.lm_head, eps)
 
     def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""

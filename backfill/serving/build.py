@@ -54,6 +54,9 @@ class ServingConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use
     threads: int | None = None
+    # CPU: single-sequence decode steps through torch.compile'd layer pieces (engine/compiled_decode.py);
+    # compiles at load and keeps a second, plain copy of the matmul weights.
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -95,16 +98,16 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     device = cfg.resolved_device()
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py).
-    kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype)
-    name = ("onednn" if kernel.packed else "mm") + ("" if kernel.compute_dtype == cfg.torch_dtype else "-fp32")
-    return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{name}-t{torch.get_num_threads()}.json"
+    kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
+    return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
 
 
 def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.resolved_device()
-    model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device)
+    model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
+                       compile_decode=cfg.compile_decode)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
     return ModelRunner(model, kv)

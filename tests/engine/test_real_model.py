@@ -73,3 +73,13 @@ def test_prefill_logits_close_to_hf(llm, hf_model):
 def test_chat_answer_is_sensible(llm):
     text = "".join(llm.stream(PROMPTS[0], SamplingParams(max_tokens=24, temperature=0.0)))
     assert "Paris" in text
+
+
+def test_compiled_decode_greedy_tokens_identical_to_hf(hf_model):
+    """One request at a time, so every decode step takes the compiled single-sequence path."""
+    fast = LLM(ServingConfig(policy="fcfs", kv_cache_gb=0.25, dtype="float32", compile_decode=True))
+    assert fast.scheduler.runner.model.compiled_decode is not None
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS[:5]:
+        ids = fast.encode_prompt(prompt)
+        assert fast.generate([ids], params)[0].token_ids == _hf_greedy(hf_model, ids, 32)

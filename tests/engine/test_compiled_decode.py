@@ -1,0 +1,134 @@
+"""Single-sequence decode through torch.compile'd pieces against the eager path and HF, on tiny weights."""
+
+import logging
+
+import pytest
+import torch
+
+from backfill.engine.config import ModelConfig
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.runner import ModelRunner, SeqChunk
+from tests.conftest import random_weights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86/Arm CPU build only")
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_config):
+    return random_weights(tiny_config, seed=3)
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_config, weights):
+    """The same weights twice: eager, and with compiled decode; each with its own pool."""
+    eager = LlamaModel(tiny_config, weights)
+    compiled = LlamaModel(tiny_config, weights, compile_decode=True)
+    assert compiled.compiled_decode is not None, "torch.compile should work on the CI machine (gcc present)"
+    return (ModelRunner(eager, KVBlockPool(tiny_config, 32, 8)),
+            ModelRunner(compiled, KVBlockPool(tiny_config, 32, 8)))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _decode(runner: ModelRunner, ids: list[int], steps: int, forced: list[int] | None = None,
+            safepoint=None) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill ids, then decode `steps` tokens: greedy, or the `forced` tokens when given."""
+    table = runner.kv.allocate(runner.kv.blocks_needed(len(ids) + steps))
+    try:
+        out = runner.execute([SeqChunk("s", ids, 0, table)])
+        tokens, logits = [], []
+        for i in range(steps):
+            token = forced[i] if forced else int(out.logits[0].argmax())
+            tokens.append(token)
+            out = runner.execute([SeqChunk("s", [token], len(ids) + i, table)], safepoint=safepoint)
+            logits.append(out.logits[0])
+        return tokens, logits
+    finally:
+        runner.kv.free(table)
+
+
+def test_greedy_decode_matches_eager(runners):
+    eager, compiled = runners
+    ids = _prompt(19, 0)
+    tokens, logits = _decode(eager, ids, 24)
+    fast_tokens, fast_logits = _decode(compiled, ids, 24)
+    assert fast_tokens == tokens
+    for a, b in zip(fast_logits, logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_path_runs_single_decodes_only(runners, monkeypatch):
+    _, compiled = runners
+    model = compiled.model
+    calls = []
+    real = model._forward_compiled_decode
+    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    ids = [_prompt(9, 1), _prompt(13, 2)]
+    tables = [compiled.kv.allocate(3) for _ in ids]
+    for i, t in enumerate(tables):
+        compiled.execute([SeqChunk(i, ids[i], 0, t)])
+    assert calls == []  # prefill stays eager
+    both = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
+    assert calls == [] and both.logits.shape[0] == 2  # a batch of two decodes stays eager
+    alone = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0])])
+    assert calls == [1] and alone.logits.shape[0] == 1
+    for t in tables:
+        compiled.kv.free(t)
+
+
+def test_abort_at_safepoint_then_rerun_equals_no_abort(runners):
+    eager, compiled = runners
+    ids = _prompt(20, 3)
+    expected = _decode(eager, ids, 1)[1][0]
+    table = compiled.kv.allocate(3)
+    compiled.execute([SeqChunk("x", ids, 0, table)])
+    seen = []
+
+    def stop_at_two(layer: int) -> bool:
+        seen.append(layer)
+        return layer == 2
+
+    token = int(_decode(eager, ids, 1)[0][0])
+    aborted = compiled.execute([SeqChunk("x", [token], 20, table)], safepoint=stop_at_two)
+    assert aborted.aborted and aborted.aborted_at_layer == 2 and aborted.logits is None
+    assert seen == [0, 0, 1, 1, 1, 2]  # the eager path's safepoints, in the same places
+    rerun = compiled.execute([SeqChunk("x", [token], 20, table)], safepoint=lambda layer: False)
+    torch.testing.assert_close(rerun.logits[0], expected, atol=1e-4, rtol=1e-4)
+    compiled.kv.free(table)
+
+
+def test_bfloat16_compiled_decode_close_to_eager(tiny_config, weights):
+    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16),
+                        KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
+    compiled = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True),
+                           KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
+    ids = _prompt(15, 4)
+    # The same tokens fed to both: bf16 rounding may flip a greedy choice between near-equal logits.
+    forced = _prompt(4, 6)
+    _, reference = _decode(eager, ids, 4, forced)
+    _, fast = _decode(compiled, ids, 4, forced)
+    for a, b in zip(fast, reference):
+        assert a.dtype == torch.float32
+        assert (a - b).abs().max() < 0.05 * b.abs().max() + 0.05
+
+
+def test_no_compiler_leaves_decode_eager(caplog, monkeypatch):
+    """Where inductor cannot build its C++ (no compiler), loading still works and decode stays eager."""
+    import torch._inductor.config as inductor_config
+
+    cfg = ModelConfig.tiny(hidden_size=48, intermediate_size=80)  # shapes no other test compiled
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level(logging.WARNING):
+            model = LlamaModel(cfg, random_weights(cfg), compile_decode=True)
+    finally:
+        torch._dynamo.reset()
+    assert model.compiled_decode is None
+    assert "compiled decode unavailable" in caplog.text
+    runner = ModelRunner(model, KVBlockPool(cfg, 8, 8))
+    assert len(_decode(runner, _prompt(6, 5), 3)[0]) == 3
