@@ -6,13 +6,16 @@ per layer (norms, RoPE, SiLU, views, residual adds), and oneDNN's and MKL's matr
 kernels read the weights at about 25 GB/s on the 2-core EPYC, where a plain reduction streams
 50-60 GB/s. Inductor turns each stretch between two safepoints into one C++ loop that takes the
 weight's rows as dot products (a reduction, at reduction speed) with the norm, RoPE and SiLU fused
-in: scripts/compiled_decode_probe.py measured fp32 steps of 32 ms eager against 20 ms compiled.
+in. `backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md):
+fp32 batch-1 decode 32.4 ms eager, 24.8 ms compiled; bf16 20.7 and 16.9 ms.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache stays
 eager: its context grows every step and would recompile a static graph, and a dynamic one ran
 slower than eager. Batches above one stay on the eager path, whose packed GEMMs reuse each weight
 row across the batch; a reduction per (row, sequence) would read the weights once per sequence.
-The safepoints and the KV writes are the eager model's, so preemption and abort behave the same.
+The safepoints and the KV writes are the eager model's, so preemption and abort behave the same; a
+layer's down projection runs in the same call as the next layer's norm and q/k/v projection (after
+the safepoint between them rather than before: an aborted step's work is discarded either way).
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _attention_in(h, norm_weight, w_qkv, cos, sin, eps: float, n_q: int, n_kv: int):
-    """Norm, fused q/k/v projection and RoPE: h [1, hidden] -> q [1, n_q, hd], k and v [1, n_kv, hd]."""
+    """Norm, fused q/k/v projection and RoPE: h [1, hidden] -> h, q [1, n_q, hd], k and v [1, n_kv, hd]."""
     hd = cos.shape[-1]
     x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
     qkv = _gemv(w_qkv, x).to(h.dtype)
     qk = _rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
-    return qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
+    return h, qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
+
+
+def _down_then_attention_in(h, act, w_down, norm_weight, w_qkv, cos, sin, eps: float, n_q: int, n_kv: int):
+    """The previous layer's down projection and residual, then _attention_in: one call instead of two."""
+    return _attention_in(_residual_projection(h, act, w_down), norm_weight, w_qkv, cos, sin, eps, n_q, n_kv)
 
 
 def _residual_projection(h, x, weight):
@@ -57,8 +65,9 @@ def _mlp_in(h, norm_weight, w_gate_up, eps: float):
     return (F.silu(gate) * up).to(h.dtype)
 
 
-def _lm_head(h, norm_weight, w_head, eps: float):
-    """Final norm and the LM head; fp32 logits."""
+def _down_then_lm_head(h, act, w_down, norm_weight, w_head, eps: float):
+    """The last layer's down projection and residual, the final norm and the LM head; fp32 logits."""
+    h = _residual_projection(h, act, w_down)
     return _gemv(w_head, F.rms_norm(h, (h.shape[-1],), norm_weight, eps))
 
 
@@ -88,9 +97,10 @@ class CompiledDecode:
         self.eps = eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.attention_in = torch.compile(_attention_in, dynamic=False)
+        self.down_then_attention_in = torch.compile(_down_then_attention_in, dynamic=False)
         self.residual_projection = torch.compile(_residual_projection, dynamic=False)
         self.mlp_in = torch.compile(_mlp_in, dynamic=False)
-        self.lm_head_logits = torch.compile(_lm_head, dynamic=False)
+        self.down_then_lm_head = torch.compile(_down_then_lm_head, dynamic=False)
         self.ready = self._warm_up(hidden_size, dtype)
 
     def _warm_up(self, hidden_size: int, dtype: torch.dtype) -> bool:
@@ -101,12 +111,13 @@ class CompiledDecode:
         layer = self.layers[0]
         try:
             with torch.inference_mode():
-                self.attention_in(h, norm, layer.qkv, rot, rot, self.eps, self.num_heads, self.num_kv_heads)
+                heads = (self.eps, self.num_heads, self.num_kv_heads)
+                self.attention_in(h, norm, layer.qkv, rot, rot, *heads)
                 self.residual_projection(h, torch.zeros(1, self.num_heads * self.head_dim, dtype=dtype,
                                                         device=device), layer.o)
                 act = self.mlp_in(h, norm, layer.gate_up, self.eps)
-                self.residual_projection(h, act, layer.down)
-                self.lm_head_logits(h, norm, self.lm_head, self.eps)
+                self.down_then_attention_in(h, act, layer.down, norm, layer.qkv, rot, rot, *heads)
+                self.down_then_lm_head(h, act, layer.down, norm, self.lm_head, self.eps)
         except Exception as exc:  # inductor raises many types (no compiler, unsupported op): all mean "stay eager"
             log.warning("compiled decode unavailable, decode stays eager: %s", exc)
             return False

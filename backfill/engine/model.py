@@ -204,10 +204,15 @@ class LlamaModel:
         h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        act = None  # the previous layer's MLP activation; its down projection runs with this layer's start
         for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
-            q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin, eps, n_q, n_kv)
+            if act is None:
+                h, q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin, eps, n_q, n_kv)
+            else:
+                h, q, k, v = fast.down_then_attention_in(h, act, fast.layers[li - 1].down, layer["attn_norm"],
+                                                         plain.qkv, cos, sin, eps, n_q, n_kv)
             self._write_kv(li, k, v, meta, kv)
             attn = self._decode_attention(q, li, meta, kv).reshape(1, n_q * cfg.head_dim)
             h = fast.residual_projection(h, attn, plain.o)
@@ -216,10 +221,9 @@ class LlamaModel:
             act = fast.mlp_in(h, layer["mlp_norm"], plain.gate_up, eps)
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
-            h = fast.residual_projection(h, act, plain.down)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
-        return fast.lm_head_logits(h, self.final_norm, fast.lm_head, eps)
+        return fast.down_then_lm_head(h, act, fast.layers[-1].down, self.final_norm, fast.lm_head, eps)
 
     def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""
