@@ -206,7 +206,11 @@ class CoServePolicy:
         if cfg.bank_tpot_slack:
             budget_ms = max(budget_ms, self._banked_budget_ms(state))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
-        for seq in offline:
+        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
+        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
+        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
+        # Long contexts lose nothing for it: they advance in offline batching mode.
+        for seq in sorted(offline, key=lambda s: (s.in_prefill or not s.running, s.num_computed_tokens)):
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
             if seq.needs_restore or seq.in_prefill:

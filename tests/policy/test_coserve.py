@@ -83,6 +83,19 @@ def test_co_serving_steps_carry_offline_decodes_only():
     assert batching.mode == "offline-batching" and {"offline1", "offline2", "offline3"} <= set(ids(batching))
 
 
+def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
+    # 2 ms per 1,000 context tokens: a decode at 1,500 tokens costs 3 ms more than one at 100.
+    latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), ms_per_kctx=2.0)
+    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=23.5), slo_margin=1.0,
+                                                  bank_tpot_slack=False))
+    long_old = [decoding(i, OFF, ctx=1500, arrival=0.0) for i in range(3)]
+    short_young = [decoding(10 + i, OFF, ctx=100, arrival=0.4) for i in range(3)]
+    plan = policy.schedule(state(decoding(0, ON, ctx=100, arrival=0.5), *long_old, *short_young))
+    # 23.5 ms: after the online decode (20.2 ms), arrival order would take one long context (3 ms)
+    # and one short (0.2 ms); cheapest first takes all three short ones and then no long one.
+    assert set(ids(plan)) == {"online0", "offline10", "offline11", "offline12"}
+
+
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
