@@ -112,3 +112,14 @@ def test_auto_dtype_resolves_per_device(monkeypatch):
     monkeypatch.setattr(build, "cpu_has_bf16_matmul", lambda: True)
     assert config.serving.resolved_dtype == "bfloat16"
     assert parse("--dtype", "float16").serving.resolved_dtype == "float16"
+
+
+def test_compile_decode_from_flag_or_file(tmp_path):
+    assert parse().serving.compile_decode is False
+    assert parse("--compile-decode").serving.compile_decode is True
+    toml = tmp_path / "c.toml"
+    toml.write_text("compile-decode = true\n")
+    assert parse("--config", str(toml)).serving.compile_decode is True
+    toml.write_text('compile-decode = "yes"\n')
+    with pytest.raises(ServerConfigError, match="compile-decode must be a bool"):
+        parse("--config", str(toml))
