@@ -115,16 +115,16 @@ def test_bfloat16_compiled_decode_close_to_eager(tiny_config, weights):
         assert (a - b).abs().max() < 0.05 * b.abs().max() + 0.05
 
 
-def test_no_compiler_leaves_decode_eager(caplog, monkeypatch):
+def test_no_compiler_leaves_decode_eager(caplog):
     """Where inductor cannot build its C++ (no compiler), loading still works and decode stays eager."""
     import torch._inductor.config as inductor_config
 
     cfg = ModelConfig.tiny(hidden_size=48, intermediate_size=80)  # shapes no other test compiled
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     torch._dynamo.reset()
+    # inductor's own patch(): it restores its config on exit (pytest's monkeypatch deletes entries).
     try:
-        with caplog.at_level(logging.WARNING):
+        with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": ("/nonexistent/c++",)}), \
+                caplog.at_level(logging.WARNING):
             model = LlamaModel(cfg, random_weights(cfg), compile_decode=True)
     finally:
         torch._dynamo.reset()
