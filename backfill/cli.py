@@ -108,10 +108,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nOffline work harvested: {co.offline.tokens_per_s:.0f} tokens/s while online P99 TTFT went "
           f"{alone.online.ttft_ms.p99:.0f} -> {co.online.ttft_ms.p99:.0f} ms and P99 TPOT "
           f"{alone.online.tpot_ms.p99:.0f} -> {co.online.tpot_ms.p99:.0f} ms. Full report: {args.out}/report.md")
+    model = results["coserve"].config["model"]  # the id the server answers to (the request must name it)
     print("\nServe it over HTTP (OpenAI-compatible; offline work via the Batch API or service_tier=flex):\n"
           "  backfill serve --port 8000\n"
           "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          "    -d '{\"model\": \"default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     return 0
 
 

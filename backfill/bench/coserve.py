@@ -210,7 +210,8 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
             log(f"== {mode}{label}: {workload.name}, {len(workload.requests)} online requests, "
                 f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
             parts[mode].append(asyncio.run(_run_round(engine, workload, progress)))
-            meta[mode] = {"policy": mode, "slo": asdict(slo), "scenario": asdict(scenario), "dtype": serving.resolved_dtype,
+            meta[mode] = {"policy": mode, "model": loaded.config.name, "slo": asdict(slo), "scenario": asdict(scenario),
+                          "dtype": serving.resolved_dtype,
                           "workload": dict(workload.meta)}
             if mode == "online-only" and k == 0:
                 m = pool_rounds(parts[mode], None).metrics.online
