@@ -24,12 +24,29 @@ from backfill.engine.linear import Linear, matmul_kernel_for
 log = logging.getLogger(__name__)
 
 
-class StepAborted(Exception):
-    """Raised inside forward when the safepoint asks to abort; carries the layer reached."""
+@dataclass
+class PartialForward:
+    """Where an aborted forward stopped: enough to continue it later instead of redoing it.
 
-    def __init__(self, layer: int) -> None:
+    stage 0 is before the layer's attention, 1 before its MLP, 2 before its down projection;
+    layer == num_layers is before the final norm and LM head. Valid only while the KV blocks the
+    step writes are untouched (the caller's to guarantee).
+    """
+
+    layer: int
+    stage: int
+    hidden: torch.Tensor
+    act: torch.Tensor | None = None
+
+
+class StepAborted(Exception):
+    """Raised inside forward when the safepoint asks to abort; carries the layer reached and,
+    where the eager path can continue from there, the partial forward."""
+
+    def __init__(self, layer: int, partial: PartialForward | None = None) -> None:
         super().__init__(f"step aborted before layer {layer}")
         self.layer = layer
+        self.partial = partial
 
 
 @dataclass
@@ -151,41 +168,53 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
-                safepoint: Safepoint | None = None) -> torch.Tensor:
-        """Run all layers on the flat batch; return fp32 logits [N, vocab] for meta.logits_index."""
-        if self.compiled_decode is not None and self._is_single_decode(input_ids, meta):
+                safepoint: Safepoint | None = None, resume: PartialForward | None = None) -> torch.Tensor:
+        """Run all layers on the flat batch; return fp32 logits [N, vocab] for meta.logits_index.
+
+        With resume, continue an aborted forward of the same batch from where it stopped.
+        """
+        if resume is None and self.compiled_decode is not None and self._is_single_decode(input_ids, meta):
             return self._forward_compiled_decode(input_ids, meta, kv, safepoint)
         cfg = self.config
         n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = n_q * hd, n_kv * hd
         num_tokens = input_ids.shape[0]
-        h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
-        for li, layer in enumerate(self.layers):
-            if safepoint is not None and li > 0 and safepoint(li):
-                raise StepAborted(li)
-            x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = layer["qkv"](x)
-            # RoPE on q and k together: one rotation over n_q + n_kv heads.
-            qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
-            q, k = qk[:, :n_q], qk[:, n_q:]
-            v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
-            self._write_kv(li, k, v, meta, kv)
-            attn = self._attention(q, li, meta, kv)
-            h = layer["o"].add_to(h, attn)
+        if resume is None:
+            h, act, start_layer, start_stage = self.embed.index_select(0, input_ids), None, 0, 0
+        else:
+            h, act, start_layer, start_stage = resume.hidden, resume.act, resume.layer, resume.stage
+
+        def check(li: int, stage: int) -> None:
+            if safepoint is not None and safepoint(li):
+                raise StepAborted(li, PartialForward(li, stage, h, act if stage == 2 else None))
+
+        for li in range(start_layer, cfg.num_layers):
+            layer = self.layers[li]
+            first_stage = start_stage if li == start_layer else 0
+            if first_stage <= 0:
+                if li > 0:
+                    check(li, 0)
+                x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
+                qkv = layer["qkv"](x)
+                # RoPE on q and k together: one rotation over n_q + n_kv heads.
+                qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
+                q, k = qk[:, :n_q], qk[:, n_q:]
+                v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
+                self._write_kv(li, k, v, meta, kv)
+                attn = self._attention(q, li, meta, kv)
+                h = layer["o"].add_to(h, attn)
             # Two more safepoints inside the layer (after attention, after gate/up) halve the
             # longest stretch without a check: the MLP is three quarters of a layer's work.
-            if safepoint is not None and safepoint(li):
-                raise StepAborted(li)
-            x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-            if safepoint is not None and safepoint(li):
-                raise StepAborted(li)
+            if first_stage <= 1:
+                check(li, 1)
+                x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
+                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                act = F.silu(gate).mul_(up)
+            check(li, 2)
             h = layer["down"].add_to(h, act)
-        if safepoint is not None and safepoint(cfg.num_layers):
-            raise StepAborted(cfg.num_layers)
+        check(cfg.num_layers, 0)
         last = h.index_select(0, meta.logits_index)
         last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
         parts = []

@@ -15,7 +15,7 @@ import torch
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, PrefillSpan, Safepoint, StepAborted
+from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward, PrefillSpan, Safepoint, StepAborted
 
 
 @dataclass
@@ -37,6 +37,17 @@ class SeqChunk:
 
 
 @dataclass
+class SuspendedStep:
+    """An aborted step that can be continued (ModelRunner.execute's resume): its prepared batch and
+    where its forward stopped. Valid while the blocks of its chunks are untouched."""
+
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    logit_ids: list[int | str]
+    partial: PartialForward
+
+
+@dataclass
 class StepOutput:
     logits: torch.Tensor | None          # [N, vocab] fp32, rows in order of chunks wanting logits
     logit_seq_ids: list[int | str]
@@ -44,6 +55,7 @@ class StepOutput:
     aborted_at_layer: int | None = None
     duration_s: float = 0.0
     num_tokens: int = 0
+    suspended: SuspendedStep | None = None  # an aborted step that can be continued from its safepoint
     extra: dict = field(default_factory=dict)
 
 
@@ -57,16 +69,24 @@ class ModelRunner:
     def config(self) -> ModelConfig:
         return self.model.config
 
-    def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None) -> StepOutput:
+    def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None,
+                resume: SuspendedStep | None = None) -> StepOutput:
+        """Run one step; with resume, continue that aborted step (the same chunks) from its safepoint."""
         start = time.perf_counter()
         if not chunks:
             return StepOutput(None, [], duration_s=0.0)
-        input_ids, meta, logit_ids = self._prepare(chunks)
+        if resume is None:
+            input_ids, meta, logit_ids = self._prepare(chunks)
+        else:
+            input_ids, meta, logit_ids = resume.input_ids, resume.meta, resume.logit_ids
         try:
-            logits = self.model.forward(input_ids, meta, self.kv, safepoint)
+            logits = self.model.forward(input_ids, meta, self.kv, safepoint,
+                                        resume=None if resume is None else resume.partial)
         except StepAborted as abort:
+            suspended = None if abort.partial is None else SuspendedStep(input_ids, meta, logit_ids, abort.partial)
             return StepOutput(None, [], aborted=True, aborted_at_layer=abort.layer,
-                              duration_s=time.perf_counter() - start, num_tokens=int(input_ids.shape[0]))
+                              duration_s=time.perf_counter() - start, num_tokens=int(input_ids.shape[0]),
+                              suspended=suspended)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepOutput(logits, logit_ids, duration_s=time.perf_counter() - start,

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
+from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput, SuspendedStep
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 
 ROLES = ("online", "offline")
@@ -96,11 +96,12 @@ class GatedRunner(ModelRunner):
         self.gate_point = gate_point
         self.step_durations_s: list[float] = []
 
-    def execute(self, chunks: list[SeqChunk], safepoint: Callable[[int], bool] | None = None) -> StepOutput:
+    def execute(self, chunks: list[SeqChunk], safepoint: Callable[[int], bool] | None = None,
+                resume: SuspendedStep | None = None) -> StepOutput:
         gate = self.gate_point
         blocked_s = 0.0
         if gate is None:
-            out = super().execute(chunks, safepoint)
+            out = super().execute(chunks, safepoint, resume)
         else:
             def combined(layer: int) -> bool:
                 nonlocal blocked_s
@@ -108,7 +109,7 @@ class GatedRunner(ModelRunner):
                 stop = gate(layer)
                 blocked_s += time.perf_counter() - t0
                 return stop or (safepoint is not None and safepoint(layer))
-            out = super().execute(chunks, combined)
+            out = super().execute(chunks, combined, resume)
         if chunks and not out.aborted:
             # Compute time only: time parked at a gate point is not the step's.
             self.step_durations_s.append(out.duration_s - blocked_s)

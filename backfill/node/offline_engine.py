@@ -220,7 +220,8 @@ class OfflineEngine:
             backlog = len(self.backlog)
         return {**self.counters, "invalidations": self._received, "tokens_out": s.output_tokens["offline"],
                 "recomputed_tokens": s.recomputed_tokens,
-                "aborted_steps": s.aborted_steps, "wasted_tokens": s.wasted_tokens, "steps": s.steps,
+                "aborted_steps": s.aborted_steps, "resumed_steps": s.resumed_steps,
+                "wasted_tokens": s.wasted_tokens, "steps": s.steps,
                 "backlog": backlog, "in_flight": len(self.admitted), "handles": len(self.handles.held)}
 
     def stats(self) -> dict[str, Any]:

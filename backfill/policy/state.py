@@ -27,6 +27,7 @@ class SeqView:
     max_tokens: int = 16
     num_output_tokens: int = 0
     first_token_s: float | None = None  # when its first output token was sampled (scheduler clock)
+    suspended: bool = False      # its tokens are in an aborted step the scheduler can continue
 
     @property
     def is_online(self) -> bool:
@@ -88,6 +89,8 @@ class StepPlan:
       the mechanism keeps what is checkpointed on the host and recomputes the rest).
     preemptible: the step may be aborted at layer safepoints when online work arrives
       (ConServe §4.3: only for pure offline batches).
+    resume: continue the suspended step (the one an arrival aborted) from its safepoint instead
+      of scheduling anew; scheduled and preempt are then empty.
     """
 
     scheduled: tuple[Scheduled, ...] = ()
@@ -95,6 +98,7 @@ class StepPlan:
     preemptible: bool = False
     mode: str = "idle"
     info: dict = field(default_factory=dict)
+    resume: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -108,7 +108,8 @@ class _EngineCollector(Collector):
              stats.checkpointed_tokens),
             ("backfill_restored_tokens", "Tokens of KV restored from host checkpoints", stats.restored_tokens),
             ("backfill_recomputed_tokens", "Tokens of KV recomputed after preemption", stats.recomputed_tokens),
-            ("backfill_wasted_tokens", "Tokens computed by aborted steps", stats.wasted_tokens),
+            ("backfill_resumed_steps", "Aborted steps continued from their safepoint", stats.resumed_steps),
+            ("backfill_wasted_tokens", "Tokens of aborted steps that were redone", stats.wasted_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from backfill.engine.kv_pool import HostBlocks
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner, SeqChunk, SuspendedStep
 from backfill.engine.sampler import sample
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
@@ -61,10 +61,27 @@ class StepRecord(NamedTuple):
 
 
 @dataclass
+class Suspension:
+    """An aborted step kept to be continued: valid while each of its sequences is exactly as it was
+    (same computed tokens, same blocks); a cancel, preemption or reclamation in between voids it."""
+
+    chunks: list[SeqChunk]
+    shape: BatchShape
+    step: SuspendedStep
+    ran_s: float                               # forward time it had run before it was aborted
+    state: dict[str, tuple[int, tuple[int, ...]]]  # seq id -> (computed tokens, block table)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
 class SchedulerStats:
     steps: int = 0
     aborted_steps: int = 0
-    wasted_tokens: int = 0              # tokens of aborted steps (computed, then thrown away)
+    resumed_steps: int = 0              # aborted steps continued from their safepoint
+    wasted_tokens: int = 0              # tokens of aborted steps that were redone instead
     preemption_events: list[PreemptionRecord] = field(default_factory=list)
     preempted_requests: int = 0         # requests taken off the device to free blocks
     checkpointed_tokens: int = 0
@@ -111,6 +128,7 @@ class Scheduler:
         self._abort_requested_s: float | None = None
         self._abort_flagged_s = 0.0
         self._current: RunningStep | None = None
+        self._suspended: Suspension | None = None
 
     # --- called from any thread ---------------------------------------------------------------
 
@@ -195,11 +213,13 @@ class Scheduler:
         return SeqView(s.seq_id, s.request_class, s.request.arrival_time, len(s.prompt_ids), s.num_tokens,
                        s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
                        s.checkpoint.num_tokens, s.request.sampling.max_tokens, len(s.output_ids),
-                       s.first_token_s)
+                       s.first_token_s, self._suspended is not None and s.seq_id in self._suspended.state)
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()
         self._apply_invalidations()
+        if self._suspended is not None and not self._suspension_holds(self._suspended):
+            self._drop_suspension()
         if not self.seqs:
             return events
         plan = self.policy.schedule(self.snapshot())
@@ -220,6 +240,15 @@ class Scheduler:
         return events
 
     def _run_plan(self, plan: StepPlan) -> list[TokenEvent]:
+        if plan.resume:
+            suspension, self._suspended = self._suspended, None
+            if suspension is None:
+                return []
+            self.stats.resumed_steps += 1
+            return self._execute(suspension.chunks, suspension.shape, plan, suspension)
+        touched = set(plan.preempt) | {item.seq_id for item in plan.scheduled}
+        if self._suspended is not None and touched & self._suspended.state.keys():
+            self._drop_suspension()  # the plan reschedules its sequences: the step is redone
         for seq_id in plan.preempt:
             self._preempt(self.seqs[seq_id])
         chunks: list[SeqChunk] = []
@@ -237,25 +266,34 @@ class Scheduler:
             return []
         return self._execute(chunks, shape, plan)
 
-    def _execute(self, chunks: list[SeqChunk], shape: BatchShape, plan: StepPlan) -> list[TokenEvent]:
+    def _execute(self, chunks: list[SeqChunk], shape: BatchShape, plan: StepPlan,
+                 resume: Suspension | None = None) -> list[TokenEvent]:
         self._abort.clear()
         self._abort_requested_s = None
-        self._current = RunningStep(shape, self.clock(), plan.preemptible)
+        ran_s = resume.ran_s if resume is not None else 0.0
+        # A continued step started as long ago as it has run: Algorithm 2 estimates what is left.
+        self._current = RunningStep(shape, self.clock() - ran_s, plan.preemptible)
         if plan.preemptible:
             self._on_online_arrival()  # an arrival raced with planning
         started = time.perf_counter()
-        out = self.runner.execute(chunks, self._safepoint if plan.preemptible else None)
+        out = self.runner.execute(chunks, self._safepoint if plan.preemptible else None,
+                                  None if resume is None else resume.step)
         if self._abort_requested_s is not None and not out.aborted:
             self._record_preemption(None)
         self._current = None
         self.stats.busy_s += time.perf_counter() - started
         self.stats.steps += 1
-        if not out.aborted:
+        if not out.aborted and resume is None:
             self.policy.observe_step(shape, out.duration_s * 1e3)
         if out.aborted:
-            # Nothing of the step is committed; its KV writes sit past num_computed and get redone.
+            # Nothing of the step is committed; its KV writes sit past num_computed. It is kept to
+            # be continued where it stopped, or redone if its sequences change in between.
             self.stats.aborted_steps += 1
-            self.stats.wasted_tokens += out.num_tokens
+            if out.suspended is None:
+                self.stats.wasted_tokens += out.num_tokens
+            else:
+                self._suspended = Suspension(chunks, shape, out.suspended, ran_s + out.duration_s,
+                                             {c.seq_id: self._fingerprint(self.seqs[c.seq_id]) for c in chunks})
             return []
         for chunk in chunks:
             self.seqs[chunk.seq_id].num_computed += len(chunk.token_ids)
@@ -265,6 +303,18 @@ class Scheduler:
         events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
         self._checkpoint_selected()
         return events
+
+    @staticmethod
+    def _fingerprint(seq: Sequence) -> tuple[int, tuple[int, ...]]:
+        return seq.num_computed, tuple(seq.block_table)
+
+    def _suspension_holds(self, suspension: Suspension) -> bool:
+        return all(seq_id in self.seqs and self._fingerprint(self.seqs[seq_id]) == state
+                   for seq_id, state in suspension.state.items())
+
+    def _drop_suspension(self) -> None:
+        self.stats.wasted_tokens += self._suspended.num_tokens
+        self._suspended = None
 
     # --- per-request bookkeeping --------------------------------------------------------------
 

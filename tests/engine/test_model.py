@@ -170,3 +170,32 @@ def test_plain_blas_layout_matches_hf_too(tiny_config, device, monkeypatch):
     ids = _prompt(21, 5)
     out = runner.execute([SeqChunk("a", ids, 0, runner.kv.allocate(runner.kv.blocks_needed(len(ids))))])
     _close(out.logits[0], _hf_logits(hf, ids)[-1])
+
+
+@pytest.mark.parametrize("stop_at_call", [1, 3, 5, 6, None])  # None: before the LM head
+def test_aborted_step_continued_from_its_safepoint_equals_no_abort(setup, tiny_config, stop_at_call):
+    """Each stage (before attention, before the MLP, before the down projection, before the LM head)."""
+    _, runner = setup
+    prompts = [_prompt(9, 20), _prompt(14, 21)]
+    tables = [runner.kv.allocate(3) for _ in prompts]
+    for i, ids in enumerate(prompts):
+        runner.execute([SeqChunk(i, ids[:-1], 0, tables[i], want_logits=False)])
+    chunks = [SeqChunk(i, ids[-1:], len(ids) - 1, tables[i]) for i, ids in enumerate(prompts)]
+    chunks.append(SeqChunk("p", _prompt(6, 22), 0, runner.kv.allocate(1)))  # and a prefill
+    expected = runner.execute(chunks).logits
+    calls = []
+
+    def stop_once(layer: int) -> bool:
+        calls.append(layer)
+        if stop_at_call is None:
+            return layer == tiny_config.num_layers and calls.count(layer) == 1
+        return len(calls) == stop_at_call
+
+    aborted = runner.execute(chunks, safepoint=stop_once)
+    assert aborted.aborted and aborted.suspended is not None
+    resumed = runner.execute(chunks, safepoint=lambda layer: False, resume=aborted.suspended)
+    assert not resumed.aborted and resumed.logit_seq_ids == [0, 1, "p"]
+    torch.testing.assert_close(resumed.logits, expected)
+    runner.kv.free(chunks[2].block_table)
+    for t in tables:
+        runner.kv.free(t)

@@ -96,6 +96,17 @@ def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
     assert set(ids(plan)) == {"online0", "offline10", "offline11", "offline12"}
 
 
+def test_a_suspended_offline_step_is_continued_in_offline_batching_and_left_alone_in_co_serving():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    suspended = [replace(decoding(i, OFF), suspended=True) for i in range(3)]
+    idle = decoding(9, OFF, arrival=0.2)
+    batching = policy.schedule(state(*suspended, idle))
+    assert batching.resume and batching.preemptible and batching.mode == "offline-batching"
+    assert not batching.scheduled and not batching.preempt
+    co = policy.schedule(state(decoding(0, ON, arrival=0.5), *suspended, idle))
+    assert co.mode == "co-serving" and not co.resume and set(ids(co)) == {"online0", "offline9"}
+
+
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,

@@ -113,6 +113,21 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     assert sum(s.online_tokens for s in scheduler.stats.step_log) == fed
     assert {k: out[k] for k in expected} == expected
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))
+    # Each aborted step was continued from its safepoint once the online work was done: no layer redone.
+    assert scheduler.stats.resumed_steps >= 1 and scheduler.stats.wasted_tokens == 0
+
+
+def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_runner):
+    scheduler, expected = _offline_with_arrivals_at(tiny_runner, 2, num_offline=4, num_online=1)
+    while scheduler._suspended is None:
+        scheduler.step()
+    victim = next(iter(scheduler._suspended.state))
+    scheduler.cancel(victim)
+    out, reasons = _drain(scheduler)
+    assert reasons[victim] is FinishReason.CANCELLED
+    assert scheduler.stats.resumed_steps == 0 and scheduler.stats.wasted_tokens > 0
+    assert {k: out[k] for k in expected if k != victim} == {k: v for k, v in expected.items() if k != victim}
+    assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
 
 
 def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
