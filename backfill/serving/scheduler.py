@@ -3,7 +3,8 @@
 Each step: take new requests, show the policy a snapshot, preempt what it names (freeing
 device blocks, keeping host checkpoints), restore checkpoints of resumed requests, run the
 batch (abortable at layer safepoints when the plan allows), sample, stream, then checkpoint
-what the checkpoint policy picks. Nothing here decides priority.
+what the checkpoint policy picks. An aborted step is kept, and continued from its safepoint
+when a later plan says resume. Nothing here decides priority.
 """
 
 from __future__ import annotations
