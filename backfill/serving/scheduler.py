@@ -227,6 +227,8 @@ class Scheduler:
         self.stats.last_step_mode = plan.mode
         online_tokens = sum(item.num_tokens for item in plan.scheduled
                             if self.seqs[item.seq_id].request_class is RequestClass.ONLINE)
+        # A resumed step's tokens are the suspended step's (only offline steps are suspended).
+        fed_tokens = self._suspended.num_tokens if plan.resume and self._suspended else plan.num_tokens
         started_s, started = self.clock(), time.perf_counter()
         offline_before, aborted_before = self.stats.output_tokens["offline"], self.stats.aborted_steps
         forward_before_s = self.stats.busy_s
@@ -235,7 +237,7 @@ class Scheduler:
         busy, made = self.stats.mode_busy_s, self.stats.mode_offline_tokens
         busy[plan.mode] = busy.get(plan.mode, 0.0) + busy_s
         made[plan.mode] = made.get(plan.mode, 0) + self.stats.output_tokens["offline"] - offline_before
-        self.stats.step_log.append(StepRecord(started_s, plan.mode, online_tokens, plan.num_tokens - online_tokens,
+        self.stats.step_log.append(StepRecord(started_s, plan.mode, online_tokens, fed_tokens - online_tokens,
                                               busy_s * 1e3, (self.stats.busy_s - forward_before_s) * 1e3,
                                               self.stats.aborted_steps > aborted_before))
         return events

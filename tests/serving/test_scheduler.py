@@ -115,6 +115,8 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))
     # Each aborted step was continued from its safepoint once the online work was done: no layer redone.
     assert scheduler.stats.resumed_steps >= 1 and scheduler.stats.wasted_tokens == 0
+    # The step log counts a resumed step's tokens (its plan schedules none of its own).
+    assert all(s.offline_tokens > 0 for s in scheduler.stats.step_log if s.mode == "offline-batching")
 
 
 def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_runner):
