@@ -4,7 +4,8 @@ One forward pass takes a flattened mixed batch: every scheduled token of every s
 one [T] vector. Decoding sequences (one new token each) share one batched attention call;
 sequences in (chunked) prefill attend one at a time. Between layers the caller's safepoint
 may abort the pass (ConServe §4.3): the KV written so far belongs to positions the
-scheduler has not committed, so it is simply overwritten when the work is redone.
+scheduler has not committed, so it is simply overwritten when the work is redone. The abort
+also carries where the pass stopped (PartialForward), so the caller may continue it instead.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class GatedRunner(ModelRunner):
     """Runs each step with `gate_point(layer)` in front of the scheduler's own safepoint.
 
     gate_point may block (a cooperative pause parks the step between layers) and returns True
-    to abort the step (nothing is committed; the scheduler redoes it later).
+    to abort the step (nothing is committed; the scheduler continues or redoes it later).
     """
 
     def __init__(self, model, kv: KVBlockPool, gate_point: Callable[[int], bool] | None = None) -> None:
