@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from backfill.engine.model import apply_rope
+
 log = logging.getLogger(__name__)
 
 
@@ -34,17 +36,12 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weight.unsqueeze(0).float() * x.float().unsqueeze(1)).sum(-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1) * sin
-
-
 def _attention_in(h, norm_weight, w_qkv, cos, sin, eps: float, n_q: int, n_kv: int):
     """Norm, fused q/k/v projection and RoPE: h [1, hidden] -> h, q [1, n_q, hd], k and v [1, n_kv, hd]."""
     hd = cos.shape[-1]
     x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
     qkv = _gemv(w_qkv, x).to(h.dtype)
-    qk = _rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
+    qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
     return h, qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
 
 
@@ -90,8 +87,8 @@ class CompiledDecode:
     model stays eager.
     """
 
-    def __init__(self, layers: list[PlainLayer], lm_head: torch.Tensor, hidden_size: int, dtype: torch.dtype,
-                 eps: float, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layers: list[PlainLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> None:
         self.layers = layers
         self.lm_head = lm_head
         self.eps = eps
@@ -101,10 +98,11 @@ class CompiledDecode:
         self.residual_projection = torch.compile(_residual_projection, dynamic=False)
         self.mlp_in = torch.compile(_mlp_in, dynamic=False)
         self.down_then_lm_head = torch.compile(_down_then_lm_head, dynamic=False)
-        self.ready = self._warm_up(hidden_size, dtype)
+        self.ready = self._warm_up()
 
-    def _warm_up(self, hidden_size: int, dtype: torch.dtype) -> bool:
-        device = self.lm_head.device
+    def _warm_up(self) -> bool:
+        """Compile every piece now, on inputs of the shapes decode will use (the weights are real)."""
+        hidden_size, dtype, device = self.lm_head.shape[1], self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         norm = torch.ones(hidden_size, dtype=dtype, device=device)
         rot = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device)

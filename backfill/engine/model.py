@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
-from backfill.engine.compiled_decode import CompiledDecode, PlainLayer
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
 
+if TYPE_CHECKING:
+    from backfill.engine.compiled_decode import CompiledDecode, PlainLayer
+
 log = logging.getLogger(__name__)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-rotation layout (HF Llama's); eager and compiled decode share it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 @dataclass
@@ -96,9 +105,8 @@ class LlamaModel:
         if kernel.upcast:
             log.warning("this CPU has no %s matmul kernels; weight matmuls run in %s", dtype, kernel.compute_dtype)
 
-        def linear(*names: str) -> Linear:
-            # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
-            return Linear(torch.cat([w(n) for n in names]), kernel.packed, kernel.compute_dtype)
+        def linear(weight: torch.Tensor) -> Linear:
+            return Linear(weight, kernel.packed, kernel.compute_dtype)
 
         self.embed = w("model.embed_tokens.weight")
         lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
@@ -108,16 +116,21 @@ class LlamaModel:
         self.lm_head_slices = [Linear(part, kernel.packed, kernel.compute_dtype) for part in lm_head.split(slice_rows)]
         self.final_norm = w("model.norm.weight")
         self.layers = []
+        plain_layers = []  # the [out, in] weights, kept only for compiled decode
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(dict(
-                attn_norm=w(p + "input_layernorm.weight"),
-                qkv=linear(p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"),
-                o=linear(p + "self_attn.o_proj.weight"),
-                mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
-            ))
+            # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
+            plain = dict(
+                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                               w(p + "self_attn.v_proj.weight")]),
+                o=w(p + "self_attn.o_proj.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"))
+            self.layers.append(dict(attn_norm=w(p + "input_layernorm.weight"),
+                                    mlp_norm=w(p + "post_attention_layernorm.weight"),
+                                    **{name: linear(weight) for name, weight in plain.items()}))
+            if compile_decode:
+                plain_layers.append(plain)
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64)
                                                 / config.head_dim))
         t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
@@ -127,23 +140,17 @@ class LlamaModel:
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode:
-            self.compiled_decode = self._build_compiled_decode(w, lm_head)
+            self.compiled_decode = self._build_compiled_decode(plain_layers, lm_head)
 
-    def _build_compiled_decode(self, w: Callable[[str], torch.Tensor], lm_head: torch.Tensor) -> CompiledDecode | None:
+    def _build_compiled_decode(self, plain_layers: list[dict[str, torch.Tensor]],
+                               lm_head: torch.Tensor) -> CompiledDecode | None:
         if self.device.type != "cpu":
             log.warning("compiled decode is built for CPU; %s decode stays eager", self.device)
             return None
+        from backfill.engine.compiled_decode import CompiledDecode, PlainLayer  # it imports apply_rope from here
+
         cfg = self.config
-        layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            layers.append(PlainLayer(
-                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                               w(p + "self_attn.v_proj.weight")]),
-                o=w(p + "self_attn.o_proj.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight")))
-        compiled = CompiledDecode(layers, lm_head, cfg.hidden_size, self.dtype, cfg.rms_norm_eps,
+        compiled = CompiledDecode([PlainLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return compiled if compiled.ready else None
 
@@ -152,11 +159,6 @@ class LlamaModel:
         """Bytes one decode step reads from the weights: every matmul's (in its compute dtype) and the norms'."""
         tensors = [t for layer in self.layers for t in layer.values()] + self.lm_head_slices + [self.final_norm]
         return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in tensors)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
-        return torch.addcmul(x * cos, rotated, sin)
 
     def _write_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool) -> None:
         n_kv, hd = self.config.num_kv_heads, self.config.head_dim
@@ -200,7 +202,7 @@ class LlamaModel:
                 x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
                 qkv = layer["qkv"](x)
                 # RoPE on q and k together: one rotation over n_q + n_kv heads.
-                qk = self._rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
+                qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
                 q, k = qk[:, :n_q], qk[:, n_q:]
                 v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
                 self._write_kv(li, k, v, meta, kv)
