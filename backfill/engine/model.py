@@ -232,30 +232,40 @@ class LlamaModel:
         """forward for one decoding sequence: the same layers, safepoints and KV writes, with the
         fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
         cfg, fast = self.config, self.compiled_decode
-        n_q, n_kv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        n_q = cfg.num_heads
         h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         act = None  # the previous layer's MLP activation; its down projection runs with this layer's start
         for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
             if act is None:
-                h, q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin, eps, n_q, n_kv)
+                q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin)
             else:
                 h, q, k, v = fast.down_then_attention_in(h, act, fast.layers[li - 1].down, layer["attn_norm"],
-                                                         plain.qkv, cos, sin, eps, n_q, n_kv)
+                                                         plain.qkv, cos, sin)
             self._write_kv(li, k, v, meta, kv)
-            attn = self._decode_attention(q, li, meta, kv).reshape(1, n_q * cfg.head_dim)
-            h = fast.residual_projection(h, attn, plain.o)
-            if safepoint is not None and safepoint(li):
-                raise StepAborted(li)
-            act = fast.mlp_in(h, layer["mlp_norm"], plain.gate_up, eps)
+            attn = self._single_decode_attention(q, li, blocks, context, kv)
+            # One safepoint fewer than the eager path (none between attention and the MLP): the o
+            # and gate/up projections of one sequence are a fraction of a millisecond.
+            h, act = fast.o_then_mlp_in(h, attn, plain.o, layer["mlp_norm"], plain.gate_up)
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
-        return fast.down_then_lm_head(h, act, fast.layers[-1].down, self.final_norm, fast.lm_head, eps)
+        return fast.down_then_lm_head(h, act, fast.layers[-1].down, self.final_norm, fast.lm_head)
+
+    def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,
+                                 kv: KVBlockPool) -> torch.Tensor:
+        """One sequence's decode attention: [1, n_q, hd] -> [1, n_q * hd]. With one sequence there
+        is no padding to mask, only the last block's unused tail to cut off."""
+        n_q, n_kv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        keys = kv.k[li].index_select(0, blocks).view(-1, n_kv, hd)[:context].transpose(0, 1).unsqueeze(0)
+        values = kv.v[li].index_select(0, blocks).view(-1, n_kv, hd)[:context].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q.reshape(1, n_kv, n_q // n_kv, hd), keys, values)
+        return o.reshape(1, n_q * hd)
 
     def _decode_attention(self, q: torch.Tensor, li: int, meta: AttentionMetadata, kv: KVBlockPool) -> torch.Tensor:
         """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""

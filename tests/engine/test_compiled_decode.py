@@ -94,7 +94,9 @@ def test_abort_at_safepoint_then_rerun_equals_no_abort(runners):
     token = int(_decode(eager, ids, 1)[0][0])
     aborted = compiled.execute([SeqChunk("x", [token], 20, table)], safepoint=stop_at_two)
     assert aborted.aborted and aborted.aborted_at_layer == 2 and aborted.logits is None
-    assert seen == [0, 0, 1, 1, 1, 2]  # the eager path's safepoints, in the same places
+    # The eager path's safepoints before each layer and before its down projection; the one
+    # between attention and the MLP is left out (a lone sequence's o and gate/up projections are short).
+    assert seen == [0, 1, 1, 2]
     rerun = compiled.execute([SeqChunk("x", [token], 20, table)], safepoint=lambda layer: False)
     torch.testing.assert_close(rerun.logits[0], expected, atol=1e-4, rtol=1e-4)
     compiled.kv.free(table)
