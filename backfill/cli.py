@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with bf16 matmul kernels, else float32")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--compile-decode", action="store_true",
-                   help="CPU: compile single-sequence decode steps with torch.compile (faster batch-1 "
+                   help="CPU: compile single-sequence decode steps with inductor (faster batch-1 "
                         "decode; a few seconds to compile at load, the matmul weights held twice)")
 
 

@@ -1,4 +1,4 @@
-"""Single-sequence decode steps through torch.compile'd layer pieces (gpt-fast's approach, CPU).
+"""Single-sequence decode steps through compiled layer pieces (gpt-fast's approach, CPU).
 
 A batch-1 decode step reads every weight once and does almost no arithmetic, so its time is
 memory traffic plus per-op overhead. Eager PyTorch pays both badly here: about twenty dispatches
@@ -6,16 +6,24 @@ per layer (norms, RoPE, SiLU, views, residual adds), and oneDNN's and MKL's matr
 kernels read the weights at about 25 GB/s on the 2-core EPYC, where a plain reduction streams
 50-60 GB/s. Inductor turns each stretch between two safepoints into one C++ loop that takes the
 weight's rows as dot products (a reduction, at reduction speed) with the norm, RoPE and SiLU fused
-in. `backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md):
-fp32 batch-1 decode 32.4 ms eager, 24.8 ms compiled; bf16 20.7 and 16.9 ms.
+in. `backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md).
+
+Two pieces per layer: the previous layer's down projection with this layer's norm, q/k/v and
+RoPE; then the o projection with the norm, gate/up and SiLU. Each is traced once (make_fx) and
+handed to inductor directly: torch.compile's dynamo front end checked guards on every call, 20 us
+each, which was a tenth of the step. Without guards the pieces trust their inputs' shapes, which
+batch-1 decode fixes.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache stays
 eager: its context grows every step and would recompile a static graph, and a dynamic one ran
-slower than eager. Batches above one stay on the eager path, whose packed GEMMs reuse each weight
+slower than eager (it also lost to eager with the block-table gather fused in, once the KV is
+not in cache). Batches above one stay on the eager path, whose packed GEMMs reuse each weight
 row across the batch; a reduction per (row, sequence) would read the weights once per sequence.
-The safepoints and the KV writes are the eager model's, so preemption and abort behave the same; a
-layer's down projection runs in the same call as the next layer's norm and q/k/v projection (after
-the safepoint between them rather than before: an aborted step's work is discarded either way).
+The KV writes are the eager model's. The safepoints are before each layer and before its down
+projection; the eager path's third one, between attention and the MLP, is left out: for one
+sequence the o and gate/up projections take a fraction of a millisecond. A layer's down
+projection runs in the same call as the next layer's start (after the safepoint between them
+rather than before: an aborted step's work is discarded either way).
 """
 
 from __future__ import annotations

@@ -79,6 +79,36 @@ def test_compiled_path_runs_single_decodes_only(runners, monkeypatch):
         compiled.kv.free(t)
 
 
+def test_each_compiled_piece_equals_its_python_function(runners, tiny_config):
+    """The pieces run without guards or size checks, so each must compute exactly its function on
+    distinct inputs (an example that passed one tensor twice once made cos and sin one input)."""
+    from backfill.engine import compiled_decode as cd
+
+    fast = runners[1].model.compiled_decode
+    layer, eps, n_q, n_kv = fast.layers[1], fast.eps, tiny_config.num_heads, tiny_config.num_kv_heads
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, tiny_config.hidden_size, generator=g)
+    attn = torch.randn(1, n_q * tiny_config.head_dim, generator=g)
+    act = torch.randn(1, tiny_config.intermediate_size, generator=g)
+    norm = torch.rand(tiny_config.hidden_size, generator=g) + 0.5
+    cos, sin = (torch.randn(1, 1, tiny_config.head_dim, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        pairs = [
+            (fast.attention_in(h, norm, layer.qkv, cos, sin),
+             cd._attention_in(h, norm, layer.qkv, cos, sin, eps, n_q, n_kv)),
+            (fast.down_then_attention_in(h, act, layer.down, norm, layer.qkv, cos, sin),
+             cd._down_then_attention_in(h, act, layer.down, norm, layer.qkv, cos, sin, eps, n_q, n_kv)),
+            (fast.o_then_mlp_in(h, attn, layer.o, norm, layer.gate_up),
+             cd._o_then_mlp_in(h, attn, layer.o, norm, layer.gate_up, eps)),
+            ((fast.down_then_lm_head(h, act, layer.down, norm, fast.lm_head),),
+             (cd._down_then_lm_head(h, act, layer.down, norm, fast.lm_head, eps),)),
+        ]
+    for compiled, reference in pairs:
+        assert len(compiled) == len(reference)
+        for a, b in zip(compiled, reference):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_abort_at_safepoint_then_rerun_equals_no_abort(runners):
     eager, compiled = runners
     ids = _prompt(20, 3)
