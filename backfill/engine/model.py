@@ -76,7 +76,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor     # [T] flat KV slot (block * block_size + offset) of each token
     decode_token_index: torch.Tensor | None  # [Bd] where the decode tokens sit in the flat batch
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
-    decode_key_mask: torch.Tensor | None     # [Bd, 1, 1, max_blocks * block_size] True = attend
+    # [Bd, 1, 1, max_blocks * block_size], added to the scores: 0 = attend, -inf = padding
+    decode_key_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
 
