@@ -43,6 +43,11 @@ class KVBlockPool:
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        # Each layer's K and V as flat token slots [num_blocks * block_size, kv_heads, head_dim],
+        # made once: the model writes every layer's new tokens through them each step.
+        slots = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k_slots = [layer.view(slots) for layer in self.k]
+        self.v_slots = [layer.view(slots) for layer in self.v]
         # LIFO free list: recently freed blocks are reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._allocated = bytearray(num_blocks)

@@ -162,9 +162,8 @@ class LlamaModel:
         return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in tensors)
 
     def _write_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool) -> None:
-        n_kv, hd = self.config.num_kv_heads, self.config.head_dim
-        kv.k[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, k)
-        kv.v[li].view(-1, n_kv, hd).index_copy_(0, meta.slot_mapping, v)
+        kv.k_slots[li].index_copy_(0, meta.slot_mapping, k)
+        kv.v_slots[li].index_copy_(0, meta.slot_mapping, v)
 
     def _is_single_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (input_ids.shape[0] == 1 and meta.decode_token_index is not None and not meta.prefills
@@ -263,8 +262,11 @@ class LlamaModel:
         """One sequence's decode attention: [1, n_q, hd] -> [1, n_q * hd]. With one sequence there
         is no padding to mask, only the last block's unused tail to cut off."""
         n_q, n_kv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
-        keys = kv.k[li].index_select(0, blocks).view(-1, n_kv, hd)[:context].transpose(0, 1).unsqueeze(0)
-        values = kv.v[li].index_select(0, blocks).view(-1, n_kv, hd)[:context].transpose(0, 1).unsqueeze(0)
+        # The gathered copy [blocks, block_size, n_kv, hd] seen as [1, n_kv, context, hd] in one view
+        # (a per-op cost of about a microsecond is worth saving thirty times a step).
+        heads_first = ((1, n_kv, context, hd), (0, hd, n_kv * hd, 1))
+        keys = kv.k[li].index_select(0, blocks).as_strided(*heads_first)
+        values = kv.v[li].index_select(0, blocks).as_strided(*heads_first)
         o = F.scaled_dot_product_attention(q.reshape(1, n_kv, n_q // n_kv, hd), keys, values)
         return o.reshape(1, n_q * hd)
 
