@@ -39,50 +39,64 @@ def _prompt(n: int, salt: int, vocab: int) -> list[int]:
     return [100 + (salt * 7919 + i * 104729) % (vocab - 200) for i in range(n)]
 
 
-def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Decode steps through the scheduler (sampling and bookkeeping included)."""
+class BandwidthProbe:
+    """One read of a buffer too big for the caches, between two decode steps.
+
+    The shared machine's bandwidth drifts by 20% within minutes and bursts for seconds, so a floor
+    measured once at the start can be far from the one a later measurement ran against. Probes
+    interleaved with the steps read the bandwidth over the same window as the steps they pair with.
+    """
+
+    def __init__(self, device: str, size_mb: int = 256) -> None:
+        self.device = device
+        self.buffer = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32, device=device)
+        self.read_gbs()  # first touch
+
+    def read_gbs(self) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        self.buffer.sum()
+        _sync(self.device)
+        return self.buffer.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int, probe: BandwidthProbe | None = None) -> dict:
+    """Decode steps through the scheduler (sampling and bookkeeping included); with a probe, a
+    bandwidth read after each step (untimed), whose median is the step's paired bandwidth."""
     scheduler = build_scheduler(runner, ServingConfig(policy="fcfs", max_model_len=prompt_len + new_tokens + 8,
                                                       limits=_limits(batch, prompt_len)))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         scheduler.add(GenerationRequest(_prompt(prompt_len, i, runner.config.vocab_size), params,
                                         RequestClass.OFFLINE))
-    step_s = []
+    step_s, probe_gbs = [], []
     while scheduler.has_work():
         prefill = any(s.num_computed < len(s.prompt_ids) for s in scheduler.seqs.values())
         start = time.perf_counter()
         scheduler.step()
         if not prefill:
             step_s.append(time.perf_counter() - start)
+            if probe is not None:
+                probe_gbs.append(probe.read_gbs())
     tpot_ms = statistics.median(step_s) * 1e3
-    return {"batch": batch, "tpot_ms": tpot_ms, "tokens_per_s": batch / (tpot_ms / 1e3),
-            "decode_steps": len(step_s), "context_tokens": prompt_len + new_tokens}
-
-
-def _bench_eager_batch1(runner, prompt_len: int, new_tokens: int, floor_ms: float) -> dict:
-    """Batch 1 on the eager path of the same model, right after the compiled run: a side-by-side pair."""
-    compiled, runner.model.compiled_decode = runner.model.compiled_decode, None
-    try:
-        d = bench_decode(runner, 1, prompt_len, new_tokens)
-    finally:
-        runner.model.compiled_decode = compiled
-    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+    d = {"batch": batch, "tpot_ms": tpot_ms, "tokens_per_s": batch / (tpot_ms / 1e3),
+         "decode_steps": len(step_s), "context_tokens": prompt_len + new_tokens}
+    if probe_gbs:
+        d["paired_read_bandwidth_gbs"] = statistics.median(probe_gbs)
+        d["paired_floor_ms"] = runner.model.weight_bytes / (d["paired_read_bandwidth_gbs"] * 1e9) * 1e3
+        d["tpot_over_paired_floor"] = tpot_ms / d["paired_floor_ms"]
     return d
 
 
-def _with_adjacent_floor(measure, weight_bytes: int, device: str) -> dict:
-    """measure() with the read bandwidth taken right before and right after it.
-
-    On a shared machine the bandwidth drifts by 20% within minutes, so a floor measured at the
-    start of the run can be far from the one a later measurement ran against. The higher of the
-    two adjacent readings gives the lower floor: the ratio errs against us.
-    """
-    before = measure_device_bandwidth_gbs(device)
-    d = measure()
-    bandwidth = max(before, measure_device_bandwidth_gbs(device))
-    d["adjacent_read_bandwidth_gbs"] = bandwidth
-    d["adjacent_floor_ms"] = weight_bytes / (bandwidth * 1e9) * 1e3
-    d["tpot_over_adjacent_floor"] = d["tpot_ms"] / d["adjacent_floor_ms"]
+def _bench_eager_batch1(runner, prompt_len: int, new_tokens: int, floor_ms: float,
+                        probe: BandwidthProbe | None = None) -> dict:
+    """Batch 1 on the eager path of the same model, right after the compiled run: a side-by-side pair."""
+    compiled, runner.model.compiled_decode = runner.model.compiled_decode, None
+    try:
+        d = bench_decode(runner, 1, prompt_len, new_tokens, probe)
+    finally:
+        runner.model.compiled_decode = compiled
+    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
     return d
 
 
@@ -175,6 +189,7 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "runs": {}}
     bandwidth = measure_device_bandwidth_gbs(device)
+    probe = BandwidthProbe(device)
     result["read_bandwidth_gbs"] = bandwidth
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     for asked in dtypes:
@@ -190,18 +205,16 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
         log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
             f"matmuls via {runner.model.matmul_kernel}")
         for batch in batches:
-            d = _with_adjacent_floor(lambda: bench_decode(runner, batch, prompt_len, new_tokens),
-                                     runner.model.weight_bytes, device)
+            d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
             run["decode"].append(d)
-            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.1f} ms "
-                f"({d['tpot_over_floor']:.2f}x floor; {d['tpot_over_adjacent_floor']:.2f}x the floor measured "
-                f"around it), {d['tokens_per_s']:.0f} tok/s")
+            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.1f} ms ({d['tpot_over_floor']:.2f}x floor, "
+                f"{d['tpot_over_paired_floor']:.2f}x the paired floor of {d['paired_floor_ms']:.1f} ms), "
+                f"{d['tokens_per_s']:.0f} tok/s")
         if runner.model.compiled_decode is not None and 1 in batches:
-            eager = run["decode_batch1_eager"] = _with_adjacent_floor(
-                lambda: _bench_eager_batch1(runner, prompt_len, new_tokens, floor_ms), runner.model.weight_bytes, device)
+            eager = run["decode_batch1_eager"] = _bench_eager_batch1(runner, prompt_len, new_tokens, floor_ms, probe)
             log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
-                f"({eager['tpot_over_floor']:.2f}x floor; {eager['tpot_over_adjacent_floor']:.2f}x adjacent)")
+                f"({eager['tpot_over_floor']:.2f}x floor, {eager['tpot_over_paired_floor']:.2f}x paired)")
         run["prefill"] = bench_prefill(runner)
         log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
         if with_hf:

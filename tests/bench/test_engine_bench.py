@@ -1,21 +1,35 @@
-"""The engine benchmark's floors: each decode figure carries the bandwidth measured around it."""
+"""The engine benchmark's floors: each decode figure carries the bandwidth read between its steps."""
+
+import statistics
 
 import pytest
 
 from backfill.bench import engine_bench
 
 
-def test_adjacent_floor_uses_the_higher_of_the_readings_around_the_measurement(monkeypatch):
-    readings = iter([20.0, 25.0])
-    calls = []
-    monkeypatch.setattr(engine_bench, "measure_device_bandwidth_gbs", lambda device: next(readings))
-    d = engine_bench._with_adjacent_floor(lambda: calls.append("measured") or {"tpot_ms": 10.0},
-                                          weight_bytes=100_000_000, device="cpu")
-    assert calls == ["measured"]
-    # 100 MB at 25 GB/s is 4 ms: the lower floor, so the ratio errs against the engine.
-    assert d["adjacent_read_bandwidth_gbs"] == 25.0
-    assert d["adjacent_floor_ms"] == pytest.approx(4.0)
-    assert d["tpot_over_adjacent_floor"] == pytest.approx(2.5)
+class FixedProbe:
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.calls = 0
+
+    def read_gbs(self) -> float:
+        self.calls += 1
+        return self.readings[(self.calls - 1) % len(self.readings)]
+
+
+def test_decode_bench_pairs_each_step_with_a_bandwidth_read(tiny_runner):
+    probe = FixedProbe([10.0, 30.0, 20.0])
+    d = engine_bench.bench_decode(tiny_runner, batch=2, prompt_len=8, new_tokens=5, probe=probe)
+    assert probe.calls == d["decode_steps"] >= 4  # one read after each decode step, none after the prefill
+    reads = sorted(probe.readings[i % 3] for i in range(probe.calls))
+    assert d["paired_read_bandwidth_gbs"] == statistics.median(reads)
+    floor_ms = tiny_runner.model.weight_bytes / (statistics.median(reads) * 1e9) * 1e3
+    assert d["paired_floor_ms"] == pytest.approx(floor_ms)
+    assert d["tpot_over_paired_floor"] == pytest.approx(d["tpot_ms"] / floor_ms)
+
+
+def test_bandwidth_probe_reads_a_plausible_bandwidth():
+    assert 0.1 < engine_bench.BandwidthProbe("cpu", size_mb=64).read_gbs() < 10_000
 
 
 @pytest.mark.slow
@@ -26,6 +40,6 @@ def test_engine_bench_reports_both_floors_for_each_batch():
     assert result["read_bandwidth_gbs"] > 0 and run["bandwidth_floor_ms"] > 0
     assert [d["batch"] for d in run["decode"]] == [1, 2]
     for d in run["decode"]:
-        assert d["tpot_ms"] > 0 and d["adjacent_read_bandwidth_gbs"] > 0
+        assert d["tpot_ms"] > 0 and d["paired_read_bandwidth_gbs"] > 0
         assert d["tpot_over_floor"] == pytest.approx(d["tpot_ms"] / run["bandwidth_floor_ms"])
-        assert d["tpot_over_adjacent_floor"] == pytest.approx(d["tpot_ms"] / d["adjacent_floor_ms"])
+        assert d["tpot_over_paired_floor"] == pytest.approx(d["tpot_ms"] / d["paired_floor_ms"])
