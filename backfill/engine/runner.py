@@ -147,7 +147,8 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, dtype=torch.long, device=dev).unsqueeze(1)
             # Additive, in the model's dtype, built once per step: SDPA would turn a boolean mask
             # into this in every layer. One layer's attention over 32 x 208 tokens (fp32) went from
-            # 1.39 to 1.07 ms in isolation; a whole decode step gains about 1% (in-process A/B).
+            # 1.39 to 1.07 ms in isolation; whole steps gain less than the noise
+            # (scripts/decode_mask_ab.py).
             padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
             meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype, device=dev).masked_fill_(
                 padding, float("-inf"))
