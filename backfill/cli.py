@@ -18,6 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action="store_true",
                    help="CPU: compile single-sequence decode steps with inductor (faster batch-1 "
                         "decode; a few seconds to compile at load, the matmul weights held twice)")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa"],
+                   help="auto: on CPU, read the paged KV cache in place with a C++ kernel (built on first "
+                        "use, ~30 s); sdpa: gather each sequence's blocks and run SDPA")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -28,7 +31,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     llm = LLM(ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, policy="fcfs"))
+                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
+                            policy="fcfs"))
     for delta in llm.stream(args.prompt, params, chat=not args.raw):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -41,7 +45,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
                               args.new_tokens, args.device, with_hf=not args.no_hf,
-                              random_weights=args.random_weights, compile_decode=args.compile_decode)
+                              random_weights=args.random_weights, compile_decode=args.compile_decode,
+                              decode_attention=args.decode_attention)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -71,7 +76,8 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
     scenario = _scenario(args)
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, kv_cache_gb=args.kv_cache_gb,
+                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
+                            kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
         from backfill.bench.coserve import load_and_profile
@@ -98,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32)
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode)
+                            compile_decode=args.compile_decode, decode_attention=args.decode_attention)
     print(f"backfill demo: {args.duration:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
           "then co-served with a backlog of offline batch requests.\n")
     results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
@@ -123,7 +129,8 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, kv_cache_gb=args.kv_cache_gb,
+                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
+                            kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
     results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
@@ -139,7 +146,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.serving.profiler import profile_latency
 
     cfg = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode)
+                            compile_decode=args.compile_decode, decode_attention=args.decode_attention)
     loaded = load_model(args.model)
     latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)

@@ -176,7 +176,7 @@ def measure_device_bandwidth_gbs(device: str) -> float:
 def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                      batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
-                     compile_decode: bool = False, log=print) -> dict:
+                     compile_decode: bool = False, decode_attention: str = "auto", log=print) -> dict:
     from backfill.engine.weights import LoadedModel, load_model, random_model
 
     if random_weights:
@@ -194,12 +194,14 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
     for asked in dtypes:
         cfg = ServingConfig(dtype=asked, device=device, kv_cache_gb=2.0,
-                            max_model_len=prompt_len + new_tokens + 8, compile_decode=compile_decode)
+                            max_model_len=prompt_len + new_tokens + 8, compile_decode=compile_decode,
+                            decode_attention=decode_attention)
         dtype_name = cfg.resolved_dtype
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
                "compiled_decode": runner.model.compiled_decode is not None,
+               "paged_attention_kernel": runner.model.paged_decode_attention is not None,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
         log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "

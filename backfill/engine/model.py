@@ -23,6 +23,7 @@ from backfill.engine.linear import Linear, matmul_kernel_for
 
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, PlainLayer
+    from backfill.engine.paged_attention import PagedDecodeAttention
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class AttentionMetadata:
     decode_key_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
+    decode_context_lens: torch.Tensor | None = None  # [Bd] tokens each decoding sequence attends to
 
 
 Safepoint = Callable[[int], bool]
@@ -93,7 +95,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, paged_attention_kernel: bool = False) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -142,6 +144,12 @@ class LlamaModel:
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode:
             self.compiled_decode = self._build_compiled_decode(plain_layers, lm_head)
+        # Decode attention straight from the paged pool (CPU kernel); None: gather + SDPA.
+        self.paged_decode_attention: PagedDecodeAttention | None = None
+        if paged_attention_kernel and self.device.type == "cpu":
+            from backfill.engine.paged_attention import load_paged_decode_attention
+
+            self.paged_decode_attention = load_paged_decode_attention()
 
     def _build_compiled_decode(self, plain_layers: list[dict[str, torch.Tensor]],
                                lm_head: torch.Tensor) -> CompiledDecode | None:
@@ -237,6 +245,7 @@ class LlamaModel:
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
         blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
+        kernel, context_lens = self.paged_decode_attention, meta.positions + 1
         act = None  # the previous layer's MLP activation; its down projection runs with this layer's start
         for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
             if safepoint is not None and li > 0 and safepoint(li):
@@ -247,7 +256,10 @@ class LlamaModel:
                 h, q, k, v = fast.down_then_attention_in(h, act, fast.layers[li - 1].down, layer["attn_norm"],
                                                          plain.qkv, cos, sin)
             self._write_kv(li, k, v, meta, kv)
-            attn = self._single_decode_attention(q, li, blocks, context, kv)
+            if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
+                attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, context_lens).view(1, -1)
+            else:
+                attn = self._single_decode_attention(q, li, blocks, context, kv)
             # One safepoint fewer than the eager path (none between attention and the MLP): the o
             # and gate/up projections of one sequence are a fraction of a millisecond.
             h, act = fast.o_then_mlp_in(h, attn, plain.o, layer["mlp_norm"], plain.gate_up)
@@ -274,6 +286,8 @@ class LlamaModel:
         """One query per sequence against its paged context: [Bd, n_q, hd] -> [Bd, n_q, hd]."""
         n_q, n_kv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         tables = meta.decode_block_tables
+        if self.paged_decode_attention is not None:  # reads the pool in place, no padding
+            return self.paged_decode_attention(q.contiguous(), kv.k[li], kv.v[li], tables, meta.decode_context_lens)
         batch, max_blocks = tables.shape
         flat = tables.view(-1)
         ctx = max_blocks * kv.block_size

@@ -149,6 +149,7 @@ class ModelRunner:
             # into this in every layer. One layer's attention over 32 x 208 tokens (fp32) went from
             # 1.39 to 1.07 ms in isolation; whole steps gain less than the noise
             # (scripts/decode_mask_ab.py).
+            meta.decode_context_lens = lens.view(-1)
             padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
             meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype, device=dev).masked_fill_(
                 padding, float("-inf"))

@@ -29,9 +29,10 @@ OPTION_TYPES: dict[str, type] = {
     "db": str, "api_key": str, "max_online_queue": int, "max_body_mb": float,
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
     "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
+    "decode_attention": str,
 }
 _SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
-                 "interference_slack", "compile_decode")
+                 "interference_slack", "compile_decode", "decode_attention")
 
 
 def default_db_path(port: int) -> Path:
@@ -110,7 +111,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
       "(default 0.05; inf: no cap)")
     p("--compile-decode", action="store_true", default=None,
-      help="CPU: compile single-sequence decode steps with torch.compile (faster batch-1 decode)")
+      help="CPU: compile single-sequence decode steps with inductor (faster batch-1 decode)")
+    p("--decode-attention", default=None, choices=["auto", "sdpa"],
+      help="auto (default): on CPU, read the paged KV cache in place with a C++ kernel; sdpa: gather + SDPA")
     p("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default 2048)")
     p("--db", default=None, metavar="PATH", help="SQLite file for files and batches "
       "(default $BACKFILL_CACHE_DIR or ~/.cache/backfill, server-<port>.db)")

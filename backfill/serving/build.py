@@ -27,6 +27,7 @@ from backfill.serving.torch_thread import run_on_torch_thread
 POLICIES = ("coserve", "priority", "fcfs", "online-only")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
 
 
 def auto_dtype(device: str) -> str:
@@ -57,6 +58,10 @@ class ServingConfig:
     # CPU: single-sequence decode steps through torch.compile'd layer pieces (engine/compiled_decode.py);
     # compiles at load and keeps a second, plain copy of the matmul weights.
     compile_decode: bool = False
+    # Decode attention: "auto" reads the paged KV pool in place with a C++ kernel on CPU (built on
+    # first use; engine/paged_attention.py), gather + SDPA elsewhere or if it cannot be built;
+    # "sdpa" always gathers.
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -75,6 +80,9 @@ class ServingConfig:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
         if self.interference_slack is not None and not self.interference_slack >= 0:
             raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
+        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
+            raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
+                                      f"got {self.decode_attention!r}")
 
     @property
     def resolved_dtype(self) -> str:
@@ -89,6 +97,10 @@ class ServingConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
+    @property
+    def uses_paged_attention_kernel(self) -> bool:
+        return self.decode_attention == "auto" and self.resolved_device() == "cpu"
+
     def with_policy(self, policy: str) -> "ServingConfig":
         return replace(self, policy=policy)
 
@@ -97,8 +109,9 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     device = cfg.resolved_device()
-    # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py).
+    # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
+    kernel += "-pa" if cfg.uses_paged_attention_kernel else ""
     return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
 
 
@@ -107,7 +120,8 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
         torch.set_num_threads(cfg.threads)
     device = cfg.resolved_device()
     model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
-                       compile_decode=cfg.compile_decode)
+                       compile_decode=cfg.compile_decode,
+                       paged_attention_kernel=cfg.uses_paged_attention_kernel)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
     return ModelRunner(model, kv)

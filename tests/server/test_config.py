@@ -123,3 +123,14 @@ def test_compile_decode_from_flag_or_file(tmp_path):
     toml.write_text('compile-decode = "yes"\n')
     with pytest.raises(ServerConfigError, match="compile-decode must be a bool"):
         parse("--config", str(toml))
+
+
+def test_decode_attention_from_flag_or_file(tmp_path):
+    assert parse().serving.decode_attention == "auto"
+    assert parse("--decode-attention", "sdpa").serving.decode_attention == "sdpa"
+    toml = tmp_path / "c.toml"
+    toml.write_text('decode-attention = "sdpa"\n')
+    assert parse("--config", str(toml)).serving.decode_attention == "sdpa"
+    toml.write_text('decode-attention = "flash"\n')
+    with pytest.raises(InvalidRequestError, match="decode_attention must be one of auto, sdpa"):
+        parse("--config", str(toml))

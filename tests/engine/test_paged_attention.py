@@ -1,0 +1,79 @@
+"""The C++ paged decode attention against gather + SDPA, and the model with it against the model without."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.paged_attention import load_paged_decode_attention
+from backfill.engine.runner import ModelRunner, SeqChunk
+from tests.conftest import random_weights
+
+kernel = load_paged_decode_attention()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the kernel")
+
+
+def _reference(q, k_pool, v_pool, tables, lens):
+    """One sequence at a time: gather its blocks, cut to length, SDPA in fp32 with the heads grouped."""
+    n_q, n_kv, hd = q.shape[1], k_pool.shape[2], q.shape[2]
+    out = []
+    for b in range(q.shape[0]):
+        keys = k_pool.index_select(0, tables[b]).view(-1, n_kv, hd)[:lens[b]].transpose(0, 1).unsqueeze(0)
+        values = v_pool.index_select(0, tables[b]).view(-1, n_kv, hd)[:lens[b]].transpose(0, 1).unsqueeze(0)
+        grouped = q[b].reshape(1, n_kv, n_q // n_kv, hd).float()
+        out.append(F.scaled_dot_product_attention(grouped, keys.float(), values.float()).reshape(n_q, hd))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n_q, n_kv", [(9, 3), (4, 4), (8, 1)])
+def test_kernel_matches_gather_and_sdpa(dtype, tol, n_q, n_kv):
+    g = torch.Generator().manual_seed(n_q * 10 + n_kv)
+    block_size, hd, num_blocks = 16, 64, 40
+    k_pool = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).to(dtype)
+    # Lengths ending mid-block, on a block boundary and at one token; tables padded past the length.
+    lens = torch.tensor([37, 64, 1, 80])
+    tables = torch.randperm(num_blocks, generator=g)[:4 * 5].view(4, 5)
+    q = torch.randn(4, n_q, hd, generator=g).to(dtype)
+    out = kernel(q, k_pool, v_pool, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, tables, lens), atol=tol, rtol=tol)
+
+
+def test_kernel_reads_a_layer_of_the_pool_in_place(tiny_config):
+    """The model passes kv.k[layer], a view into the whole pool: the kernel must read that layer."""
+    pool = KVBlockPool(tiny_config, 12, 8)
+    pool.k.normal_()
+    pool.v.normal_()
+    tables, lens = torch.tensor([[3, 7, 1]]), torch.tensor([20])
+    q = torch.randn(1, tiny_config.num_heads, tiny_config.head_dim)
+    for layer in (0, tiny_config.num_layers - 1):
+        out = kernel(q, pool.k[layer], pool.v[layer], tables, lens)
+        torch.testing.assert_close(out, _reference(q, pool.k[layer], pool.v[layer], tables, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_a_length_past_its_table():
+    pool = torch.zeros(4, 16, 2, 8)
+    with pytest.raises(RuntimeError, match="context length outside its block table"):
+        kernel(torch.zeros(1, 2, 8), pool, pool, torch.tensor([[0, 1]]), torch.tensor([33]))
+
+
+def test_model_with_kernel_equals_model_with_sdpa(tiny_config):
+    """A step mixing a prefill chunk with decodes of different lengths: same logits either way."""
+    weights = random_weights(tiny_config, seed=11)
+    runners = [ModelRunner(LlamaModel(tiny_config, weights, paged_attention_kernel=use), KVBlockPool(tiny_config, 32, 8))
+               for use in (False, True)]
+    assert runners[0].model.paged_decode_attention is None and runners[1].model.paged_decode_attention is not None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 19, 33)]
+    logits = []
+    for runner in runners:
+        tables = [runner.kv.allocate(runner.kv.blocks_needed(len(p) + 2)) for p in prompts]
+        for i, p in enumerate(prompts[:2]):
+            runner.execute([SeqChunk(i, p, 0, tables[i])])
+        step = [SeqChunk(0, [7], len(prompts[0]), tables[0]), SeqChunk(1, [9], len(prompts[1]), tables[1]),
+                SeqChunk(2, prompts[2], 0, tables[2])]
+        logits.append(runner.execute(step).logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
