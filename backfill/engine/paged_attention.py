@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -39,11 +41,24 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip-installed one lives in the venv, which a
+    `.venv/bin/python ...` run does not put on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=1)
 def load_paged_decode_attention() -> PagedDecodeAttention | None:
     """The compiled kernel, or None (logged) where it cannot be built or loaded."""
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:
         module = cpp_extension.load(name=f"backfill_paged_decode_{_cpu_key()}", sources=[str(SOURCE)],
                                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
