@@ -14,12 +14,13 @@ handed to inductor directly: torch.compile's dynamo front end checked guards on 
 each, which was a tenth of the step. Without guards the pieces trust their inputs' shapes, which
 batch-1 decode fixes.
 
-Only the stretches with fixed shapes are compiled. Decode attention over the paged cache stays
-eager: its context grows every step and would recompile a static graph, and a dynamic one ran
-slower than eager (it also lost to eager with the block-table gather fused in, once the KV is
-not in cache). Batches above one stay on the eager path, whose packed GEMMs reuse each weight
-row across the batch; a reduction per (row, sequence) would read the weights once per sequence.
-The KV writes are the eager model's. The safepoints are before each layer and before its down
+Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
+its context grows every step and would recompile a static graph, and a dynamic one ran slower
+than eager (it also lost to eager with the block-table gather fused in, once the KV is not in
+cache). It runs through the paged-attention kernel where that is built (engine/paged_attention.py),
+else through gather + SDPA. Batches above one stay on the eager path, whose packed GEMMs reuse
+each weight row across the batch; a reduction per (row, sequence) would read the weights once per
+sequence. The KV writes are the eager model's. The safepoints are before each layer and before its down
 projection; the eager path's third one, between attention and the MLP, is left out: for one
 sequence the o and gate/up projections take a fraction of a millisecond. A layer's down
 projection runs in the same call as the next layer's start (after the safepoint between them

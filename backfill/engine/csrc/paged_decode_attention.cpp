@@ -14,6 +14,21 @@
 
 namespace {
 
+// One row of head_dim elements to fp32. bf16 is the top half of an fp32, so its conversion is a
+// 16-bit shift written on the raw bits, which the compiler vectorizes (c10's converting operator
+// it does not, and then nothing downstream vectorizes either).
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void row_to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
 template <typename T>
 void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens, T* out,
             int64_t batch, int64_t width, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t block_size) {
@@ -21,14 +36,18 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables,
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t token_stride = n_kv * head_dim;  // between two tokens of one block, for one head
   at::parallel_for(0, batch * n_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores(block_size);
-    std::vector<float> running_max(group), denominator(group);
+    // Per task: the group's queries, running outputs, the current block's scores [token][group],
+    // and one key or value row in fp32: each row is converted once and used by every query of
+    // the group that shares its KV head.
+    std::vector<float> query(group * head_dim), acc(group * head_dim), scores(block_size * group), row(head_dim);
+    std::vector<float> running_max(group), denominator(group), block_max(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / n_kv, head = task % n_kv;
       const int64_t context = lens[seq];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          query[g * head_dim + d] = static_cast<float>(q[(seq * n_q + head * group + g) * head_dim + d]) * scale;
+      for (int64_t g = 0; g < group; ++g) {
+        row_to_float(q + (seq * n_q + head * group + g) * head_dim, &query[g * head_dim], head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] *= scale;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(running_max.begin(), running_max.end(), -INFINITY);
       std::fill(denominator.begin(), denominator.end(), 0.0f);
@@ -37,28 +56,33 @@ void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables,
         const int64_t tokens = std::min(block_size, context - j * block_size);
         const T* keys = k_pool + (block * block_size * n_kv + head) * head_dim;
         const T* values = v_pool + (block * block_size * n_kv + head) * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = &query[g * head_dim];
-          float block_max = running_max[g];
-          for (int64_t t = 0; t < tokens; ++t) {
-            const T* key = keys + t * token_stride;
+        std::copy(running_max.begin(), running_max.end(), block_max.begin());
+        for (int64_t t = 0; t < tokens; ++t) {
+          row_to_float(keys + t * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = &query[g * head_dim];
             float s = 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * static_cast<float>(key[d]);
-            scores[t] = s;
-            block_max = std::max(block_max, s);
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
+            scores[t * group + g] = s;
+            block_max[g] = std::max(block_max[g], s);
           }
-          // Rescale what was accumulated under the old maximum (exp(-inf) = 0 on the first block).
-          const float rescale = std::exp(running_max[g] - block_max);
-          float* ag = &acc[g * head_dim];
+        }
+        // Rescale what was accumulated under the old maximum (exp(-inf) = 0 on the first block).
+        for (int64_t g = 0; g < group; ++g) {
+          const float rescale = std::exp(running_max[g] - block_max[g]);
           denominator[g] *= rescale;
+          float* ag = &acc[g * head_dim];
           for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-          for (int64_t t = 0; t < tokens; ++t) {
-            const float p = std::exp(scores[t] - block_max);
+          running_max[g] = block_max[g];
+        }
+        for (int64_t t = 0; t < tokens; ++t) {
+          row_to_float(values + t * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = std::exp(scores[t * group + g] - block_max[g]);
             denominator[g] += p;
-            const T* value = values + t * token_stride;
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(value[d]);
+            float* ag = &acc[g * head_dim];
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
           }
-          running_max[g] = block_max;
         }
       }
       for (int64_t g = 0; g < group; ++g)
