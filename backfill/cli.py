@@ -23,6 +23,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "use, ~30 s); sdpa: gather each sequence's blocks and run SDPA")
 
 
+def _model_options(args: argparse.Namespace) -> dict:
+    """ServingConfig's fields that _add_model_args adds to a command."""
+    return {"model": args.model, "dtype": args.dtype, "device": args.device, "compile_decode": args.compile_decode,
+            "decode_attention": args.decode_attention}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from backfill.engine.sampling_params import SamplingParams
     from backfill.serving.build import ServingConfig
@@ -30,9 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
-    llm = LLM(ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
-                            policy="fcfs"))
+    llm = LLM(ServingConfig(**_model_options(args), policy="fcfs"))
     for delta in llm.stream(args.prompt, params, chat=not args.raw):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -75,9 +79,7 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     scenario = _scenario(args)
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
-                            kv_cache_gb=args.kv_cache_gb,
+    serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     if args.url:
         from backfill.bench.coserve import load_and_profile
@@ -103,8 +105,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32)
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, decode_attention=args.decode_attention)
+    serving = ServingConfig(**_model_options(args))
     print(f"backfill demo: {args.duration:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
           "then co-served with a backlog of offline batch requests.\n")
     results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
@@ -128,9 +129,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from backfill.serving.api import SLO
     from backfill.serving.build import ServingConfig
 
-    serving = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, decode_attention=args.decode_attention,
-                            kv_cache_gb=args.kv_cache_gb,
+    serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_slack(args))
     slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
     results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
@@ -145,8 +144,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig, build_runner, default_profile_path
     from backfill.serving.profiler import profile_latency
 
-    cfg = ServingConfig(model=args.model, dtype=args.dtype, device=args.device,
-                            compile_decode=args.compile_decode, decode_attention=args.decode_attention)
+    cfg = ServingConfig(**_model_options(args))
     loaded = load_model(args.model)
     latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)

@@ -27,8 +27,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     args = parser.parse_args()
     loaded = load_model(None)
+    # Gather + SDPA: the paged-attention kernel takes no mask at all.
     runner = build_runner(loaded.config, loaded.weights, ServingConfig(dtype=args.dtype, kv_cache_gb=2.0,
-                                                                      max_model_len=400))
+                                                                      max_model_len=400, decode_attention="sdpa"))
     scheduler = build_scheduler(runner, ServingConfig(policy="fcfs", max_model_len=400,
                                                       limits=_limits(args.batch, 128)))
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

@@ -24,17 +24,6 @@ from backfill.serving.api import GenerationRequest, RequestClass
 from backfill.serving.build import ServingConfig, build_runner, build_scheduler
 
 
-def measure_read_bandwidth_gbs(size_mb: int = 1024, repeats: int = 5) -> float:
-    x = torch.ones(size_mb * 2**20 // 4, dtype=torch.float32)
-    x.sum()
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return best
-
-
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:
     return [100 + (salt * 7919 + i * 104729) % (vocab - 200) for i in range(n)]
 
@@ -158,19 +147,9 @@ def _sync(device: str) -> None:
 
 
 def measure_device_bandwidth_gbs(device: str) -> float:
-    """Read bandwidth: a large reduction on the host, or on the GPU for CUDA runs."""
-    if not device.startswith("cuda"):
-        return measure_read_bandwidth_gbs()
-    x = torch.ones(2**30 // 4, device=device)
-    x.sum()
-    _sync(device)
-    best = 0.0
-    for _ in range(10):
-        start = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return best
+    """Read bandwidth: the best of a few reads of 1 GiB, on the host or on the GPU for CUDA runs."""
+    probe = BandwidthProbe(device, size_mb=1024)
+    return max(probe.read_gbs() for _ in range(10 if device.startswith("cuda") else 5))
 
 
 def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),

@@ -78,6 +78,7 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor | None  # [Bd] where the decode tokens sit in the flat batch
     decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
     # [Bd, 1, 1, max_blocks * block_size], added to the scores: 0 = attend, -inf = padding
+    # (None when the paged-attention kernel runs decode attention: it reads decode_context_lens)
     decode_key_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
@@ -244,8 +245,9 @@ class LlamaModel:
         h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
-        blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
-        kernel, context_lens = self.paged_decode_attention, meta.positions + 1
+        kernel = self.paged_decode_attention
+        if kernel is None:
+            blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         act = None  # the previous layer's MLP activation; its down projection runs with this layer's start
         for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
             if safepoint is not None and li > 0 and safepoint(li):
@@ -257,7 +259,7 @@ class LlamaModel:
                                                          plain.qkv, cos, sin)
             self._write_kv(li, k, v, meta, kv)
             if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
-                attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, context_lens).view(1, -1)
+                attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, meta.decode_context_lens).view(1, -1)
             else:
                 attn = self._single_decode_attention(q, li, blocks, context, kv)
             # One safepoint fewer than the eager path (none between attention and the MLP): the o

@@ -4,9 +4,10 @@ The eager path gathers a sequence's blocks into a copy (index_select) and runs S
 layer that is two gathers, SDPA's setup and its thread launch, about 90 us at 160 tokens of
 context on the 2-core EPYC, most of it fixed cost. The kernel
 (`csrc/paged_decode_attention.cpp`) walks the block table and keeps a running softmax, reading
-each key and value once where it lies: about 30 us (docs/benchmarks.md). Compiled single-sequence
-decode uses it; batches keep the eager path, where the kernel's one task per (sequence, KV head)
-gains nothing over SDPA in bf16.
+each key and value once where it lies: about 30 us. In a batch nothing is padded, so each
+sequence costs its own context. Every decode attention of the model goes through it when it is
+on: batches and compiled single-sequence decode alike (docs/benchmarks.md has the A/B figures; in
+bf16 with long contexts it is at parity with SDPA, elsewhere faster).
 
 The kernel is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) on first use and
 cached on disk, keyed by the CPU's flags because it is built for the host CPU. Where it cannot be

@@ -143,14 +143,15 @@ class ModelRunner:
             padded = [t + [0] * (width - len(t)) for t in decode_tables]
             meta.decode_token_index = torch.tensor(decode_index, dtype=torch.long, device=dev)
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
             lens = torch.tensor(decode_lens, dtype=torch.long, device=dev).unsqueeze(1)
-            # Additive, in the model's dtype, built once per step: SDPA would turn a boolean mask
-            # into this in every layer. One layer's attention over 32 x 208 tokens (fp32) went from
-            # 1.39 to 1.07 ms in isolation; whole steps gain less than the noise
-            # (scripts/decode_mask_ab.py).
             meta.decode_context_lens = lens.view(-1)
-            padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
-            meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype, device=dev).masked_fill_(
-                padding, float("-inf"))
+            if self.model.paged_decode_attention is None:  # the kernel reads the lengths, SDPA a mask
+                # Additive, in the model's dtype, built once per step: SDPA would turn a boolean
+                # mask into this in every layer. One layer's attention over 32 x 208 tokens (fp32)
+                # went from 1.39 to 1.07 ms in isolation; whole steps gain less than the noise
+                # (scripts/decode_mask_ab.py).
+                key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
+                padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
+                meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype,
+                                                   device=dev).masked_fill_(padding, float("-inf"))
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, logit_ids
