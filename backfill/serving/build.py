@@ -12,6 +12,7 @@ from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import cpu_has_bf16_matmul, matmul_kernel_for
 from backfill.engine.model import LlamaModel
+from backfill.engine.paged_attention import kernel_digest
 from backfill.engine.runner import ModelRunner
 from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
@@ -111,7 +112,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     device = cfg.resolved_device()
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
-    kernel += "-pa" if cfg.uses_paged_attention_kernel else ""
+    kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
     return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
 
 

@@ -42,6 +42,23 @@ def test_kernel_matches_gather_and_sdpa(dtype, tol, n_q, n_kv):
     torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, tables, lens), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 128])
+def test_kernel_splits_a_lone_long_context_across_threads(dtype, tol, head_dim):
+    """One sequence has too few (sequence, head) pairs for the threads: its context is cut into
+    stretches whose partial softmaxes are merged. Head sizes off the vector width take the tail path."""
+    g = torch.Generator().manual_seed(head_dim)
+    block_size, n_q, n_kv, num_blocks = 16, 6, 2, 48
+    k_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:40].view(1, 40)
+    q = torch.randn(1, n_q, head_dim, generator=g).to(dtype) * 3  # peaked scores: the merge must rescale
+    for length in (1, 17, 333, 640):
+        lens = torch.tensor([length])
+        torch.testing.assert_close(kernel(q, k_pool, v_pool, tables, lens).float(),
+                                   _reference(q, k_pool, v_pool, tables, lens), atol=tol, rtol=tol)
+
+
 def test_kernel_reads_a_layer_of_the_pool_in_place(tiny_config):
     """The model passes kv.k[layer], a view into the whole pool: the kernel must read that layer."""
     pool = KVBlockPool(tiny_config, 12, 8)

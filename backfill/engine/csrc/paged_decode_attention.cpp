@@ -1,96 +1,239 @@
 // Decode attention read straight from the paged KV pool, for CPU (backfill/engine/paged_attention.py).
 //
-// One query token per sequence. Each (sequence, KV head) is one task: it walks the sequence's
-// block table, reads each block's keys and values once where they lie in the pool (no gathered
-// copy), and keeps a running softmax over them (the online-softmax of FlashAttention), for all the
-// query heads that share the KV head. Tasks run on PyTorch's own intra-op thread pool.
+// One query token per sequence. A task is one (sequence, KV head, stretch of the context): it walks
+// that stretch of the block table, reads each key and value row once where it lies in the pool (no
+// gathered copy), and keeps a running softmax over it (the online softmax of FlashAttention) for
+// all the query heads that share the KV head. When the batch has too few (sequence, head) pairs to
+// keep every thread busy, each context is cut into stretches and their partial softmaxes merged
+// afterwards (flash-decoding). Tasks run on PyTorch's own intra-op thread pool.
+//
+// The arithmetic is written on ATen's Vectorized<float> (AVX-512 / AVX2 / scalar, chosen at build
+// time by the CPU_CAPABILITY macros the loader passes): rows are converted to fp32 a vector at a
+// time, a block's scores are exponentiated together with ATen's fast vector exp, and the value rows
+// are accumulated with fused multiply-adds. Written as plain loops, the scalar exp per score and
+// per-element conversions made this kernel compute-bound at a few GB/s.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// One row of head_dim elements to fp32. bf16 is the top half of an fp32, so its conversion is a
-// 16-bit shift written on the raw bits, which the compiler vectorizes (c10's converting operator
-// it does not, and then nothing downstream vectorizes either).
-template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <>
-inline void row_to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-}
+// n <= kLanes elements of a row, as fp32 lanes (the rest zero).
+inline Vec load_float(const float* src, int64_t n) { return n == kLanes ? Vec::loadu(src) : Vec::loadu(src, n); }
 
-template <typename T>
-void attend(const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens, T* out,
-            int64_t batch, int64_t width, int64_t n_q, int64_t n_kv, int64_t head_dim, int64_t block_size) {
-  const int64_t group = n_q / n_kv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t token_stride = n_kv * head_dim;  // between two tokens of one block, for one head
-  at::parallel_for(0, batch * n_kv, 1, [&](int64_t begin, int64_t end) {
-    // Per task: the group's queries, running outputs, the current block's scores [token][group],
-    // and one key or value row in fp32: each row is converted once and used by every query of
-    // the group that shares its KV head.
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores(block_size * group), row(head_dim);
-    std::vector<float> running_max(group), denominator(group), block_max(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / n_kv, head = task % n_kv;
-      const int64_t context = lens[seq];
+template <typename Reduced>
+inline Vec load_reduced(const Reduced* src, int64_t n) {
+  if (n == kLanes) {
+    Vec out;
+    if constexpr (std::is_same_v<Reduced, c10::BFloat16>) at::vec::load_fp32_from_bf16(src, out);
+    else at::vec::load_fp32_from_fp16(src, out);
+    return out;
+  }
+  float tail[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) tail[i] = static_cast<float>(src[i]);
+  return Vec::loadu(tail);
+}
+inline Vec load_float(const c10::BFloat16* src, int64_t n) { return load_reduced(src, n); }
+inline Vec load_float(const c10::Half* src, int64_t n) { return load_reduced(src, n); }
+
+// A running softmax over part of one (sequence, KV head)'s context, for its `group` query heads:
+// the maximum score seen, the sum of exp(score - max), and sum of exp(score - max) * value.
+struct Partial {
+  float* max;  // [group]
+  float* sum;  // [group]
+  float* acc;  // [group * head_dim]
+};
+
+struct Shape {
+  int64_t n_q, n_kv, group, head_dim, block_size, width;
+};
+
+// Scratch of one thread: the group's scaled queries in fp32, one block's scores [group][block] and
+// its value rows in fp32 [block][head_dim].
+struct Scratch {
+  std::vector<float> query, scores, values;
+  int64_t padded_block;
+  explicit Scratch(const Shape& s)
+      : query(s.group * s.head_dim), values(s.block_size * s.head_dim),
+        padded_block((s.block_size + kLanes - 1) / kLanes * kLanes) {
+    scores.resize(s.group * padded_block);
+  }
+};
+
+// Blocks [first, last) of one sequence's table, for one KV head, folded into `part`. kHeadDim > 0
+// fixes the head size at compile time (the loops over it unroll and the queries stay in registers).
+template <typename T, int64_t kHeadDim>
+void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
+                   int64_t context, int64_t first, int64_t last, int64_t head, Scratch& scratch, Partial part) {
+  const int64_t hd = kHeadDim > 0 ? kHeadDim : s.head_dim, group = s.group, padded = scratch.padded_block;
+  const int64_t token_stride = s.n_kv * hd;  // between two tokens of one block, for one head
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* query = scratch.query.data();
+  float* scores = scratch.scores.data();
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qg = q + (head * group + g) * hd;
+    for (int64_t d = 0; d < hd; d += kLanes) {
+      const int64_t n = std::min(kLanes, hd - d);
+      (load_float(qg + d, n) * Vec(scale)).store(query + g * hd + d, n);
+    }
+    part.max[g] = kNegInf;
+    part.sum[g] = 0.0f;
+    std::fill(part.acc + g * hd, part.acc + (g + 1) * hd, 0.0f);
+  }
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t block = table[j];
+    const int64_t tokens = std::min(s.block_size, context - j * s.block_size);
+    const T* keys = k_pool + (block * s.block_size * s.n_kv + head) * hd;
+    const T* values = v_pool + (block * s.block_size * s.n_kv + head) * hd;
+    // Scores of the block: each key row is converted once and dotted with every query of the group.
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* key = keys + t * token_stride;
       for (int64_t g = 0; g < group; ++g) {
-        row_to_float(q + (seq * n_q + head * group + g) * head_dim, &query[g * head_dim], head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) query[g * head_dim + d] *= scale;
+        Vec dot(0.0f);
+        for (int64_t d = 0; d < hd; d += kLanes) {
+          const int64_t n = std::min(kLanes, hd - d);
+          dot = at::vec::fmadd(load_float(query + g * hd + d, n), load_float(key + d, n), dot);
+        }
+        scores[g * padded + t] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, dot);
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(running_max.begin(), running_max.end(), -INFINITY);
-      std::fill(denominator.begin(), denominator.end(), 0.0f);
-      for (int64_t j = 0; j * block_size < context; ++j) {
-        const int64_t block = tables[seq * width + j];
-        const int64_t tokens = std::min(block_size, context - j * block_size);
-        const T* keys = k_pool + (block * block_size * n_kv + head) * head_dim;
-        const T* values = v_pool + (block * block_size * n_kv + head) * head_dim;
-        std::copy(running_max.begin(), running_max.end(), block_max.begin());
-        for (int64_t t = 0; t < tokens; ++t) {
-          row_to_float(keys + t * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = &query[g * head_dim];
-            float s = 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
-            scores[t * group + g] = s;
-            block_max[g] = std::max(block_max[g], s);
-          }
+    }
+    // Softmax of the block against the running one: positions past the context score -inf.
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * padded;
+      std::fill(sg + tokens, sg + padded, kNegInf);
+      Vec block_max(kNegInf);
+      for (int64_t t = 0; t < padded; t += kLanes) block_max = at::vec::maximum(block_max, Vec::loadu(sg + t));
+      const float new_max = std::max(part.max[g], at::vec::vec_reduce_all<float>(
+          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, block_max));
+      if (new_max > part.max[g]) {
+        const float rescale = std::exp(part.max[g] - new_max);  // 0 on the first block (-inf)
+        part.sum[g] *= rescale;
+        for (int64_t d = 0; d < hd; d += kLanes) {
+          const int64_t n = std::min(kLanes, hd - d);
+          (load_float(part.acc + g * hd + d, n) * Vec(rescale)).store(part.acc + g * hd + d, n);
         }
-        // Rescale what was accumulated under the old maximum (exp(-inf) = 0 on the first block).
-        for (int64_t g = 0; g < group; ++g) {
-          const float rescale = std::exp(running_max[g] - block_max[g]);
-          denominator[g] *= rescale;
-          float* ag = &acc[g * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= rescale;
-          running_max[g] = block_max[g];
-        }
-        for (int64_t t = 0; t < tokens; ++t) {
-          row_to_float(values + t * token_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = std::exp(scores[t * group + g] - block_max[g]);
-            denominator[g] += p;
-            float* ag = &acc[g * head_dim];
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
-          }
-        }
+        part.max[g] = new_max;
       }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out[(seq * n_q + head * group + g) * head_dim + d] =
-              static_cast<T>(acc[g * head_dim + d] / denominator[g]);
+      Vec total(0.0f);
+      for (int64_t t = 0; t < padded; t += kLanes) {
+        const Vec p = (Vec::loadu(sg + t) - Vec(new_max)).exp_u20();
+        const Vec kept = Vec::blendv(Vec(0.0f), p, Vec::loadu(sg + t) > Vec(kNegInf));
+        kept.store(sg + t);
+        total = total + kept;
+      }
+      part.sum[g] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+    }
+    // Values weighted by the probabilities: the block's rows are converted to fp32 once, then each
+    // chunk of each query head's output sums over the block's tokens in a register (accumulating
+    // in memory token by token chained every update through a store and a load).
+    float* rows = scratch.values.data();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t d = 0; d < hd; d += kLanes) {
+        const int64_t n = std::min(kLanes, hd - d);
+        load_float(values + t * token_stride + d, n).store(rows + t * hd + d, n);
+      }
+    for (int64_t d = 0; d < hd; d += kLanes) {
+      const int64_t n = std::min(kLanes, hd - d);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* probs = scores + g * padded;
+        // Four partial sums: one chain of fused multiply-adds would wait out each one's latency.
+        Vec sums[4] = {load_float(part.acc + g * hd + d, n), Vec(0.0f), Vec(0.0f), Vec(0.0f)};
+        int64_t t = 0;
+        for (; t + 4 <= tokens; t += 4)
+          for (int64_t u = 0; u < 4; ++u)
+            sums[u] = at::vec::fmadd(Vec(probs[t + u]), load_float(rows + (t + u) * hd + d, n), sums[u]);
+        for (; t < tokens; ++t) sums[0] = at::vec::fmadd(Vec(probs[t]), load_float(rows + t * hd + d, n), sums[0]);
+        ((sums[0] + sums[1]) + (sums[2] + sums[3])).store(part.acc + g * hd + d, n);
+      }
+    }
+  }
+}
+
+// Merge `splits` partials of one (sequence, KV head) and write its group's outputs.
+template <typename T>
+void merge_and_write(const Shape& s, const std::vector<Partial>& parts, T* out) {
+  const int64_t hd = s.head_dim;
+  for (int64_t g = 0; g < s.group; ++g) {
+    float top = kNegInf;
+    for (const Partial& p : parts) top = std::max(top, p.max[g]);
+    std::vector<float> weights(parts.size());
+    float sum = 0.0f;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      weights[i] = parts[i].max[g] == kNegInf ? 0.0f : std::exp(parts[i].max[g] - top);
+      sum += weights[i] * parts[i].sum[g];
+    }
+    for (int64_t d = 0; d < hd; ++d) {
+      float value = 0.0f;
+      for (size_t i = 0; i < parts.size(); ++i) value += weights[i] * parts[i].acc[g * hd + d];
+      out[g * hd + d] = static_cast<T>(value / sum);
+    }
+  }
+}
+
+// How many stretches to cut each context into: enough tasks for every thread, at least a few
+// blocks per stretch (merging costs a pass over the group's outputs).
+int64_t choose_splits(int64_t pairs, int64_t max_blocks) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = (4 * threads + pairs - 1) / pairs;
+  return std::max<int64_t>(1, std::min(wanted, max_blocks / 4));
+}
+
+template <typename T, int64_t kHeadDim>
+void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+            T* out, int64_t batch) {
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < batch; ++b) max_blocks = std::max(max_blocks, (lens[b] + s.block_size - 1) / s.block_size);
+  const int64_t pairs = batch * s.n_kv;
+  const int64_t splits = choose_splits(pairs, max_blocks);
+  const int64_t stride = s.group * (s.head_dim + 2);  // floats of one partial: acc, max, sum
+  std::vector<float> store(pairs * splits * stride);
+  auto partial = [&](int64_t pair, int64_t split) {
+    float* base = store.data() + (pair * splits + split) * stride;
+    return Partial{base + s.group * s.head_dim, base + s.group * s.head_dim + s.group, base};
+  };
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t pair = task / splits, split = task % splits;
+      const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
+      const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size;
+      attend_blocks<T, kHeadDim>(s, q + seq * s.n_q * s.head_dim, k_pool, v_pool, tables + seq * s.width, lens[seq],
+                    split * blocks / splits, (split + 1) * blocks / splits, head, scratch, partial(pair, split));
     }
   });
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    std::vector<Partial> parts(splits);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      for (int64_t i = 0; i < splits; ++i) parts[i] = partial(pair, i);
+      const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
+      merge_and_write(s, parts, out + (seq * s.n_q + head * s.group) * s.head_dim);
+    }
+  });
+}
+
+template <typename T>
+void attend_any_head_dim(const Shape& s, const torch::Tensor& q, const torch::Tensor& k_pool,
+                         const torch::Tensor& v_pool, const torch::Tensor& tables, const int64_t* lens,
+                         torch::Tensor& out) {
+  const auto run = [&](auto head_dim_constant) {
+    attend<T, decltype(head_dim_constant)::value>(s, q.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
+                                                   tables.data_ptr<int64_t>(), lens, out.data_ptr<T>(), q.size(0));
+  };
+  if (s.head_dim == 64) run(std::integral_constant<int64_t, 64>());
+  else if (s.head_dim == 128) run(std::integral_constant<int64_t, 128>());
+  else run(std::integral_constant<int64_t, 0>());
 }
 
 }  // namespace
@@ -104,6 +247,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               block_tables.is_contiguous() && context_lens.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "q, k_pool and v_pool must be CPU tensors of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "dtype must be float32, bfloat16 or float16");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   const int64_t batch = q.size(0), n_q = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_pool.size(1), n_kv = k_pool.size(2), width = block_tables.size(1);
@@ -112,12 +257,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch; ++i)
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "context length outside its block table");
+  const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width};
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    attend<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-                     block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                     batch, width, n_q, n_kv, head_dim, block_size);
-  });
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_any_head_dim<float>(shape, q, k_pool, v_pool, block_tables, lens, out); break;
+    case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, q, k_pool, v_pool, block_tables, lens, out); break;
+    default: attend_any_head_dim<c10::Half>(shape, q, k_pool, v_pool, block_tables, lens, out);
+  }
   return out;
 }
 
