@@ -117,11 +117,16 @@ class CoServePolicy:
     def _estimate_ms(self, shape: BatchShape) -> float:
         return self.correction_for(shape.num_tokens) * self.latency.estimate_ms(shape)
 
-    def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
+    def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int,
+                       correction: float | None = None) -> int:
+        """Most tokens (<= limit) a chunk at start_pos can add to base within budget_ms; estimated
+        with `correction` when given, else with the correction of the resulting step's size."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
+            shape = base.plus(mid, start_pos)
+            estimate = self._estimate_ms(shape) if correction is None else correction * self.latency.estimate_ms(shape)
+            if estimate <= budget_ms:
                 lo = mid
             else:
                 hi = mid - 1
@@ -208,6 +213,12 @@ class CoServePolicy:
         if cfg.bank_tpot_slack:
             budget_ms = max(budget_ms, self._banked_budget_ms(state))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
+        # Offline decodes added to the step drift with its online part: they are estimated with
+        # the online step's correction, not with that of the bucket the step lands in. Steps of
+        # one online decode plus a few offline tokens are rare, so their bucket keeps the drift of
+        # all steps (set by big offline batches), and an online step running faster than its
+        # profile could otherwise never carry one.
+        correction = self.correction_for(plan.shape.num_tokens)
         # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
         # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
         # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
@@ -224,7 +235,7 @@ class CoServePolicy:
                 # and resume in offline batching mode; co-serving steps carry offline decodes.
                 continue
             room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
-                                       min(seq.num_pending_tokens, limits.prefill_chunk_tokens))
+                                       min(seq.num_pending_tokens, limits.prefill_chunk_tokens), correction)
             if room > 0:
                 plan.add(seq, token_cap=room)
         return plan.plan(mode="co-serving", budget_ms=budget_ms)

@@ -273,6 +273,22 @@ def test_a_bucket_keeps_its_own_correction_once_observed():
     assert policy.correction_for(300) == pytest.approx(1.0, abs=0.05)
 
 
+def test_offline_tokens_added_to_a_step_drift_with_its_online_part():
+    # Lone online decodes run faster than profiled (0.8x), big offline batches slower (1.5x); steps
+    # of two tokens are never measured. Offline decodes riding on an online decode must be
+    # estimated with the online step's drift, not with the overall drift the big batches set.
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                  interference_slack=0.1))
+    for _ in range(40):
+        policy.observe_step(BatchShape(num_tokens=300), 1.5 * LATENCY.estimate_ms(BatchShape(num_tokens=300)))
+        policy.observe_step(BatchShape(num_tokens=1), 0.8 * LATENCY.estimate_ms(BatchShape(num_tokens=1)))
+    assert policy.correction_for(2) > 1.1 > 0.85 > policy.correction_for(1)
+    plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(100)]))
+    assert plan.info["budget_ms"] == pytest.approx(1.1 * policy.correction_for(1) * 20.0)
+    # At the online step's drift the budget is 1.1 x its 20 ms: the floor up to 8 tokens, 2 more at 1 ms.
+    assert plan.num_tokens == 10
+
+
 def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), slo_margin=1.0))
     plan = policy.schedule(state(seq(0, ON, tokens=20, arrival=1.0), seq(0, OFF, tokens=900), now=1.0))
