@@ -40,7 +40,8 @@ class PartialForward:
     """Where an aborted forward stopped: enough to continue it later instead of redoing it.
 
     stage 0 is before the layer's attention, 1 before its MLP, 2 before its down projection;
-    layer == num_layers is before the final norm and LM head. Valid only while the KV blocks the
+    layer == num_layers is the LM head: stage 0 before the final norm, stage i before LM head slice
+    i (hidden: the normed rows; act: the logits of slices 0..i-1). Valid only while the KV blocks the
     step writes are untouched (the caller's to guarantee).
     """
 
@@ -226,14 +227,21 @@ class LlamaModel:
                 act = F.silu(gate).mul_(up)
             check(li, 2)
             h = layer["down"].add_to(h, act)
-        check(cfg.num_layers, 0)
-        last = h.index_select(0, meta.logits_index)
-        last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
-        parts = []
-        for i, part in enumerate(self.lm_head_slices):
-            if i and safepoint is not None and safepoint(cfg.num_layers):
-                raise StepAborted(cfg.num_layers)
-            parts.append(part(last))
+        # The LM head runs in slices with a safepoint between two: for a big batch of logits it is
+        # the longest stretch of the step. Stage i >= 1 of layer num_layers is "before slice i",
+        # with the normed rows as hidden and the logits of the slices before it as act.
+        head_stage = start_stage if start_layer == cfg.num_layers else 0
+        if head_stage == 0:
+            check(cfg.num_layers, 0)
+            last = h.index_select(0, meta.logits_index)
+            last = F.rms_norm(last, (cfg.hidden_size,), self.final_norm, cfg.rms_norm_eps)
+            parts = []
+        else:
+            last, parts = h, [act]
+        for i in range(head_stage, len(self.lm_head_slices)):
+            if i > head_stage and safepoint is not None and safepoint(cfg.num_layers):
+                raise StepAborted(cfg.num_layers, PartialForward(cfg.num_layers, i, last, torch.cat(parts, dim=1)))
+            parts.append(self.lm_head_slices[i](last))
         return torch.cat(parts, dim=1).float()
 
     def _forward_compiled_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,

@@ -172,9 +172,10 @@ def test_plain_blas_layout_matches_hf_too(tiny_config, device, monkeypatch):
     _close(out.logits[0], _hf_logits(hf, ids)[-1])
 
 
-@pytest.mark.parametrize("stop_at_call", [1, 3, 5, 6, None])  # None: before the LM head
+@pytest.mark.parametrize("stop_at_call", [1, 3, 5, 6, "head-1", "head-2", "head-4"])
 def test_aborted_step_continued_from_its_safepoint_equals_no_abort(setup, tiny_config, stop_at_call):
-    """Each stage (before attention, before the MLP, before the down projection, before the LM head)."""
+    """Each stage (before attention, before the MLP, before the down projection) and, at "head-k",
+    the k-th safepoint past the last layer: before the final norm, then between LM head slices."""
     _, runner = setup
     prompts = [_prompt(9, 20), _prompt(14, 21)]
     tables = [runner.kv.allocate(3) for _ in prompts]
@@ -187,8 +188,8 @@ def test_aborted_step_continued_from_its_safepoint_equals_no_abort(setup, tiny_c
 
     def stop_once(layer: int) -> bool:
         calls.append(layer)
-        if stop_at_call is None:
-            return layer == tiny_config.num_layers and calls.count(layer) == 1
+        if isinstance(stop_at_call, str):
+            return layer == tiny_config.num_layers and calls.count(layer) == int(stop_at_call.removeprefix("head-"))
         return len(calls) == stop_at_call
 
     aborted = runner.execute(chunks, safepoint=stop_once)

@@ -132,15 +132,15 @@ def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_r
     assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
 
 
-def test_arrival_after_the_last_layer_lets_the_step_finish(tiny_runner):
-    """Past the last layer only the LM head is left: the step completes instead of being redone,
-    and the preemption is recorded when it yields."""
+def test_arrival_after_the_last_layer_suspends_the_step_in_its_lm_head(tiny_runner):
+    """Past the last layer only the LM head is left, the longest stretch of a big step: the step
+    yields there too, and is continued from there once the online work is done."""
     scheduler, expected = _offline_with_arrivals_at(tiny_runner, tiny_runner.config.num_layers,
                                                     num_offline=2, num_online=1)
     out, _ = _drain(scheduler)
-    assert scheduler.stats.aborted_steps == 0
-    assert len(scheduler.stats.preemption_latencies_ms) == 1
-    assert scheduler.stats.preemption_events[0].layer is None  # ran to its end
+    assert scheduler.stats.aborted_steps == 1
+    assert [e.layer for e in scheduler.stats.preemption_events] == [tiny_runner.config.num_layers]
+    assert scheduler.stats.resumed_steps == 1 and scheduler.stats.wasted_tokens == 0
     assert {k: out[k] for k in expected} == expected and len(out["on0"]) == 4
 
 
