@@ -22,6 +22,7 @@ from backfill.policy.latency_model import LatencyModel
 from backfill.policy.planner import BatchLimits
 from backfill.serving.api import SLO
 from backfill.serving.engine import AsyncEngine
+from backfill.serving.profiler import PROFILE_FORMAT, profile_latency
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread
 
@@ -113,7 +114,8 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
     kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
-    return root / "profiles" / f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}.json"
+    return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"
+                                f"-p{PROFILE_FORMAT}.json")
 
 
 def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:
@@ -145,8 +147,6 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
-    from backfill.serving.profiler import profile_latency
-
     path = Path(cfg.profile_path) if cfg.profile_path else default_profile_path(model_name, cfg)
     if path.exists():
         try:

@@ -289,6 +289,17 @@ def test_offline_tokens_added_to_a_step_drift_with_its_online_part():
     assert plan.num_tokens == 10
 
 
+def test_a_lone_compiled_decode_carries_no_offline_token_that_would_make_it_eager():
+    # With compiled decode a lone decode takes 15 ms and any 2-token step the eager path's 22 ms:
+    # the profile measures 2 tokens, so the first offline token shows its real cost.
+    compiled = LatencyModel((1, 2, 8, 1024), (15.0, 22.0, 23.0, 1036.0))
+    policy = CoServePolicy(compiled, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                   interference_slack=0.05, bank_tpot_slack=False))
+    plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(10)]))
+    assert ids(plan) == {"online0": 1}
+    assert plan.info["budget_ms"] == pytest.approx(1.05 * 15.0)
+
+
 def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), slo_margin=1.0))
     plan = policy.schedule(state(seq(0, ON, tokens=20, arrival=1.0), seq(0, OFF, tokens=900), now=1.0))
