@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from backfill.errors import BackfillError, InvalidRequestError
+from backfill.policy.coserve import CoServeConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -180,8 +181,8 @@ def _add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="default: online-only's P99 in this run")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--preempt-target-ms", type=float, default=7.0,
-                   help="coserve: longest offline work between two safepoints")
+    p.add_argument("--preempt-target-ms", type=float, default=CoServeConfig.preempt_target_ms,
+                   help="coserve: longest offline work between two safepoints (default: %(default)s ms)")
     p.add_argument("--interference-slack", type=float, default=None,
                    help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
                         "(default 0.05; inf: no cap)")

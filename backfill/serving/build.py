@@ -50,7 +50,7 @@ class ServingConfig:
     policy: str = "coserve"
     slo: SLO = SLO(ttft_ms=1000.0, tpot_ms=100.0)
     limits: BatchLimits | None = None  # None: each policy's own default (baselines: vLLM's)
-    preempt_target_ms: float = 7.0
+    preempt_target_ms: float = CoServeConfig.preempt_target_ms
     # coserve: a co-serving step takes at most 1.05x its online work alone (inf or None: no cap).
     interference_slack: float | None = 0.05
     online_reserve_fraction: float = 0.1
