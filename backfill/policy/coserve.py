@@ -46,7 +46,7 @@ class CoServeConfig:
     # half of one on average, and the estimate is of the longest stretch, so measured P99s sit
     # below it (6.2-7.9 ms at 7 ms, 6.6-7.2 ms at 10, docs/benchmarks.md). Smaller targets cap
     # offline batches below the size at which they stop gaining throughput (0.89-0.94x of
-    # priority's rate at 7 ms, 0.97-1.03x at 10).
+    # priority's rate at 7 ms, 0.92-1.03x at 10).
     preempt_target_ms: float = 10.0
     # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
     safepoint_gaps_per_layer: float = 2.0
