@@ -44,6 +44,7 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
+@functools.lru_cache(maxsize=1)
 def kernel_digest() -> str:
     """A short hash of the kernel's source: step-time profiles measured with one version of the
     kernel do not describe another."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.policy.latency_model import LatencyModel
 
-# 1, 2 and 4 tokens apart: with compiled decode a lone decode takes the compiled path and any
-# bigger step the eager one (on a 2-core CPU 15 against 22 ms), a jump that interpolating from
-# 1 to 8 tokens would spread out, making a co-serving step's first offline token look cheap.
+# Small steps at 1, 2 and 4 tokens: co-serving steps add offline tokens one at a time to a few
+# online ones. The points are prefill chunks from position 0, which run eager even with compiled
+# decode, so the profile has no compiled lone-decode time (15 against 21 ms on a 2-core CPU): the
+# scheduler's drift correction for 1-token steps learns it while serving.
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Saved profiles carry this in their file name: a changed grid or method measures anew.
 PROFILE_FORMAT = 2

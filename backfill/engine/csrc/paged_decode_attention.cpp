@@ -161,22 +161,22 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
   }
 }
 
-// Merge `splits` partials of one (sequence, KV head) and write its group's outputs.
+// Merge `count` partials of one (sequence, KV head) and write its group's outputs.
 template <typename T>
-void merge_and_write(const Shape& s, const std::vector<Partial>& parts, T* out) {
+void merge_and_write(const Shape& s, const Partial* parts, int64_t count, T* out) {
   const int64_t hd = s.head_dim;
+  std::vector<float> weights(count);
   for (int64_t g = 0; g < s.group; ++g) {
     float top = kNegInf;
-    for (const Partial& p : parts) top = std::max(top, p.max[g]);
-    std::vector<float> weights(parts.size());
+    for (int64_t i = 0; i < count; ++i) top = std::max(top, parts[i].max[g]);
     float sum = 0.0f;
-    for (size_t i = 0; i < parts.size(); ++i) {
+    for (int64_t i = 0; i < count; ++i) {
       weights[i] = parts[i].max[g] == kNegInf ? 0.0f : std::exp(parts[i].max[g] - top);
       sum += weights[i] * parts[i].sum[g];
     }
     for (int64_t d = 0; d < hd; ++d) {
       float value = 0.0f;
-      for (size_t i = 0; i < parts.size(); ++i) value += weights[i] * parts[i].acc[g * hd + d];
+      for (int64_t i = 0; i < count; ++i) value += weights[i] * parts[i].acc[g * hd + d];
       out[g * hd + d] = static_cast<T>(value / sum);
     }
   }
@@ -203,22 +203,27 @@ void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const 
     float* base = store.data() + (pair * splits + split) * stride;
     return Partial{base + s.group * s.head_dim, base + s.group * s.head_dim + s.group, base};
   };
+  const auto output_of = [&](int64_t pair) {
+    return out + ((pair / s.n_kv) * s.n_q + (pair % s.n_kv) * s.group) * s.head_dim;
+  };
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(s);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / splits, split = task % splits;
       const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
       const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size;
+      const Partial part = partial(pair, split);
       attend_blocks<T, kHeadDim>(s, q + seq * s.n_q * s.head_dim, k_pool, v_pool, tables + seq * s.width, lens[seq],
-                    split * blocks / splits, (split + 1) * blocks / splits, head, scratch, partial(pair, split));
+                    split * blocks / splits, (split + 1) * blocks / splits, head, scratch, part);
+      if (splits == 1) merge_and_write(s, &part, 1, output_of(pair));  // the whole context: write it now
     }
   });
+  if (splits == 1) return;
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
     std::vector<Partial> parts(splits);
     for (int64_t pair = begin; pair < end; ++pair) {
       for (int64_t i = 0; i < splits; ++i) parts[i] = partial(pair, i);
-      const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
-      merge_and_write(s, parts, out + (seq * s.n_q + head * s.group) * s.head_dim);
+      merge_and_write(s, parts.data(), splits, output_of(pair));
     }
   });
 }
