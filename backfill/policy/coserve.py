@@ -2,8 +2,10 @@
 
 Co-serving mode (online work present): online requests go in first; the step gets a latency
 budget from the SLOs (TPOT when online requests decode, else what is left of the most urgent
-TTFT) and offline tokens fill what the latency model says still fits. Offline requests never
-hold blocks an online request needs: they are preempted, checkpointed ones first.
+TTFT) and offline tokens fill what the latency model says still fits - where they cost no more
+per token there than in an offline batch (on a CPU a few offline tokens can turn a fast lone
+decode into a slow eager step for no throughput). Offline requests never hold blocks an online
+request needs: they are preempted, checkpointed ones first.
 
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
 whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
@@ -224,6 +226,7 @@ class CoServePolicy:
         # all steps (set by big offline batches), and an online step running faster than its
         # profile could otherwise never carry one.
         correction = self.correction_for(plan.shape.num_tokens)
+        online_shape, riders_from = plan.shape, plan.mark()
         # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
         # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
         # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
@@ -243,7 +246,28 @@ class CoServePolicy:
                                        min(seq.num_pending_tokens, limits.prefill_chunk_tokens), correction)
             if room > 0:
                 plan.add(seq, token_cap=room)
+        if plan.tokens > online_shape.num_tokens and not self._riders_pay_off(state, online_shape, plan, correction):
+            plan.rollback(riders_from)
         return plan.plan(mode="co-serving", budget_ms=budget_ms)
+
+    def _riders_pay_off(self, state: SchedulerState, online_shape: BatchShape, plan: PlanBuilder,
+                        correction: float) -> bool:
+        """Whether the offline tokens added to a co-serving step cost it no more per token than they
+        would in an offline batch.
+
+        On a GPU a decode step is bound by reading the weights and an offline token rides along
+        almost free, as ConServe assumes. On a CPU every token costs compute, and a step can jump
+        (a lone compiled decode takes 12-15 ms, any bigger step the eager path's 21): a few offline
+        tokens then lengthen the online step by more than an offline batch would spend on them,
+        which delays online work and gains no offline throughput.
+        """
+        riders = plan.tokens - online_shape.num_tokens
+        added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(online_shape))
+        batch, n = BatchShape(), 0
+        for seq in state.offline:
+            if seq.running and not seq.in_prefill and n < self._offline_tokens:
+                batch, n = batch.plus(1, seq.num_computed_tokens), n + 1
+        return n == 0 or added_ms / riders <= self._estimate_ms(batch) / n
 
     # --- Offline batching mode ------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ class PlanBuilder:
         self.preempted: list[str] = []
         self.tokens = 0
         self.shape = BatchShape()
+        self._undo: list[tuple[int, BatchShape]] = []  # per scheduled entry: its blocks, the shape before it
 
     @property
     def tokens_left(self) -> int:
@@ -55,12 +56,27 @@ class PlanBuilder:
         n = min(n, fits)
         if n <= 0:
             return 0
-        self.free_blocks -= self.state.blocks_for(seq, n)
+        blocks = self.state.blocks_for(seq, n)
+        self.free_blocks -= blocks
         self.scheduled.append(Scheduled(seq.seq_id, n))
+        self._undo.append((blocks, self.shape))
         self.scheduled_ids.add(seq.seq_id)
         self.tokens += n
         self.shape = self.shape.plus(n, seq.num_computed_tokens)
         return n
+
+    def mark(self) -> int:
+        """A point to roll back to: how many sequences are scheduled so far."""
+        return len(self.scheduled)
+
+    def rollback(self, mark: int) -> None:
+        """Unschedule every sequence added since mark (preemptions stay)."""
+        for item, (blocks, shape_before) in reversed(list(zip(self.scheduled[mark:], self._undo[mark:]))):
+            self.free_blocks += blocks
+            self.scheduled_ids.discard(item.seq_id)
+            self.tokens -= item.num_tokens
+            self.shape = shape_before
+        del self.scheduled[mark:], self._undo[mark:]
 
     def preempt(self, seq: SeqView) -> None:
         """Take seq off the device before the step; its blocks become free for this plan."""

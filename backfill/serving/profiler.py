@@ -1,7 +1,7 @@
 """Measures step latency on the real engine and fits a LatencyModel (ConServe §4.5 profiler).
 
-It runs synthetic batches on the runner's own KV pool: prefill chunks of growing size for
-the token table, decode batches at two context lengths for the per-context cost, and a
+It runs synthetic batches on the runner's own KV pool: a lone decode and prefill chunks of
+growing size for the token table, decode batches at two context lengths for the per-context cost, and a
 chunk at two start positions for the prefill-attention cost. The result is saved and
 reloaded at start, so serving does not pay for profiling twice.
 """
@@ -12,12 +12,13 @@ from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.policy.latency_model import LatencyModel
 
 # Small steps at 1, 2 and 4 tokens: co-serving steps add offline tokens one at a time to a few
-# online ones. The points are prefill chunks from position 0, which run eager even with compiled
-# decode, so the profile has no compiled lone-decode time (15 against 21 ms on a 2-core CPU): the
-# scheduler's drift correction for 1-token steps learns it while serving.
+# online ones. The 1-token point is a lone decode, the others prefill chunks from position 0: with
+# compiled decode a lone decode takes its own, faster path (12-15 ms against the eager 21 on a
+# 2-core CPU), and the profile must show that jump for the policy to see what a first offline
+# token added to it costs (and for the bench to size its online load from the real service time).
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Saved profiles carry this in their file name: a changed grid or method measures anew.
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 
 
 def _best_ms(runner: ModelRunner, build, repeats: int) -> float:
@@ -31,7 +32,7 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
                     model_name: str = "") -> LatencyModel:
     kv = runner.kv
     max_len = runner.config.max_position_embeddings
-    grid = tuple(n for n in grid if kv.blocks_needed(n) <= kv.num_blocks and n < max_len)
+    grid = tuple(n for n in grid if kv.blocks_needed(n) <= kv.num_usable and n < max_len)
     scratch: list[list[int]] = []
 
     def table(tokens: int) -> list[int]:
@@ -39,23 +40,29 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
         scratch.append(t)
         return t
 
+    def decode(ctx: int, tables: list[list[int]]):
+        return lambda: [SeqChunk(i, [5], ctx, t, want_logits=True) for i, t in enumerate(tables)]
+
+    short_ctx, batch = 32, 8
     try:
         step_ms = []
         for n in grid:
-            t = table(n)
-            step_ms.append(_best_ms(runner, lambda: [SeqChunk("p", [5] * n, 0, t, want_logits=True)], repeats))
+            t = table(max(n, short_ctx + 1))
+            if n == 1:  # a lone decode; its context's attention is taken out below (see DEFAULT_GRID)
+                step_ms.append(_best_ms(runner, decode(short_ctx, [t]), repeats))
+            else:
+                step_ms.append(_best_ms(runner, lambda: [SeqChunk("p", [5] * n, 0, t, want_logits=True)], repeats))
+            kv.free(scratch.pop())
         # Per-context cost of decode attention: 8 sequences decoding at short vs long context.
-        short_ctx, long_ctx, batch = 32, min(1024, max_len - 2, kv.num_blocks * kv.block_size // 9), 8
+        long_ctx = min(1024, max_len - 2, kv.num_usable // (batch + 1) * kv.block_size - 1)
         tables = [table(long_ctx + 1) for _ in range(batch)]
-
-        def decode(ctx: int):
-            return lambda: [SeqChunk(i, [5], ctx, tables[i]) for i in range(batch)]
-
         extra_ctx_tokens = batch * (long_ctx - short_ctx)
-        d_ms = _best_ms(runner, decode(long_ctx), repeats) - _best_ms(runner, decode(short_ctx), repeats)
+        d_ms = _best_ms(runner, decode(long_ctx, tables), repeats) - _best_ms(runner, decode(short_ctx, tables), repeats)
         ms_per_kctx = max(0.0, d_ms / extra_ctx_tokens * 1e3) if extra_ctx_tokens > 0 else 0.0
-        # Prefill attention: the same 64-token chunk at position 0 and after long_ctx tokens.
-        chunk = 64
+        if grid and grid[0] == 1:
+            step_ms[0] = max(0.0, step_ms[0] - ms_per_kctx * (short_ctx + 1) / 1e3)
+        # Prefill attention: the same chunk (64 tokens, less in a tiny pool) at position 0 and at the end of long_ctx.
+        chunk = min(64, long_ctx // 2)
         t = tables[0]
         near = _best_ms(runner, lambda: [SeqChunk("a", [5] * chunk, 0, t)], repeats)
         far = _best_ms(runner, lambda: [SeqChunk("a", [5] * chunk, long_ctx - chunk, t)], repeats)

@@ -8,7 +8,7 @@ from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
 from backfill.policy.coserve import CoServeConfig, CoServePolicy, RunningStep
 from backfill.policy.latency_model import BatchShape, LatencyModel
-from backfill.policy.planner import BatchLimits
+from backfill.policy.planner import BatchLimits, PlanBuilder
 from backfill.policy.state import SchedulerState, SeqView
 from backfill.serving.api import SLO, RequestClass
 
@@ -298,6 +298,39 @@ def test_a_lone_compiled_decode_carries_no_offline_token_that_would_make_it_eage
     plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(10)]))
     assert ids(plan) == {"online0": 1}
     assert plan.info["budget_ms"] == pytest.approx(1.05 * 15.0)
+
+
+def test_offline_tokens_ride_only_where_they_cost_no_more_than_in_an_offline_batch():
+    # A lone compiled decode takes 12 ms, any bigger step the eager path's 21 ms and up. A 30 ms
+    # budget fits 14 offline decodes: 18 ms more, 1.29 ms each, where an offline batch of the 100
+    # running decodes costs 1.15 ms per token. The online decode goes alone.
+    compiled = LatencyModel((1, 2, 8, 1024), (12.0, 21.0, 23.0, 1039.0))
+    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=30), slo_margin=1.0, interference_slack=None,
+                        bank_tpot_slack=False)
+    online = decoding(0, ON, arrival=0.5)
+    plan = CoServePolicy(compiled, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
+    assert ids(plan) == {"online0": 1} and plan.info["budget_ms"] == 30
+    # With three offline requests an offline batch is mostly fixed cost (21.3 ms for 3 tokens); the
+    # same three tokens on the online step cost 9.7 ms more, 3.2 ms each: they ride.
+    few = CoServePolicy(compiled, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(3)]))
+    assert ids(few) == {"online0": 1, "offline0": 1, "offline1": 1, "offline2": 1}
+    # Where a step is bound by reading the weights (a GPU), riders are nearly free: they fill the
+    # step up to its sequence cap.
+    flat = LatencyModel((1, 64, 1024), (12.0, 12.5, 40.0))
+    full = CoServePolicy(flat, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
+    assert full.num_tokens == BatchLimits().max_batch_seqs
+
+
+def test_rolling_back_a_plan_returns_its_blocks_tokens_and_shape():
+    st = state(decoding(0, ON), seq(1, OFF, tokens=40), free=10)
+    plan = PlanBuilder(st, 512, 64, 512)
+    plan.add(st.seqs[0])
+    before = (plan.free_blocks, plan.tokens, plan.shape, plan.mark())
+    plan.add(st.seqs[1])
+    assert plan.free_blocks < before[0] and plan.tokens == 41
+    plan.rollback(before[3])
+    assert (plan.free_blocks, plan.tokens, plan.shape, plan.mark()) == before
+    assert plan.add(st.seqs[1]) == 40  # it can be scheduled again
 
 
 def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():

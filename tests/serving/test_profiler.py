@@ -1,0 +1,24 @@
+"""The latency profiler on a tiny random model: what it measures and what it fits."""
+
+from backfill.engine.runner import StepOutput
+from backfill.serving.profiler import profile_latency
+
+
+def test_the_one_token_point_is_a_lone_decode_and_the_table_never_decreases(tiny_runner, monkeypatch):
+    # With compiled decode a lone decode runs its own faster path; a 1-token prefill chunk would
+    # run eager, so the profile must time a decode (start_pos > 0, one sequence, logits wanted).
+    lone_decodes, execute = [], tiny_runner.execute
+
+    def spy(chunks, *args, **kwargs) -> StepOutput:
+        if len(chunks) == 1 and len(chunks[0].token_ids) == 1:
+            lone_decodes.append(chunks[0])
+        return execute(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_runner, "execute", spy)
+    latency = profile_latency(tiny_runner, grid=(1, 2, 8), repeats=2)
+    assert lone_decodes and all(c.start_pos > 0 and c.want_logits for c in lone_decodes)
+    assert latency.token_grid == (1, 2, 8)
+    assert all(a <= b for a, b in zip(latency.step_ms, latency.step_ms[1:]))
+    assert latency.step_ms[0] > 0 and latency.ms_per_kctx >= 0 and latency.ms_per_mpair >= 0
+    # The scratch sequences' blocks are all given back.
+    assert tiny_runner.kv.num_free == tiny_runner.kv.num_usable
