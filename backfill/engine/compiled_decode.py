@@ -10,9 +10,11 @@ in. `backfill bench engine --compile-decode` measures both paths side by side (d
 
 Two pieces per layer: the previous layer's down projection with this layer's norm, q/k/v and
 RoPE; then the o projection with the norm, gate/up and SiLU. Each is traced once (make_fx) and
-handed to inductor directly: torch.compile's dynamo front end checked guards on every call, 20 us
-each, which was a tenth of the step. Without guards the pieces trust their inputs' shapes, which
-batch-1 decode fixes.
+lowered by inductor's inner compiler, and the generated code is called with nothing in front of
+it: torch.compile's dynamo front end checked guards on every call (20 us each, a tenth of the
+step), and AOT autograd's runtime wrappers cost 14 us more per call (lone decode 14.6 -> 13.7 ms
+in bf16, 22.9 -> 21.6 ms in fp32 when they went). Without guards the pieces trust their inputs'
+shapes, which batch-1 decode fixes.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
 its context grows every step and would recompile a static graph, and a dynamic one ran slower
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx_inner
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backfill.engine.model import apply_rope
@@ -82,16 +86,29 @@ def _down_then_lm_head(h, act, w_down, norm_weight, w_head, eps: float):
 
 
 def _compile(fn, example_args: tuple[torch.Tensor, ...]):
-    """fn traced on the example tensors and compiled by inductor, without dynamo in front of it.
+    """fn traced on the example tensors and compiled by inductor, called with no wrapper in front.
 
     torch.compile guards every call (about 20 us each on this CPU, 90 calls per step: 2 ms of a
-    25 ms step). A graph handed to inductor directly has no guards, and without its size asserts
-    (another 0.3 ms per step) nothing checks the inputs: the caller must pass contiguous tensors
-    of the examples' shapes and dtypes, which fixed-shape batch-1 decode does.
+    25 ms step), and even torch._inductor.compile runs each call through AOT autograd's runtime
+    wrappers (another 14 us). Here the graph is traced with inductor's decompositions and lowered
+    by its inner compiler, and the generated module's own entry point is called directly. Without
+    its size asserts nothing checks the inputs: the caller must pass contiguous tensors of the
+    examples' shapes and dtypes, which fixed-shape batch-1 decode does. The pieces are pure
+    functions (the KV writes stay outside), so nothing AOT autograd does is needed.
     """
-    graph = make_fx(fn)(*example_args)
+    single = not isinstance(fn(*example_args), tuple)
+
+    def as_tuple(*args):  # the inner compiler takes graphs that return a tuple
+        out = fn(*args)
+        return (out,) if single else out
+
+    graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)
     with inductor_config.patch(size_asserts=False):
-        return torch._inductor.compile(graph, list(example_args))
+        compiled = compile_fx_inner(graph, list(example_args))
+    call = compiled.current_callable  # takes the inputs as one list (and may empty it)
+    if single:
+        return lambda *args: call(list(args))[0]
+    return lambda *args: call(list(args))
 
 
 @dataclass
