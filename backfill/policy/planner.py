@@ -101,6 +101,11 @@ def decode_first(seqs: list[SeqView]) -> list[SeqView]:
     return sorted(seqs, key=lambda s: (s.in_prefill or not s.running, s.arrival_s))
 
 
+def prefill_first(seqs: list[SeqView]) -> list[SeqView]:
+    """Requests waiting for (the rest of) their prompt before running decodes, each group by arrival."""
+    return sorted(seqs, key=lambda s: (s.running and not s.in_prefill, s.arrival_s))
+
+
 def recompute_cost_order(victims: list[SeqView]) -> list[SeqView]:
     """Victims whose KV is already on the host first (free to drop), then the youngest."""
     return sorted(victims, key=lambda s: (s.num_computed_tokens - s.num_checkpointed_tokens, -s.arrival_s))

@@ -37,11 +37,20 @@ def ids(plan):
 
 def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
     policy = CoServePolicy(LATENCY, CoServeConfig(preempt_target_ms=5.0, num_layers=30))
-    plan = policy.schedule(state(*[decoding(i, OFF) for i in range(40)], seq(99, OFF, tokens=500)))
+    plan = policy.schedule(state(*[decoding(i, OFF) for i in range(40)], seq(99, OFF, tokens=248)))
     assert plan.mode == "offline-batching" and plan.preemptible
     # 5 ms between safepoints, 2 such stretches per layer, 30 layers = 300 ms -> 288 tokens.
     assert plan.num_tokens == 288
-    assert all(ids(plan)[f"offline{i}"] == 1 for i in range(40))
+    assert ids(plan)["offline99"] == 248 and all(ids(plan)[f"offline{i}"] == 1 for i in range(40))
+
+
+def test_offline_batching_admits_waiting_prompts_before_running_decodes():
+    # A step's fixed cost is spread over the requests decoding: a backlog starting at once is
+    # best prefilled first, so every later step decodes all of it.
+    policy = CoServePolicy(LATENCY, CoServeConfig(preempt_target_ms=5.0, num_layers=30))  # 288 tokens
+    plan = policy.schedule(state(*[decoding(i, OFF, arrival=0.0) for i in range(10)],
+                                 *[seq(20 + i, OFF, tokens=100, arrival=1.0) for i in range(3)]))
+    assert ids(plan) == {"offline20": 100, "offline21": 100, "offline22": 88}
 
 
 def test_offline_batching_counts_decode_context_against_the_preemption_target():
