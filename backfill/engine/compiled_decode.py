@@ -4,12 +4,16 @@ A batch-1 decode step reads every weight once and does almost no arithmetic, so 
 memory traffic plus per-op overhead. Eager PyTorch pays both badly here: about twenty dispatches
 per layer (norms, RoPE, SiLU, views, residual adds), and oneDNN's and MKL's matrix-vector
 kernels read the weights at about 25 GB/s on the 2-core EPYC, where a plain reduction streams
-50-60 GB/s. Inductor turns each stretch between two safepoints into one C++ loop that takes the
-weight's rows as dot products (a reduction, at reduction speed) with the norm, RoPE and SiLU fused
-in. `backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md).
+50-60 GB/s. Inductor turns each piece into one C++ loop that takes the weight's rows as dot
+products (a reduction, at reduction speed) with the residual adds, norms, RoPE and SiLU fused in.
+`backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md).
 
-Two pieces per layer: the previous layer's down projection with this layer's norm, q/k/v and
-RoPE; then the o projection with the norm, gate/up and SiLU. Each is traced once (make_fx) and
+Four pieces per layer, each one matmul and the pointwise work after it: q/k/v with RoPE; o with
+the residual and the MLP's norm; gate/up with SiLU; down with the residual and the next layer's
+norm (or the final norm, before the LM head). A matmul's input is always a finished tensor: fused
+after a norm, inductor recomputed the normed vector for every weight row, which made bf16 decode
+compute-bound (a lone bf16 decode went 13.4-14.4 -> 11.6-11.7 ms when each norm's output became
+a piece's output; fp32 did not move). Each piece is traced once (make_fx) and
 lowered by inductor's inner compiler, and the generated code is called with nothing in front of
 it: torch.compile's dynamo front end checked guards on every call (20 us each, a tenth of the
 step), and AOT autograd's runtime wrappers cost 14 us more per call (lone decode 14.6 -> 13.7 ms
@@ -24,9 +28,7 @@ else through gather + SDPA. Batches above one stay on the eager path, whose pack
 each weight row across the batch; a reduction per (row, sequence) would read the weights once per
 sequence. The KV writes are the eager model's. The safepoints are before each layer and before its down
 projection; the eager path's third one, between attention and the MLP, is left out: for one
-sequence the o and gate/up projections take a fraction of a millisecond. A layer's down
-projection runs in the same call as the next layer's start (after the safepoint between them
-rather than before: an aborted step's work is discarded either way).
+sequence the o and gate/up projections take a fraction of a millisecond.
 """
 
 from __future__ import annotations
@@ -51,19 +53,17 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weight.unsqueeze(0).float() * x.float().unsqueeze(1)).sum(-1)
 
 
-def _attention_in(h, norm_weight, w_qkv, cos, sin, eps: float, n_q: int, n_kv: int):
-    """Norm, fused q/k/v projection and RoPE: h [1, hidden] -> q [1, n_q, hd], k and v [1, n_kv, hd]."""
+def _norm(h, norm_weight, eps: float):
+    """RMSNorm: the first layer's attention norm, on the embedding."""
+    return F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+
+
+def _qkv_rope(x, w_qkv, cos, sin, n_q: int, n_kv: int):
+    """Fused q/k/v projection of the normed x and RoPE: [1, hidden] -> q [1, n_q, hd], k and v [1, n_kv, hd]."""
     hd = cos.shape[-1]
-    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
-    qkv = _gemv(w_qkv, x).to(h.dtype)
+    qkv = _gemv(w_qkv, x).to(x.dtype)
     qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
     return qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
-
-
-def _down_then_attention_in(h, act, w_down, norm_weight, w_qkv, cos, sin, eps: float, n_q: int, n_kv: int):
-    """The previous layer's down projection and residual, then _attention_in: one call instead of two."""
-    h = _residual_projection(h, act, w_down)
-    return (h, *_attention_in(h, norm_weight, w_qkv, cos, sin, eps, n_q, n_kv))
 
 
 def _residual_projection(h, x, weight):
@@ -71,18 +71,21 @@ def _residual_projection(h, x, weight):
     return h + _gemv(weight, x).to(h.dtype)
 
 
-def _o_then_mlp_in(h, attn, w_o, norm_weight, w_gate_up, eps: float):
-    """The o projection and residual, then the norm, fused gate/up projection and SiLU(gate) * up."""
-    h = _residual_projection(h, attn, w_o)
-    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+def _project_then_norm(h, x, weight, norm_weight, eps: float):
+    """h + x @ weight.T (the o or down projection and residual), and the next norm of that."""
+    h = _residual_projection(h, x, weight)
+    return h, F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+
+
+def _gate_up_silu(x, w_gate_up):
+    """Fused gate/up projection of the normed x and SiLU(gate) * up."""
     gate, up = _gemv(w_gate_up, x).chunk(2, dim=-1)
-    return h, (F.silu(gate) * up).to(h.dtype)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
-def _down_then_lm_head(h, act, w_down, norm_weight, w_head, eps: float):
-    """The last layer's down projection and residual, the final norm and the LM head; fp32 logits."""
-    h = _residual_projection(h, act, w_down)
-    return _gemv(w_head, F.rms_norm(h, (h.shape[-1],), norm_weight, eps))
+def _lm_head(x, w_head):
+    """The LM head on the final-normed x; fp32 logits."""
+    return _gemv(w_head, x)
 
 
 def _compile(fn, example_args: tuple[torch.Tensor, ...]):
@@ -153,12 +156,11 @@ class CompiledDecode:
         cos, sin = (torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device) for _ in range(2))
         eps, n_q, n_kv = self.eps, self.num_heads, self.num_kv_heads
         layer = self.layers[0]
+        act = torch.zeros(1, layer.down.shape[1], dtype=dtype, device=device)
         with torch.inference_mode():
-            self.attention_in = _compile(lambda *t: _attention_in(*t, eps, n_q, n_kv),
-                                         (h, norm, layer.qkv, cos, sin))
-            self.o_then_mlp_in = _compile(lambda *t: _o_then_mlp_in(*t, eps), (h, attn, layer.o, norm, layer.gate_up))
-            act = torch.zeros(1, layer.down.shape[1], dtype=dtype, device=device)
-            self.down_then_attention_in = _compile(lambda *t: _down_then_attention_in(*t, eps, n_q, n_kv),
-                                                   (h, act, layer.down, norm, layer.qkv, cos, sin))
-            self.down_then_lm_head = _compile(lambda *t: _down_then_lm_head(*t, eps),
-                                              (h, act, layer.down, norm, self.lm_head))
+            self.norm = _compile(lambda *t: _norm(*t, eps), (h, norm))
+            self.qkv_rope = _compile(lambda *t: _qkv_rope(*t, n_q, n_kv), (h, layer.qkv, cos, sin))
+            self.o_then_norm = _compile(lambda *t: _project_then_norm(*t, eps), (h, attn, layer.o, norm))
+            self.gate_up_silu = _compile(_gate_up_silu, (h, layer.gate_up))
+            self.down_then_norm = _compile(lambda *t: _project_then_norm(*t, eps), (h, act, layer.down, norm))
+            self.lm_head_logits = _compile(_lm_head, (h, self.lm_head))

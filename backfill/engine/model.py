@@ -249,22 +249,18 @@ class LlamaModel:
         """forward for one decoding sequence: the same layers, safepoints and KV writes, with the
         fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
         cfg, fast = self.config, self.compiled_decode
-        n_q = cfg.num_heads
         h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
         kernel = self.paged_decode_attention
         if kernel is None:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
-        act = None  # the previous layer's MLP activation; its down projection runs with this layer's start
+        x = fast.norm(h, self.layers[0]["attn_norm"])  # the normed input of the next matmul
+        last = len(self.layers) - 1
         for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
-            if act is None:
-                q, k, v = fast.attention_in(h, layer["attn_norm"], plain.qkv, cos, sin)
-            else:
-                h, q, k, v = fast.down_then_attention_in(h, act, fast.layers[li - 1].down, layer["attn_norm"],
-                                                         plain.qkv, cos, sin)
+            q, k, v = fast.qkv_rope(x, plain.qkv, cos, sin)
             self._write_kv(li, k, v, meta, kv)
             if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
                 attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, meta.decode_context_lens).view(1, -1)
@@ -272,12 +268,15 @@ class LlamaModel:
                 attn = self._single_decode_attention(q, li, blocks, context, kv)
             # One safepoint fewer than the eager path (none between attention and the MLP): the o
             # and gate/up projections of one sequence are a fraction of a millisecond.
-            h, act = fast.o_then_mlp_in(h, attn, plain.o, layer["mlp_norm"], plain.gate_up)
+            h, x = fast.o_then_norm(h, attn, plain.o, layer["mlp_norm"])
+            act = fast.gate_up_silu(x, plain.gate_up)
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
+            next_norm = self.layers[li + 1]["attn_norm"] if li < last else self.final_norm
+            h, x = fast.down_then_norm(h, act, plain.down, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
-        return fast.down_then_lm_head(h, act, fast.layers[-1].down, self.final_norm, fast.lm_head)
+        return fast.lm_head_logits(x, fast.lm_head)
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,
                                  kv: KVBlockPool) -> torch.Tensor:

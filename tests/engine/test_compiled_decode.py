@@ -94,14 +94,12 @@ def test_each_compiled_piece_equals_its_python_function(runners, tiny_config):
     cos, sin = (torch.randn(1, 1, tiny_config.head_dim, generator=g) for _ in range(2))
     with torch.inference_mode():
         pairs = [
-            (fast.attention_in(h, norm, layer.qkv, cos, sin),
-             cd._attention_in(h, norm, layer.qkv, cos, sin, eps, n_q, n_kv)),
-            (fast.down_then_attention_in(h, act, layer.down, norm, layer.qkv, cos, sin),
-             cd._down_then_attention_in(h, act, layer.down, norm, layer.qkv, cos, sin, eps, n_q, n_kv)),
-            (fast.o_then_mlp_in(h, attn, layer.o, norm, layer.gate_up),
-             cd._o_then_mlp_in(h, attn, layer.o, norm, layer.gate_up, eps)),
-            ((fast.down_then_lm_head(h, act, layer.down, norm, fast.lm_head),),
-             (cd._down_then_lm_head(h, act, layer.down, norm, fast.lm_head, eps),)),
+            ((fast.norm(h, norm),), (cd._norm(h, norm, eps),)),
+            (fast.qkv_rope(h, layer.qkv, cos, sin), cd._qkv_rope(h, layer.qkv, cos, sin, n_q, n_kv)),
+            (fast.o_then_norm(h, attn, layer.o, norm), cd._project_then_norm(h, attn, layer.o, norm, eps)),
+            ((fast.gate_up_silu(h, layer.gate_up),), (cd._gate_up_silu(h, layer.gate_up),)),
+            (fast.down_then_norm(h, act, layer.down, norm), cd._project_then_norm(h, act, layer.down, norm, eps)),
+            ((fast.lm_head_logits(h, fast.lm_head),), (cd._lm_head(h, fast.lm_head),)),
         ]
     for compiled, reference in pairs:
         assert len(compiled) == len(reference)
