@@ -13,7 +13,7 @@ from backfill.policy.latency_model import LatencyModel
 
 # Small steps at 1, 2 and 4 tokens: co-serving steps add offline tokens one at a time to a few
 # online ones. The 1-token point is a lone decode, the others prefill chunks from position 0: with
-# compiled decode a lone decode takes its own, faster path (12-15 ms against the eager 21 on a
+# compiled decode a lone decode takes its own, faster path (10-15 ms against the eager 21 on a
 # 2-core CPU), and the profile must show that jump for the policy to see what a first offline
 # token added to it costs (and for the bench to size its online load from the real service time).
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
