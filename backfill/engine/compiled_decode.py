@@ -99,10 +99,12 @@ def _compile(fn, example_args: tuple[torch.Tensor, ...]):
     examples' shapes and dtypes, which fixed-shape batch-1 decode does. The pieces are pure
     functions (the KV writes stay outside), so nothing AOT autograd does is needed.
     """
-    single = not isinstance(fn(*example_args), tuple)
+    single = False
 
     def as_tuple(*args):  # the inner compiler takes graphs that return a tuple
+        nonlocal single
         out = fn(*args)
+        single = not isinstance(out, tuple)  # known once traced
         return (out,) if single else out
 
     graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)

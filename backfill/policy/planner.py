@@ -71,11 +71,13 @@ class PlanBuilder:
 
     def rollback(self, mark: int) -> None:
         """Unschedule every sequence added since mark (preemptions stay)."""
-        for item, (blocks, shape_before) in reversed(list(zip(self.scheduled[mark:], self._undo[mark:]))):
+        if mark >= len(self.scheduled):
+            return
+        for item, (blocks, _) in zip(self.scheduled[mark:], self._undo[mark:]):
             self.free_blocks += blocks
             self.scheduled_ids.discard(item.seq_id)
             self.tokens -= item.num_tokens
-            self.shape = shape_before
+        self.shape = self._undo[mark][1]
         del self.scheduled[mark:], self._undo[mark:]
 
     def preempt(self, seq: SeqView) -> None:
