@@ -22,7 +22,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
 
 if TYPE_CHECKING:
-    from backfill.engine.compiled_decode import CompiledDecode, PlainLayer
+    from backfill.engine.compiled_decode import CompiledDecode, DecodePieces, PlainLayer
     from backfill.engine.paged_attention import PagedDecodeAttention
 
 log = logging.getLogger(__name__)
@@ -175,9 +175,15 @@ class LlamaModel:
         kv.k_slots[li].index_copy_(0, meta.slot_mapping, k)
         kv.v_slots[li].index_copy_(0, meta.slot_mapping, v)
 
-    def _is_single_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (input_ids.shape[0] == 1 and meta.decode_token_index is not None and not meta.prefills
-                and meta.logits_index.shape[0] == 1)
+    def _compiled_pieces_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> DecodePieces | None:
+        """The compiled pieces for this step if it is a decode of a batch size they were built for
+        (every token a decode wanting its logits), else None."""
+        if self.compiled_decode is None or meta.prefills or meta.decode_token_index is None:
+            return None
+        batch = input_ids.shape[0]
+        if meta.logits_index.shape[0] != batch:
+            return None
+        return self.compiled_decode.pieces.get(batch)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
@@ -186,8 +192,9 @@ class LlamaModel:
 
         With resume, continue an aborted forward of the same batch from where it stopped.
         """
-        if resume is None and self.compiled_decode is not None and self._is_single_decode(input_ids, meta):
-            return self._forward_compiled_decode(input_ids, meta, kv, safepoint)
+        pieces = self._compiled_pieces_for(input_ids, meta) if resume is None else None
+        if pieces is not None:
+            return self._forward_compiled_decode(pieces, input_ids, meta, kv, safepoint)
         cfg = self.config
         n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = n_q * hd, n_kv * hd
@@ -244,30 +251,34 @@ class LlamaModel:
             parts.append(self.lm_head_slices[i](last))
         return torch.cat(parts, dim=1).float()
 
-    def _forward_compiled_decode(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
-                                 safepoint: Safepoint | None) -> torch.Tensor:
-        """forward for one decoding sequence: the same layers, safepoints and KV writes, with the
-        fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
-        cfg, fast = self.config, self.compiled_decode
+    def _forward_compiled_decode(self, fast: DecodePieces, input_ids: torch.Tensor, meta: AttentionMetadata,
+                                 kv: KVBlockPool, safepoint: Safepoint | None) -> torch.Tensor:
+        """forward for a decode of one to three sequences: the same layers, safepoints and KV writes,
+        with the fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
+        cfg, weights = self.config, self.compiled_decode.layers
+        batch = input_ids.shape[0]
         h = self.embed.index_select(0, input_ids)
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
         kernel = self.paged_decode_attention
-        if kernel is None:
+        if kernel is None and batch == 1:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         x = fast.norm(h, self.layers[0]["attn_norm"])  # the normed input of the next matmul
         last = len(self.layers) - 1
-        for li, (layer, plain) in enumerate(zip(self.layers, fast.layers)):
+        for li, (layer, plain) in enumerate(zip(self.layers, weights)):
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
             q, k, v = fast.qkv_rope(x, plain.qkv, cos, sin)
             self._write_kv(li, k, v, meta, kv)
             if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
-                attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, meta.decode_context_lens).view(1, -1)
-            else:
+                attn = kernel(q.contiguous(), kv.k[li], kv.v[li], meta.decode_block_tables,
+                              meta.decode_context_lens).view(batch, -1)
+            elif batch == 1:
                 attn = self._single_decode_attention(q, li, blocks, context, kv)
+            else:
+                attn = self._decode_attention(q, li, meta, kv).reshape(batch, -1)
             # One safepoint fewer than the eager path (none between attention and the MLP): the o
-            # and gate/up projections of one sequence are a fraction of a millisecond.
+            # and gate/up projections of a few sequences are a fraction of a millisecond.
             h, x = fast.o_then_norm(h, attn, plain.o, layer["mlp_norm"])
             act = fast.gate_up_silu(x, plain.gate_up)
             if safepoint is not None and safepoint(li):
@@ -276,7 +287,7 @@ class LlamaModel:
             h, x = fast.down_then_norm(h, act, plain.down, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
-        return fast.lm_head_logits(x, fast.lm_head)
+        return fast.lm_head_logits(x, self.compiled_decode.lm_head)
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,
                                  kv: KVBlockPool) -> torch.Tensor:

@@ -8,7 +8,7 @@ each key and value once where it lies: about 30 us. In a batch nothing is padded
 sequence costs its own context. Its arithmetic runs on ATen's Vectorized<float> (AVX-512, AVX2 or
 scalar, picked at build time like PyTorch's own kernels), and a batch with fewer (sequence, head)
 pairs than threads has its contexts cut into stretches merged afterwards. Every decode attention
-of the model goes through it when it is on: batches and compiled single-sequence decode alike
+of the model goes through it when it is on: eager batches and compiled small decode batches alike
 (docs/benchmarks.md has the A/B figures against gather + SDPA).
 
 The kernel is compiled with torch.utils.cpp_extension (a C++ compiler and ninja) on first use and

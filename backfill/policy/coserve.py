@@ -257,9 +257,9 @@ class CoServePolicy:
 
         On a GPU a decode step is bound by reading the weights and an offline token rides along
         almost free, as ConServe assumes. On a CPU every token costs compute, and a step can jump
-        (a lone compiled decode takes 10-15 ms, any bigger step the eager path's 21): a few offline
-        tokens then lengthen the online step by more than an offline batch would spend on them,
-        which delays online work and gains no offline throughput.
+        (a compiled decode of one sequence takes 10-15 ms, of three 17, an eager step 21 or more):
+        a few offline tokens then lengthen the online step by more than an offline batch would
+        spend on them, which delays online work and gains no offline throughput.
         """
         riders = plan.tokens - online_shape.num_tokens
         added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(online_shape))

@@ -57,7 +57,7 @@ class ServingConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use
     threads: int | None = None
-    # CPU: single-sequence decode steps through torch.compile'd layer pieces (engine/compiled_decode.py);
+    # CPU: decode steps of one to three sequences through compiled layer pieces (engine/compiled_decode.py);
     # compiles at load and keeps a second, plain copy of the matmul weights.
     compile_decode: bool = False
     # Decode attention: "auto" reads the paged KV pool in place with a C++ kernel on CPU (built on

@@ -1,4 +1,4 @@
-"""Single-sequence decode through torch.compile'd pieces against the eager path and HF, on tiny weights."""
+"""Decode of one to three sequences through compiled pieces against the eager path, on tiny weights."""
 
 import logging
 
@@ -60,38 +60,69 @@ def test_greedy_decode_matches_eager(runners):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_path_runs_single_decodes_only(runners, monkeypatch):
+def test_compiled_path_runs_small_decode_batches_only(runners, monkeypatch):
     _, compiled = runners
     model = compiled.model
+    assert model.compiled_decode.batch_sizes == (1, 2, 3)
     calls = []
     real = model._forward_compiled_decode
-    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    ids = [_prompt(9, 1), _prompt(13, 2)]
+    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    ids = [_prompt(9 + 2 * i, 1 + i) for i in range(4)]
     tables = [compiled.kv.allocate(3) for _ in ids]
     for i, t in enumerate(tables):
         compiled.execute([SeqChunk(i, ids[i], 0, t)])
     assert calls == []  # prefill stays eager
-    both = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
-    assert calls == [] and both.logits.shape[0] == 2  # a batch of two decodes stays eager
-    alone = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0])])
-    assert calls == [1] and alone.logits.shape[0] == 1
+    four = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
+    assert calls == [] and four.logits.shape[0] == 4  # four decodes stay eager
+    mixed = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0]), SeqChunk(1, [7, 8], len(ids[1]) + 1, tables[1])])
+    assert calls == [] and mixed.logits.shape[0] == 2  # a prefill chunk in the step keeps it eager
+    quiet = compiled.execute([SeqChunk(2, [6], len(ids[2]) + 1, tables[2]),
+                              SeqChunk(3, [6], len(ids[3]) + 1, tables[3], want_logits=False)])
+    assert calls == [] and quiet.logits.shape[0] == 1  # the pieces return every sequence's logits
+    three = compiled.execute([SeqChunk(i, [9], len(ids[i]) + 2, tables[i]) for i in range(3)])
+    alone = compiled.execute([SeqChunk(3, [6], len(ids[3]) + 2, tables[3])])
+    assert calls == [3, 1] and three.logits.shape[0] == 3 and alone.logits.shape[0] == 1
     for t in tables:
         compiled.kv.free(t)
 
 
-def test_each_compiled_piece_equals_its_python_function(runners, tiny_config):
+@pytest.mark.parametrize("batch", [2, 3])
+def test_decode_batch_matches_eager(runners, batch):
+    """Sequences of different lengths decoding together: each one's logits equal the eager batch's."""
+    eager, compiled = runners
+    lengths = [7, 19, 12][:batch]
+    prompts = [_prompt(n, 10 + n) for n in lengths]
+    logits = []
+    for runner in (eager, compiled):
+        tables = [runner.kv.allocate(runner.kv.blocks_needed(n + 4)) for n in lengths]
+        for i, (ids, t) in enumerate(zip(prompts, tables)):
+            runner.execute([SeqChunk(i, ids, 0, t)])
+        steps = []
+        for step in range(4):
+            out = runner.execute([SeqChunk(i, [20 + step + i], n + step, t)
+                                  for i, (n, t) in enumerate(zip(lengths, tables))])
+            steps.append(out.logits)
+        logits.append(torch.stack(steps))
+        for t in tables:
+            runner.kv.free(t)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_each_compiled_piece_equals_its_python_function(runners, tiny_config, batch):
     """The pieces run without guards or size checks, so each must compute exactly its function on
     distinct inputs (an example that passed one tensor twice once made cos and sin one input)."""
     from backfill.engine import compiled_decode as cd
 
-    fast = runners[1].model.compiled_decode
-    layer, eps, n_q, n_kv = fast.layers[1], fast.eps, tiny_config.num_heads, tiny_config.num_kv_heads
+    decode = runners[1].model.compiled_decode
+    fast, layer = decode.pieces[batch], decode.layers[1]
+    eps, n_q, n_kv = decode.eps, tiny_config.num_heads, tiny_config.num_kv_heads
     g = torch.Generator().manual_seed(7)
-    h = torch.randn(1, tiny_config.hidden_size, generator=g)
-    attn = torch.randn(1, n_q * tiny_config.head_dim, generator=g)
-    act = torch.randn(1, tiny_config.intermediate_size, generator=g)
+    h = torch.randn(batch, tiny_config.hidden_size, generator=g)
+    attn = torch.randn(batch, n_q * tiny_config.head_dim, generator=g)
+    act = torch.randn(batch, tiny_config.intermediate_size, generator=g)
     norm = torch.rand(tiny_config.hidden_size, generator=g) + 0.5
-    cos, sin = (torch.randn(1, 1, tiny_config.head_dim, generator=g) for _ in range(2))
+    cos, sin = (torch.randn(batch, 1, tiny_config.head_dim, generator=g) for _ in range(2))
     with torch.inference_mode():
         pairs = [
             ((fast.norm(h, norm),), (cd._norm(h, norm, eps),)),
@@ -99,7 +130,7 @@ def test_each_compiled_piece_equals_its_python_function(runners, tiny_config):
             (fast.o_then_norm(h, attn, layer.o, norm), cd._project_then_norm(h, attn, layer.o, norm, eps)),
             ((fast.gate_up_silu(h, layer.gate_up),), (cd._gate_up_silu(h, layer.gate_up),)),
             (fast.down_then_norm(h, act, layer.down, norm), cd._project_then_norm(h, act, layer.down, norm, eps)),
-            ((fast.lm_head_logits(h, fast.lm_head),), (cd._lm_head(h, fast.lm_head),)),
+            ((fast.lm_head_logits(h, decode.lm_head),), (cd._lm_head(h, decode.lm_head),)),
         ]
     for compiled, reference in pairs:
         assert len(compiled) == len(reference)
