@@ -2,15 +2,19 @@
 
 Runs the co-serving scenario (online trace plus offline backlog) once per policy, back to back,
 and prints for each step mode: steps, busy seconds, forward seconds, scheduler overhead per step,
-and the offline tokens fed per second of forward pass (aborted steps listed apart).
+and the offline tokens fed per second of forward pass (aborted steps listed apart). Then the
+median forward pass of steps with only online decodes, by how many: the same online work in
+online-only and in co-serving mode, to tell a slower policy from slower steps.
 
     .venv/bin/python scripts/step_accounting.py [--duration 80] [--ttft-slo-ms 215 --tpot-slo-ms 30]
+                                                [--policies online-only coserve] [--compile-decode]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 from collections import defaultdict
 from dataclasses import replace
 
@@ -26,12 +30,14 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=215.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=30.0)
     parser.add_argument("--policies", nargs="+", default=["priority", "coserve"])
+    parser.add_argument("--compile-decode", action="store_true")
     args = parser.parse_args()
-    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms))
+    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms),
+                            compile_decode=args.compile_decode)
     loaded, runner, latency = load_and_profile(serving)
     for policy in args.policies:
         workload = make_workload(CoserveScenario(duration_s=args.duration), loaded.tokenizer, latency,
-                                 with_offline=True)
+                                 with_offline=policy != "online-only")
         scheduler = build_scheduler(runner, replace(serving, policy=policy), loaded.tokenizer, loaded.config.name,
                                     latency)
         result = asyncio.run(_run_round(AsyncEngine(scheduler, loaded.tokenizer), workload, progress=False))
@@ -49,6 +55,12 @@ def main() -> None:
             print(f"  {label:<28} {steps:>5} steps  busy {busy_s:6.1f} s  forward {forward_s:6.1f} s  "
                   f"overhead {(busy_s - forward_s) / steps * 1e3:5.1f} ms/step  "
                   f"offline tokens fed {fed:>6} ({fed / max(forward_s, 1e-9):5.0f} per forward s)")
+        decodes: dict[int, list[float]] = defaultdict(list)
+        for step in scheduler.stats.step_log:
+            if not step.aborted and step.offline_tokens == 0 and step.online_tokens <= 4:
+                decodes[step.online_tokens].append(step.forward_ms)
+        print("  online-only steps, forward ms (median of n): " + ", ".join(
+            f"{k} tokens {statistics.median(v):.1f} (n={len(v)})" for k, v in sorted(decodes.items())))
 
 
 if __name__ == "__main__":

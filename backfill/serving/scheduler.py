@@ -297,13 +297,19 @@ class Scheduler:
                 self._suspended = Suspension(chunks, shape, out.suspended, ran_s + out.duration_s,
                                              {c.seq_id: self._fingerprint(self.seqs[c.seq_id]) for c in chunks})
             return []
+        offline_kv_grew = False
         for chunk in chunks:
-            self.seqs[chunk.seq_id].num_computed += len(chunk.token_ids)
+            seq = self.seqs[chunk.seq_id]
+            seq.num_computed += len(chunk.token_ids)
+            offline_kv_grew |= seq.request_class is RequestClass.OFFLINE
         seqs = [self.seqs[i] for i in out.logit_seq_ids]
         tokens = sample(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs]) \
             if seqs else []
         events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
-        self._checkpoint_selected()
+        if offline_kv_grew:
+            # Only a step that computed offline KV has any to copy. After an online-only step the
+            # selection alone (a snapshot of every sequence) cost 0.3 ms of a 10 ms online decode.
+            self._checkpoint_selected()
         return events
 
     @staticmethod

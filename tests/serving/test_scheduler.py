@@ -196,6 +196,23 @@ def test_checkpoints_after_steps_copy_whole_blocks_only(tiny_config, tiny_runner
     assert scheduler.stats.checkpoint_bytes == whole_blocks * pool.nbytes // pool.num_blocks
 
 
+def test_steps_of_online_work_alone_do_not_consult_the_checkpoint_policy(tiny_config, tiny_runner, device):
+    """Only a step that computed offline KV has any to copy; online steps skip the selection."""
+    pool = KVBlockPool(tiny_config, num_blocks=64, block_size=8, device=device)
+    checkpoints = AdaptiveCheckpointPolicy(ALWAYS_CHECKPOINT)
+    consulted = []
+    select = checkpoints.select
+    checkpoints.select = lambda state: consulted.append(state.now_s) or select(state)
+    scheduler = Scheduler(ModelRunner(tiny_runner.model, pool), OnlineOnlyPolicy(), checkpoint_policy=checkpoints)
+    scheduler.add(_requests(1, ONLINE)[0])
+    _drain(scheduler)
+    assert consulted == [] and scheduler.stats.checkpointed_tokens == 0
+    scheduler.policy = FCFSPolicy()
+    scheduler.add(_requests(1, OFFLINE, prefix="o")[0])
+    _drain(scheduler)
+    assert len(consulted) == 24 and scheduler.stats.checkpointed_tokens > 0  # after every offline step
+
+
 def test_preemption_saves_the_partial_block_so_nothing_is_recomputed(tiny_config, tiny_runner, device):
     scheduler, _, out, expected = _online_burst_on_a_small_pool(tiny_config, tiny_runner, device, ALWAYS_CHECKPOINT)
     stats = scheduler.stats
