@@ -323,6 +323,11 @@ def test_offline_tokens_ride_only_where_they_cost_no_more_than_in_an_offline_bat
     # same three tokens on the online step cost 9.7 ms more, 3.2 ms each: they ride.
     few = CoServePolicy(compiled, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(3)]))
     assert ids(few) == {"online0": 1, "offline0": 1, "offline1": 1, "offline2": 1}
+    # Unless prompts wait too: offline batching would run them with those decodes, 203 tokens for
+    # 218 ms, 1.07 ms each. The online decode goes alone.
+    waiting = CoServePolicy(compiled, cfg).schedule(
+        state(online, *[decoding(i, OFF) for i in range(3)], seq(9, OFF, tokens=200, arrival=2.0)))
+    assert ids(waiting) == {"online0": 1}
     # Where a step is bound by reading the weights (a GPU), riders are nearly free: they fill the
     # step up to its sequence cap.
     flat = LatencyModel((1, 64, 1024), (12.0, 12.5, 40.0))
