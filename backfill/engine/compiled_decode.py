@@ -33,9 +33,10 @@ Only the stretches with fixed shapes are compiled. Decode attention over the pag
 its context grows every step and would recompile a static graph, and a dynamic one ran slower
 than eager (it also lost to eager with the block-table gather fused in, once the KV is not in
 cache). It runs through the paged-attention kernel where that is built (engine/paged_attention.py),
-else through gather + SDPA. The KV writes are the eager model's. The safepoints are before each layer and before its down
-projection; the eager path's third one, between attention and the MLP, is left out: for up to
-three sequences the o and gate/up projections take a fraction of a millisecond.
+else through gather + SDPA. The KV writes are the eager model's. The safepoints are before each
+layer and before its down projection; the eager path's third one, between attention and the MLP,
+is left out: for up to three sequences the o and gate/up projections take a fraction of a
+millisecond.
 """
 
 from __future__ import annotations

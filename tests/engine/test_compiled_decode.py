@@ -74,7 +74,8 @@ def test_compiled_path_runs_small_decode_batches_only(runners, monkeypatch):
     assert calls == []  # prefill stays eager
     four = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
     assert calls == [] and four.logits.shape[0] == 4  # four decodes stay eager
-    mixed = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0]), SeqChunk(1, [7, 8], len(ids[1]) + 1, tables[1])])
+    mixed = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0]),
+                              SeqChunk(1, [7, 8], len(ids[1]) + 1, tables[1])])
     assert calls == [] and mixed.logits.shape[0] == 2  # a prefill chunk in the step keeps it eager
     quiet = compiled.execute([SeqChunk(2, [6], len(ids[2]) + 1, tables[2]),
                               SeqChunk(3, [6], len(ids[3]) + 1, tables[3], want_logits=False)])
