@@ -72,7 +72,7 @@ def _scenario(args: argparse.Namespace):
                            offline_prompt_len=args.offline_prompt_len, offline_output_len=args.offline_output_len,
                            offline_concurrency=args.offline_concurrency, seed=args.seed,
                            ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
-                           rounds=getattr(args, "rounds", 1))
+                           rounds=getattr(args, "rounds", 1), warmup_s=getattr(args, "warmup_s", 30.0))
 
 
 def cmd_bench_coserve(args: argparse.Namespace) -> int:
@@ -105,10 +105,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from backfill.bench.coserve import CoserveScenario, headline, run_coserve_bench
     from backfill.serving.build import ServingConfig
 
-    scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32)
+    # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve.py).
+    scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32, warmup_s=20.0)
     serving = ServingConfig(**_model_options(args))
     print(f"backfill demo: {args.duration:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
-          "then co-served with a backlog of offline batch requests.\n")
+          "then co-served with a backlog of offline batch requests (after a 20 s warm-up).\n")
     results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
                                 progress=not args.quiet)
     print("\n" + headline(results))
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the modes in this many rounds of duration/rounds each and pool them "
                         "(ratios then compare modes run minutes apart less on a machine whose speed drifts)")
+    p.add_argument("--warmup-s", type=float, default=30.0,
+                   help="offline batching before the first round, not measured, so the first mode does not "
+                        "run on an idle machine while the others follow a busy one (0: none)")
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")

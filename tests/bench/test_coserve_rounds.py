@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from backfill.bench.coserve import CoserveScenario, _run_round, make_workload, pool_rounds
+from backfill.bench.coserve import CoserveScenario, _run_round, make_workload, pool_rounds, warmup_workload
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
@@ -49,3 +49,20 @@ def test_rounds_are_real_runs_pooled_back_to_back():
 def test_rounds_must_be_positive():
     with pytest.raises(InvalidRequestError, match="rounds"):
         CoserveScenario(rounds=0)
+
+
+def test_warm_up_runs_offline_work_alone_for_its_duration():
+    engine = build_tiny_engine(ServingConfig(policy="priority", kv_cache_gb=0.01))
+    tokenizer = ByteTokenizer(engine.scheduler.runner.config.vocab_size)
+    workload = warmup_workload(replace(SCENARIO, warmup_s=1.0), tokenizer)
+    result = asyncio.run(_run_round(engine, workload, progress=False))
+    assert workload.requests == [] and workload.offline_backlogs  # no online trace, only the backlog
+    assert all(r.request_class.value == "offline" for r in result.run.records)
+    assert result.engine["output_tokens"]["offline"] > 0 and result.engine["output_tokens"]["online"] == 0
+    assert 1.0 <= result.run.duration_s < 5.0
+    assert not engine.scheduler.has_work()
+
+
+def test_warm_up_must_not_be_negative():
+    with pytest.raises(InvalidRequestError, match="warmup_s"):
+        CoserveScenario(warmup_s=-1.0)
