@@ -56,7 +56,7 @@ def test_warm_up_runs_offline_work_alone_for_its_duration():
     tokenizer = ByteTokenizer(engine.scheduler.runner.config.vocab_size)
     workload = warmup_workload(replace(SCENARIO, warmup_s=1.0), tokenizer)
     result = asyncio.run(_run_round(engine, workload, progress=False))
-    assert workload.requests == [] and workload.offline_backlogs  # no online trace, only the backlog
+    assert not workload.requests and workload.offline_backlogs  # no online trace, only the backlog
     assert all(r.request_class.value == "offline" for r in result.run.records)
     assert result.engine["output_tokens"]["offline"] > 0 and result.engine["output_tokens"]["online"] == 0
     assert 1.0 <= result.run.duration_s < 5.0
