@@ -22,12 +22,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa"],
                    help="auto: on CPU, read the paged KV cache in place with a C++ kernel (built on first "
                         "use, ~30 s); sdpa: gather each sequence's blocks and run SDPA")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: launch every decode kernel from Python instead of replaying captured graphs")
 
 
 def _model_options(args: argparse.Namespace) -> dict:
     """ServingConfig's fields that _add_model_args adds to a command."""
     return {"model": args.model, "dtype": args.dtype, "device": args.device, "compile_decode": args.compile_decode,
-            "decode_attention": args.decode_attention}
+            "decode_attention": args.decode_attention, "cuda_graphs": not args.no_cuda_graphs}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -51,7 +53,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
                               args.new_tokens, args.device, with_hf=not args.no_hf,
                               random_weights=args.random_weights, compile_decode=args.compile_decode,
-                              decode_attention=args.decode_attention)
+                              decode_attention=args.decode_attention, cuda_graphs=not args.no_cuda_graphs)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

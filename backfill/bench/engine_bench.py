@@ -89,6 +89,18 @@ def _bench_eager_batch1(runner, prompt_len: int, new_tokens: int, floor_ms: floa
     return d
 
 
+def _bench_without_graphs(runner, batch: int, prompt_len: int, new_tokens: int, floor_ms: float,
+                          probe: BandwidthProbe | None = None) -> dict:
+    """A batch with every decode kernel launched from Python, right after the graphed run: a side-by-side pair."""
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
+    finally:
+        runner.decode_graphs = graphs
+    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+    return d
+
+
 def _limits(batch: int, prompt_len: int):
     from backfill.policy.planner import BatchLimits
     return BatchLimits(max_batch_tokens=max(batch * prompt_len, 512), max_batch_seqs=max(batch, 1),
@@ -155,7 +167,8 @@ def measure_device_bandwidth_gbs(device: str) -> float:
 def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                      batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
-                     compile_decode: bool = False, decode_attention: str = "auto", log=print) -> dict:
+                     compile_decode: bool = False, decode_attention: str = "auto", cuda_graphs: bool = True,
+                     log=print) -> dict:
     from backfill.engine.weights import LoadedModel, load_model, random_model
 
     if random_weights:
@@ -174,28 +187,36 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     for asked in dtypes:
         cfg = ServingConfig(dtype=asked, device=device, kv_cache_gb=2.0,
                             max_model_len=prompt_len + new_tokens + 8, compile_decode=compile_decode,
-                            decode_attention=decode_attention)
+                            decode_attention=decode_attention, cuda_graphs=cuda_graphs)
         dtype_name = cfg.resolved_dtype
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
                "compiled_decode": runner.model.compiled_decode is not None,
                "paged_attention_kernel": runner.model.paged_decode_attention is not None,
+               "cuda_graphs": runner.decode_graphs is not None,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
         log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
-            f"matmuls via {runner.model.matmul_kernel}")
+            f"matmuls via {runner.model.matmul_kernel}" + (", decode in CUDA graphs" if run["cuda_graphs"] else ""))
         for batch in batches:
             d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
             run["decode"].append(d)
-            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.1f} ms ({d['tpot_over_floor']:.2f}x floor, "
+            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.2f} ms ({d['tpot_over_floor']:.2f}x floor, "
                 f"{d['tpot_over_paired_floor']:.2f}x the paired floor of {d['paired_floor_ms']:.1f} ms), "
                 f"{d['tokens_per_s']:.0f} tok/s")
         if runner.model.compiled_decode is not None and 1 in batches:
             eager = run["decode_batch1_eager"] = _bench_eager_batch1(runner, prompt_len, new_tokens, floor_ms, probe)
             log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
                 f"({eager['tpot_over_floor']:.2f}x floor, {eager['tpot_over_paired_floor']:.2f}x paired)")
+        if run["cuda_graphs"]:
+            run["decode_without_cuda_graphs"] = []
+            for batch in batches:
+                d = _bench_without_graphs(runner, batch, prompt_len, new_tokens, floor_ms, probe)
+                run["decode_without_cuda_graphs"].append(d)
+                log(f"[{dtype_name}] batch {batch:3d} without CUDA graphs: TPOT {d['tpot_ms']:.2f} ms, "
+                    f"{d['tokens_per_s']:.0f} tok/s")
         run["prefill"] = bench_prefill(runner)
         log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
         if with_hf:

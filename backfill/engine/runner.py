@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward, PrefillSpan, Safepoint, StepAborted
+
+if TYPE_CHECKING:
+    from backfill.engine.cuda_graphs import DecodeGraphs
 
 
 @dataclass
@@ -60,10 +64,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVBlockPool) -> None:
+    def __init__(self, model: LlamaModel, kv: KVBlockPool, decode_graphs: DecodeGraphs | None = None) -> None:
+        """decode_graphs: run the decode steps that fit it through captured CUDA graphs
+        (backfill/engine/cuda_graphs.py); None runs every step eagerly."""
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.decode_graphs = decode_graphs
 
     @property
     def config(self) -> ModelConfig:
@@ -75,26 +82,44 @@ class ModelRunner:
         start = time.perf_counter()
         if not chunks:
             return StepOutput(None, [], duration_s=0.0)
-        if resume is None:
+        graphed = resume is None and self.decode_graphs is not None and self.decode_graphs.fits(chunks)
+        if graphed:
+            for chunk in chunks:
+                self._check(chunk)
+            input_ids, meta, logit_ids = None, None, [chunk.seq_id for chunk in chunks]
+        elif resume is None:
             input_ids, meta, logit_ids = self._prepare(chunks)
         else:
             input_ids, meta, logit_ids = resume.input_ids, resume.meta, resume.logit_ids
+        num_tokens = len(chunks) if graphed else int(input_ids.shape[0])
         try:
-            logits = self.model.forward(input_ids, meta, self.kv, safepoint,
-                                        resume=None if resume is None else resume.partial)
+            if graphed:
+                logits = self.decode_graphs.forward(chunks, safepoint)
+            else:
+                logits = self.model.forward(input_ids, meta, self.kv, safepoint,
+                                            resume=None if resume is None else resume.partial)
         except StepAborted as abort:
             suspended = None if abort.partial is None else SuspendedStep(input_ids, meta, logit_ids, abort.partial)
             return StepOutput(None, [], aborted=True, aborted_at_layer=abort.layer,
-                              duration_s=time.perf_counter() - start, num_tokens=int(input_ids.shape[0]),
-                              suspended=suspended)
+                              duration_s=time.perf_counter() - start, num_tokens=num_tokens, suspended=suspended)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepOutput(logits, logit_ids, duration_s=time.perf_counter() - start,
-                          num_tokens=int(input_ids.shape[0]))
+        return StepOutput(logits, logit_ids, duration_s=time.perf_counter() - start, num_tokens=num_tokens)
+
+    def _check(self, chunk: SeqChunk) -> None:
+        """ValueError for a chunk the step cannot run: no tokens, past the context, short block table."""
+        end = chunk.start_pos + len(chunk.token_ids)
+        if not chunk.token_ids:
+            raise ValueError(f"chunk for sequence {chunk.seq_id} has no tokens")
+        if end > self.config.max_position_embeddings:
+            raise ValueError(f"sequence {chunk.seq_id} reaches position {end} beyond "
+                             f"{self.config.max_position_embeddings}")
+        if len(chunk.block_table) * self.kv.block_size < end:
+            raise ValueError(f"sequence {chunk.seq_id}: block table holds {len(chunk.block_table) * self.kv.block_size} "
+                             f"tokens, step needs {end}")
 
     def _prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttentionMetadata, list]:
         bs = self.kv.block_size
-        max_pos = self.config.max_position_embeddings
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -105,15 +130,9 @@ class ModelRunner:
         logits_index: list[int] = []
         logit_ids: list[int | str] = []
         for chunk in chunks:
+            self._check(chunk)
             n = len(chunk.token_ids)
             end = chunk.start_pos + n
-            if n == 0:
-                raise ValueError(f"chunk for sequence {chunk.seq_id} has no tokens")
-            if end > max_pos:
-                raise ValueError(f"sequence {chunk.seq_id} reaches position {end} beyond {max_pos}")
-            if len(chunk.block_table) * bs < end:
-                raise ValueError(f"sequence {chunk.seq_id}: block table holds {len(chunk.block_table) * bs} "
-                                 f"tokens, step needs {end}")
             first = len(ids)
             ids.extend(chunk.token_ids)
             for p in range(chunk.start_pos, end):

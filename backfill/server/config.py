@@ -29,10 +29,10 @@ OPTION_TYPES: dict[str, type] = {
     "db": str, "api_key": str, "max_online_queue": int, "max_body_mb": float,
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
     "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
-    "decode_attention": str,
+    "decode_attention": str, "cuda_graphs": bool,
 }
 _SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
-                 "interference_slack", "compile_decode", "decode_attention")
+                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs")
 
 
 def default_db_path(port: int) -> Path:
@@ -114,6 +114,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="CPU: compile single-sequence decode steps with inductor (faster batch-1 decode)")
     p("--decode-attention", default=None, choices=["auto", "sdpa"],
       help="auto (default): on CPU, read the paged KV cache in place with a C++ kernel; sdpa: gather + SDPA")
+    p("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+      help="CUDA: launch every decode kernel from Python instead of replaying captured graphs")
     p("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default 2048)")
     p("--db", default=None, metavar="PATH", help="SQLite file for files and batches "
       "(default $BACKFILL_CACHE_DIR or ~/.cache/backfill, server-<port>.db)")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from backfill.engine.config import ModelConfig
+from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import cpu_has_bf16_matmul, matmul_kernel_for
 from backfill.engine.model import LlamaModel
@@ -64,6 +65,9 @@ class ServingConfig:
     # first use; engine/paged_attention.py), gather + SDPA elsewhere or if it cannot be built;
     # "sdpa" always gathers.
     decode_attention: str = "auto"
+    # CUDA: decode steps of up to 64 sequences replay per-layer graphs captured on first use of each
+    # (batch, context) bucket (engine/cuda_graphs.py); takes one KV block as the padding rows' scratch.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -100,6 +104,10 @@ class ServingConfig:
         return self.device
 
     @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.cuda_graphs and self.resolved_device().startswith("cuda")
+
+    @property
     def uses_paged_attention_kernel(self) -> bool:
         return self.decode_attention == "auto" and self.resolved_device() == "cpu"
 
@@ -114,6 +122,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
     kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
+    kernel += "-cg" if cfg.uses_cuda_graphs else ""
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"
                                 f"-p{PROFILE_FORMAT}.json")
 
@@ -127,7 +136,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
                        paged_attention_kernel=cfg.uses_paged_attention_kernel)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
-    return ModelRunner(model, kv)
+    return ModelRunner(model, kv, DecodeGraphs(model, kv) if cfg.uses_cuda_graphs else None)
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):

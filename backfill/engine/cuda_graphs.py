@@ -1,0 +1,207 @@
+"""Decode steps replayed from captured CUDA graphs: one graph per layer, per (batch, context) bucket.
+
+On a GPU a decode step of a small model is bound by kernel launches from Python (about 500 per
+step for SmolLM2-135M), not by memory: the H100 spent 10-20 ms on a step whose weights it reads in
+0.2 ms (docs/benchmarks.md). Replaying a captured graph launches a layer's kernels in one call.
+The graphs are per layer, not per step, so the scheduler's safepoint still runs between two layers
+(ConServe §4.3: an offline step yields at the next layer) and an abort leaves the KV pool as the
+eager path leaves it: the uncommitted positions written so far are overwritten when the step is redone.
+
+A graph replays fixed shapes at fixed addresses. A step of b sequences runs in the smallest batch
+bucket >= b; the extra rows decode token 0 at position 0 into a scratch block taken from the pool
+once, so they never touch a live sequence's KV. Block tables are padded to a power-of-two bucket
+and the key mask hides everything past each sequence's context. Buckets are captured on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted, apply_rope
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_BLOCKS_BUCKET = 4
+
+
+def batch_bucket(batch: int) -> int | None:
+    """The smallest captured batch size that holds batch sequences; None above the largest."""
+    return next((b for b in BATCH_BUCKETS if b >= batch), None)
+
+
+def blocks_bucket(blocks: int) -> int:
+    """Block-table width for a step whose longest sequence spans `blocks` blocks: a power of two."""
+    width = MIN_BLOCKS_BUCKET
+    while width < blocks:
+        width *= 2
+    return width
+
+
+class _StaticBatch:
+    """The fixed tensors one bucket's graphs read and write, and a pinned host copy of the step's
+    integers so a step's inputs reach the device in one asynchronous copy."""
+
+    def __init__(self, model: LlamaModel, kv: KVBlockPool, batch: int, blocks: int) -> None:
+        cfg, dev = model.config, model.device
+        self.batch, self.blocks, self.block_size = batch, blocks, kv.block_size
+        sizes = [batch] * 4 + [batch * blocks]  # ids, positions, slots, context lengths, block tables
+        self.host = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.ints = torch.zeros(sum(sizes), dtype=torch.long, device=dev)
+        self.input_ids, positions, slots, context_lens, tables = self.ints.split(sizes)
+        self.copied = torch.cuda.Event() if dev.type == "cuda" else None
+        key_slots = blocks * kv.block_size
+        self.key_positions = torch.arange(key_slots, device=dev)
+        rows = torch.arange(batch, device=dev)
+        self.meta = AttentionMetadata(
+            positions=positions, slot_mapping=slots, decode_token_index=rows,
+            decode_block_tables=tables.view(batch, blocks),
+            decode_key_mask=torch.zeros(batch, 1, 1, key_slots, dtype=model.dtype, device=dev),
+            prefills=[], logits_index=rows, decode_context_lens=context_lens)
+        self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.cos = torch.zeros(batch, 1, cfg.head_dim, dtype=model.dtype, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        self.logits = torch.zeros(batch, cfg.vocab_size, dtype=torch.float32, device=dev)
+
+    def stage(self, token_ids: list[int], positions: list[int], tables: list[list[int]], scratch_block: int) -> None:
+        """Write one step's integers (rows past len(token_ids) are padding) and start their copy."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the host buffer
+        host, b, n, bs = self.host.numpy(), self.batch, len(token_ids), self.block_size
+        ids, pos, slots, ctx = (host[i * b:(i + 1) * b] for i in range(4))
+        rows = host[4 * b:].reshape(b, self.blocks)
+        ids[:] = 0
+        pos[:] = 0
+        slots[:] = scratch_block * bs
+        ctx[:] = 1
+        rows[:] = scratch_block
+        ids[:n] = token_ids
+        pos[:n] = positions
+        ctx[:n] = [p + 1 for p in positions]
+        for i, (p, table) in enumerate(zip(positions, tables)):
+            slots[i] = table[p // bs] * bs + p % bs
+            used = p // bs + 1
+            rows[i, :used] = table[:used]
+        self.ints.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+@dataclass
+class _Bucket:
+    batch: _StaticBatch
+    runs: list[Callable[[], None]]  # graph replays, or the parts themselves where nothing is captured
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of up to BATCH_BUCKETS[-1] sequences through per-layer graphs.
+
+    capture=False runs the same fixed-shape parts eagerly (any device): tests on CPU check the
+    padding and bucketing that the graphs replay.
+    """
+
+    def __init__(self, model: LlamaModel, kv: KVBlockPool, capture: bool | None = None) -> None:
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        if self.capture and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.model, self.kv = model, kv
+        # One block of the pool is the padding rows' scratch for good: the scheduler sees one block fewer.
+        self.scratch_block = kv.allocate(1)[0]
+        self.max_blocks = -(-model.config.max_position_embeddings // kv.block_size)
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    @property
+    def captured_buckets(self) -> list[tuple[int, int]]:
+        """(batch, blocks) buckets built so far."""
+        return sorted(self._buckets)
+
+    def fits(self, chunks) -> bool:
+        """Whether this step is a decode of sequences that all want logits, small enough for a bucket."""
+        return (0 < len(chunks) <= BATCH_BUCKETS[-1]
+                and all(c.is_decode and c.want_logits for c in chunks))
+
+    def forward(self, chunks, safepoint: Safepoint | None = None) -> torch.Tensor:
+        """fp32 logits [len(chunks), vocab]; raises StepAborted(layer) when the safepoint says stop."""
+        bs = self.kv.block_size
+        positions = [c.start_pos for c in chunks]
+        bucket = self._bucket(batch_bucket(len(chunks)), blocks_bucket(max(positions) // bs + 1))
+        bucket.batch.stage([c.token_ids[0] for c in chunks], positions, [c.block_table for c in chunks],
+                           self.scratch_block)
+        for i, run in enumerate(bucket.runs):
+            # Run i is layer i; the last run (i == num_layers) is the LM head, as in the eager forward.
+            if i > 0 and safepoint is not None and safepoint(i):
+                raise StepAborted(i)
+            run()
+        return bucket.batch.logits[:len(chunks)].clone()
+
+    def _bucket(self, batch: int, blocks: int) -> _Bucket:
+        key = (batch, blocks)
+        if key not in self._buckets:
+            self._buckets[key] = self._build(batch, blocks)
+        return self._buckets[key]
+
+    def _build(self, batch: int, blocks: int) -> _Bucket:
+        static = _StaticBatch(self.model, self.kv, batch, blocks)
+        num_layers = self.model.config.num_layers
+        parts = ([lambda: (self._prologue(static), self._layer(0, static))]
+                 + [lambda li=li: self._layer(li, static) for li in range(1, num_layers)]
+                 + [lambda: self._head(static)])
+        if not self.capture:
+            return _Bucket(static, parts)
+        static.stage([], [], [], self.scratch_block)  # all padding: warm-up and capture touch only scratch
+        # Warm up on a side stream first (cuBLAS workspaces, allocator), as capture requires.
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for part in parts:
+                part()
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        graphs = []
+        with torch.inference_mode():
+            for part in parts:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    part()
+                graphs.append(graph)
+        log.info("captured decode graphs for batch %d, %d blocks", batch, blocks)
+        return _Bucket(static, [graph.replay for graph in graphs])
+
+    # The parts: the eager forward's decode math on fixed tensors (backfill/engine/model.py).
+    @torch.inference_mode()
+    def _prologue(self, s: _StaticBatch) -> None:
+        m = self.model
+        s.hidden.copy_(m.embed.index_select(0, s.input_ids))
+        s.cos.copy_(m.rope_cos.index_select(0, s.meta.positions).unsqueeze(1))
+        s.sin.copy_(m.rope_sin.index_select(0, s.meta.positions).unsqueeze(1))
+        padding = s.key_positions.unsqueeze(0) >= s.meta.decode_context_lens.unsqueeze(1)
+        mask = s.meta.decode_key_mask
+        mask.zero_().masked_fill_(padding.view(mask.shape), float("-inf"))
+
+    @torch.inference_mode()
+    def _layer(self, li: int, s: _StaticBatch) -> None:
+        m, cfg = self.model, self.model.config
+        layer = m.layers[li]
+        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        rows = s.batch
+        x = F.rms_norm(s.hidden, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
+        qkv = layer["qkv"](x)
+        qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(rows, n_q + n_kv, hd), s.cos, s.sin)
+        m._write_kv(li, qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(rows, n_kv, hd), s.meta, self.kv)
+        attn = m._decode_attention(qk[:, :n_q], li, s.meta, self.kv).reshape(rows, n_q * hd)
+        h = layer["o"].add_to(s.hidden, attn)
+        x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
+        gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+        s.hidden.copy_(layer["down"].add_to(h, F.silu(gate).mul_(up)))
+
+    @torch.inference_mode()
+    def _head(self, s: _StaticBatch) -> None:
+        m, cfg = self.model, self.model.config
+        x = F.rms_norm(s.hidden, (cfg.hidden_size,), m.final_norm, cfg.rms_norm_eps)
+        s.logits.copy_(torch.cat([part(x) for part in m.lm_head_slices], dim=1))

@@ -1,0 +1,170 @@
+"""Decode through DecodeGraphs: fixed-shape buckets, padding rows, safepoints.
+
+On CPU the parts run eagerly (capture=False), which checks the bucketing and padding the graphs
+replay; with BACKFILL_TEST_DEVICE=cuda the last tests capture and replay real graphs.
+"""
+
+import pytest
+import torch
+
+from backfill.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, batch_bucket, blocks_bucket
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.runner import ModelRunner, SeqChunk
+from tests.conftest import random_weights
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config, device):
+    return LlamaModel(tiny_config, random_weights(tiny_config), device=device)
+
+
+def _runners(model, tiny_config, device, capture: bool):
+    eager = ModelRunner(model, KVBlockPool(tiny_config, 96, 8, device=device))
+    kv = KVBlockPool(tiny_config, 96, 8, device=device)
+    return eager, ModelRunner(model, kv, DecodeGraphs(model, kv, capture=capture))
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(sum(lengths))
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill each prompt, then greedy-decode all of them together; tokens and each step's logits."""
+    kv, tables, tokens, logits = runner.kv, [], [], []
+    for i, ids in enumerate(prompts):
+        tables.append(kv.allocate(kv.blocks_needed(len(ids) + steps)))
+        out = runner.execute([SeqChunk(i, ids, 0, tables[i])])
+        tokens.append([int(out.logits[0].argmax())])
+    for _ in range(steps):
+        chunks = [SeqChunk(i, [tokens[i][-1]], len(ids) + len(tokens[i]) - 1, tables[i])
+                  for i, ids in enumerate(prompts)]
+        out = runner.execute(chunks)
+        assert out.logit_seq_ids == list(range(len(prompts)))
+        logits.append(out.logits)
+        for i, row in enumerate(out.logits):
+            tokens[i].append(int(row.argmax()))
+    for table in tables:
+        kv.free(table)
+    return tokens, logits
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = 1e-4 if actual.device.type == "cpu" else 2e-2  # padded keys change the summation order
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def test_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64]
+    assert batch_bucket(BATCH_BUCKETS[-1] + 1) is None
+    assert [blocks_bucket(n) for n in (1, 4, 5, 9, 100)] == [4, 4, 8, 16, 128]
+
+
+@pytest.mark.parametrize("lengths", [[5], [9, 30, 17], [3, 41, 12, 8, 26]])
+def test_padded_buckets_decode_like_the_eager_path(model, tiny_config, device, lengths):
+    eager, graphed = _runners(model, tiny_config, device, capture=False)
+    prompts = _prompts(lengths)
+    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
+    tokens, logits = _generate(graphed, prompts, steps=12)
+    assert tokens == expected_tokens
+    for got, want in zip(logits, expected_logits):
+        _close(got, want)
+    # The contexts grow across a block-table bucket boundary (4 -> 8 blocks of 8 tokens) mid-run.
+    assert {b for b, _ in graphed.decode_graphs.captured_buckets} == {batch_bucket(len(lengths))}
+
+
+def test_padding_rows_write_only_the_scratch_block(model, tiny_config, device):
+    kv = KVBlockPool(tiny_config, 16, 8, device=device)
+    first = kv.allocate(3)
+    graphs = DecodeGraphs(model, kv, capture=False)  # takes block 3: blocks 0-2 go to the sequence
+    kv.free(first)
+    runner = ModelRunner(model, kv, graphs)
+    ids = _prompts([13])[0]
+    table = kv.allocate(3)
+    assert graphs.scratch_block == 3 and sorted(table) == [0, 1, 2]
+    runner.execute([SeqChunk("a", ids, 0, table, want_logits=False)])
+    k_before, v_before = kv.k.clone(), kv.v.clone()
+    # Three rows pad to a bucket of four; all three are the same sequence at the same position, so
+    # its one new slot and the scratch block are the only places the step may write.
+    chunks = [SeqChunk(s, [7], len(ids), table) for s in ("a", "b", "c")]
+    assert batch_bucket(len(chunks)) == 4
+    runner.execute(chunks)
+    changed = (kv.k != k_before).flatten(3).any(-1) | (kv.v != v_before).flatten(3).any(-1)  # [layer, block, slot]
+    written = {(int(b), int(s)) for b, s in changed.any(0).nonzero()}
+    own_slot = (table[len(ids) // kv.block_size], len(ids) % kv.block_size)
+    assert own_slot in written
+    assert written - {own_slot} <= {(graphs.scratch_block, 0)}
+
+
+def test_scratch_block_is_taken_from_the_pool(model, tiny_config, device):
+    kv = KVBlockPool(tiny_config, 16, 8, device=device)
+    graphs = DecodeGraphs(model, kv, capture=False)
+    assert kv.num_free == 15 and kv.is_allocated(graphs.scratch_block)
+
+
+def test_safepoint_aborts_between_layers_and_a_rerun_equals_no_abort(model, tiny_config, device):
+    _, runner = _runners(model, tiny_config, device, capture=False)
+    kv = runner.kv
+    ids = _prompts([20])[0]
+    table = kv.allocate(3)
+    runner.execute([SeqChunk("x", ids, 0, table, want_logits=False)])
+    expected = runner.execute([SeqChunk("x", [7], 20, table)]).logits
+    seen = []
+
+    def stop_at_two(layer: int) -> bool:
+        seen.append(layer)
+        return layer == 2
+
+    aborted = runner.execute([SeqChunk("x", [9], 20, table)], safepoint=stop_at_two)
+    assert aborted.aborted and aborted.aborted_at_layer == 2 and aborted.suspended is None
+    assert seen == [1, 2]  # once before each layer after the first, as the compiled decode path does
+    every = []
+    rerun = runner.execute([SeqChunk("x", [7], 20, table)], safepoint=lambda layer: every.append(layer) or False)
+    assert every == list(range(1, tiny_config.num_layers + 1))  # the last is before the LM head
+    _close(rerun.logits, expected)
+    kv.free(table)
+
+
+def test_steps_that_do_not_fit_run_eagerly(model, tiny_config, device):
+    _, runner = _runners(model, tiny_config, device, capture=False)
+    graphs, kv = runner.decode_graphs, runner.kv
+    table = kv.allocate(2)
+    prefill = SeqChunk("p", [5, 6, 7], 0, table)
+    assert not graphs.fits([prefill])
+    assert not graphs.fits([SeqChunk("d", [5], 3, table, want_logits=False)])
+    assert not graphs.fits([SeqChunk(i, [5], 3, table) for i in range(BATCH_BUCKETS[-1] + 1)])
+    runner.execute([prefill])
+    assert graphs.captured_buckets == []
+
+
+def test_bad_chunks_get_the_eager_paths_errors(model, tiny_config, device):
+    _, runner = _runners(model, tiny_config, device, capture=False)
+    table = runner.kv.allocate(1)
+    with pytest.raises(ValueError, match="block table holds 8 tokens"):
+        runner.execute([SeqChunk("a", [5], 8, table)])
+    with pytest.raises(ValueError, match="beyond"):
+        runner.execute([SeqChunk("a", [5], tiny_config.max_position_embeddings, table)])
+
+
+def test_capture_needs_cuda(model, tiny_config, device):
+    if device != "cpu":
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphs(model, KVBlockPool(tiny_config, 8, 8), capture=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("lengths", [[5], [9, 30, 17], [3, 41, 12, 8, 26]])
+def test_captured_graphs_decode_like_the_eager_path(tiny_config, lengths):
+    model = LlamaModel(tiny_config, random_weights(tiny_config), device="cuda")
+    eager, graphed = _runners(model, tiny_config, "cuda", capture=True)
+    prompts = _prompts(lengths)
+    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
+    tokens, logits = _generate(graphed, prompts, steps=12)
+    assert tokens == expected_tokens
+    for got, want in zip(logits, expected_logits):
+        _close(got, want)
+    buckets = graphed.decode_graphs.captured_buckets
+    tokens_again, _ = _generate(graphed, prompts, steps=12)  # replays what was captured
+    assert tokens_again == expected_tokens and graphed.decode_graphs.captured_buckets == buckets
