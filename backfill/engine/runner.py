@@ -9,6 +9,7 @@ copies go through `runner.kv` (KVBlockPool).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,32 @@ from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward,
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
+
+
+# Safepoint checks the CPU may run ahead of the GPU's progress (see paced_on_gpu).
+GPU_RUN_AHEAD_CHECKS = 1
+
+
+def paced_on_gpu(safepoint: Safepoint) -> Safepoint:
+    """The safepoint, called only once the GPU has finished all work from before the previous check.
+
+    Kernels launch asynchronously: unpaced, the CPU passes every safepoint of a big step within a
+    few milliseconds and then waits in synchronize() for the rest of it, blind to arrivals (the H100
+    co-serving run saw a P99 preemption latency of 146 ms, docs/benchmarks.md). One check of run-ahead
+    keeps an interval of work queued, so a GPU-bound step never starves, while an abort leaves at most
+    that interval to finish; a launch-bound step finds its events done and never waits.
+    """
+    pending: deque[torch.cuda.Event] = deque()
+
+    def paced(layer: int) -> bool:
+        event = torch.cuda.Event()
+        event.record()
+        pending.append(event)
+        if len(pending) > GPU_RUN_AHEAD_CHECKS:
+            pending.popleft().synchronize()
+        return safepoint(layer)
+
+    return paced
 
 
 @dataclass
@@ -92,6 +119,8 @@ class ModelRunner:
         else:
             input_ids, meta, logit_ids = resume.input_ids, resume.meta, resume.logit_ids
         num_tokens = len(chunks) if graphed else int(input_ids.shape[0])
+        if safepoint is not None and self.device.type == "cuda":
+            safepoint = paced_on_gpu(safepoint)
         try:
             if graphed:
                 logits = self.decode_graphs.forward(chunks, safepoint)
@@ -99,6 +128,8 @@ class ModelRunner:
                 logits = self.model.forward(input_ids, meta, self.kv, safepoint,
                                             resume=None if resume is None else resume.partial)
         except StepAborted as abort:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the step has yielded once its queued kernels are done
             suspended = None if abort.partial is None else SuspendedStep(input_ids, meta, logit_ids, abort.partial)
             return StepOutput(None, [], aborted=True, aborted_at_layer=abort.layer,
                               duration_s=time.perf_counter() - start, num_tokens=num_tokens, suspended=suspended)
