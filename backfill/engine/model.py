@@ -101,6 +101,12 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+            # PyTorch 2.11 may send SDPA to cuDNN, which builds a plan for every new shape, and
+            # prefill spans come in every length: on an H100 a prefill step of unseen lengths took
+            # 122 ms against 15 ms with cuDNN off (scripts/gpu_prefill_shapes.py). Process-wide.
+            log.info("turning off cuDNN attention: it plans every new prefill shape anew")
+            torch.backends.cuda.enable_cudnn_sdp(False)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
