@@ -61,17 +61,24 @@ def test_buckets():
     assert [blocks_bucket(n) for n in (1, 4, 5, 9, 100)] == [4, 4, 8, 16, 128]
 
 
-@pytest.mark.parametrize("lengths", [[5], [9, 30, 17], [3, 41, 12, 8, 26]])
-def test_padded_buckets_decode_like_the_eager_path(model, tiny_config, device, lengths):
-    eager, graphed = _runners(model, tiny_config, device, capture=False)
+def _decodes_like_the_eager_path(eager: ModelRunner, graphed: ModelRunner, lengths: list[int]) -> None:
     prompts = _prompts(lengths)
     expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
     tokens, logits = _generate(graphed, prompts, steps=12)
     assert tokens == expected_tokens
     for got, want in zip(logits, expected_logits):
         _close(got, want)
-    # The contexts grow across a block-table bucket boundary (4 -> 8 blocks of 8 tokens) mid-run.
-    assert {b for b, _ in graphed.decode_graphs.captured_buckets} == {batch_bucket(len(lengths))}
+    # One batch bucket; a block-table bucket for each width the longest context passed through.
+    widths = {blocks_bucket((max(lengths) + step) // 8 + 1) for step in range(12)}
+    assert set(graphed.decode_graphs.captured_buckets) == {(batch_bucket(len(lengths)), w) for w in widths}
+    buckets = graphed.decode_graphs.captured_buckets
+    assert _generate(graphed, prompts, steps=12)[0] == expected_tokens  # the buckets built are reused
+    assert graphed.decode_graphs.captured_buckets == buckets
+
+
+@pytest.mark.parametrize("lengths", [[5], [9, 30, 17], [3, 41, 12, 8, 26]])
+def test_padded_buckets_decode_like_the_eager_path(model, tiny_config, device, lengths):
+    _decodes_like_the_eager_path(*_runners(model, tiny_config, device, capture=False), lengths)
 
 
 def test_padding_rows_write_only_the_scratch_block(model, tiny_config, device):
@@ -158,13 +165,4 @@ def test_capture_needs_cuda(model, tiny_config, device):
 @pytest.mark.parametrize("lengths", [[5], [9, 30, 17], [3, 41, 12, 8, 26]])
 def test_captured_graphs_decode_like_the_eager_path(tiny_config, lengths):
     model = LlamaModel(tiny_config, random_weights(tiny_config), device="cuda")
-    eager, graphed = _runners(model, tiny_config, "cuda", capture=True)
-    prompts = _prompts(lengths)
-    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
-    tokens, logits = _generate(graphed, prompts, steps=12)
-    assert tokens == expected_tokens
-    for got, want in zip(logits, expected_logits):
-        _close(got, want)
-    buckets = graphed.decode_graphs.captured_buckets
-    tokens_again, _ = _generate(graphed, prompts, steps=12)  # replays what was captured
-    assert tokens_again == expected_tokens and graphed.decode_graphs.captured_buckets == buckets
+    _decodes_like_the_eager_path(*_runners(model, tiny_config, "cuda", capture=True), lengths)
