@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted, apply_rope
+
+if TYPE_CHECKING:
+    from backfill.engine.runner import SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +125,12 @@ class DecodeGraphs:
         """(batch, blocks) buckets built so far."""
         return sorted(self._buckets)
 
-    def fits(self, chunks) -> bool:
+    def fits(self, chunks: list[SeqChunk]) -> bool:
         """Whether this step is a decode of sequences that all want logits, small enough for a bucket."""
         return (0 < len(chunks) <= BATCH_BUCKETS[-1]
                 and all(c.is_decode and c.want_logits for c in chunks))
 
-    def forward(self, chunks, safepoint: Safepoint | None = None) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None) -> torch.Tensor:
         """fp32 logits [len(chunks), vocab]; raises StepAborted(layer) when the safepoint says stop."""
         bs = self.kv.block_size
         positions = [c.start_pos for c in chunks]
