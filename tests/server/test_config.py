@@ -134,3 +134,16 @@ def test_decode_attention_from_flag_or_file(tmp_path):
     toml.write_text('decode-attention = "flash"\n')
     with pytest.raises(InvalidRequestError, match="decode_attention must be one of auto, sdpa"):
         parse("--config", str(toml))
+
+
+def test_cuda_graphs_from_flag_or_file(tmp_path):
+    assert parse().serving.cuda_graphs is True
+    assert parse("--no-cuda-graphs").serving.cuda_graphs is False
+    toml = tmp_path / "c.toml"
+    toml.write_text("cuda-graphs = false\n")
+    assert parse("--config", str(toml)).serving.cuda_graphs is False
+    toml.write_text('cuda-graphs = "off"\n')
+    with pytest.raises(ServerConfigError, match="cuda-graphs must be a bool"):
+        parse("--config", str(toml))
+    # Graphs are a CUDA mechanism: on a CPU the setting changes nothing.
+    assert not parse("--device", "cpu").serving.uses_cuda_graphs
