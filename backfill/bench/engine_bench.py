@@ -77,26 +77,16 @@ def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int, probe: Ba
     return d
 
 
-def _bench_eager_batch1(runner, prompt_len: int, new_tokens: int, floor_ms: float,
-                        probe: BandwidthProbe | None = None) -> dict:
-    """Batch 1 on the eager path of the same model, right after the compiled run: a side-by-side pair."""
-    compiled, runner.model.compiled_decode = runner.model.compiled_decode, None
-    try:
-        d = bench_decode(runner, 1, prompt_len, new_tokens, probe)
-    finally:
-        runner.model.compiled_decode = compiled
-    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
-    return d
-
-
-def _bench_without_graphs(runner, batch: int, prompt_len: int, new_tokens: int, floor_ms: float,
-                          probe: BandwidthProbe | None = None) -> dict:
-    """A batch with every decode kernel launched from Python, right after the graphed run: a side-by-side pair."""
-    graphs, runner.decode_graphs = runner.decode_graphs, None
+def _bench_without(owner, attr: str, runner, batch: int, prompt_len: int, new_tokens: int, floor_ms: float,
+                   probe: BandwidthProbe | None = None) -> dict:
+    """A batch with owner.attr (a fast path: compiled decode, CUDA graphs) set to None, right after
+    the run that used it, on the same model: a side-by-side pair."""
+    fast = getattr(owner, attr)
+    setattr(owner, attr, None)
     try:
         d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
     finally:
-        runner.decode_graphs = graphs
+        setattr(owner, attr, fast)
     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
     return d
 
@@ -207,13 +197,14 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                 f"{d['tpot_over_paired_floor']:.2f}x the paired floor of {d['paired_floor_ms']:.1f} ms), "
                 f"{d['tokens_per_s']:.0f} tok/s")
         if runner.model.compiled_decode is not None and 1 in batches:
-            eager = run["decode_batch1_eager"] = _bench_eager_batch1(runner, prompt_len, new_tokens, floor_ms, probe)
+            eager = run["decode_batch1_eager"] = _bench_without(
+                runner.model, "compiled_decode", runner, 1, prompt_len, new_tokens, floor_ms, probe)
             log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
                 f"({eager['tpot_over_floor']:.2f}x floor, {eager['tpot_over_paired_floor']:.2f}x paired)")
         if run["cuda_graphs"]:
             run["decode_without_cuda_graphs"] = []
             for batch in batches:
-                d = _bench_without_graphs(runner, batch, prompt_len, new_tokens, floor_ms, probe)
+                d = _bench_without(runner, "decode_graphs", runner, batch, prompt_len, new_tokens, floor_ms, probe)
                 run["decode_without_cuda_graphs"].append(d)
                 log(f"[{dtype_name}] batch {batch:3d} without CUDA graphs: TPOT {d['tpot_ms']:.2f} ms, "
                     f"{d['tokens_per_s']:.0f} tok/s")

@@ -116,7 +116,6 @@ class DecodeGraphs:
         self.model, self.kv = model, kv
         # One block of the pool is the padding rows' scratch for good: the scheduler sees one block fewer.
         self.scratch_block = kv.allocate(1)[0]
-        self.max_blocks = -(-model.config.max_position_embeddings // kv.block_size)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
