@@ -10,7 +10,10 @@ eager path leaves it: the uncommitted positions written so far are overwritten w
 A graph replays fixed shapes at fixed addresses. A step of b sequences runs in the smallest batch
 bucket >= b; the extra rows decode token 0 at position 0 into a scratch block taken from the pool
 once, so they never touch a live sequence's KV. Block tables are padded to a power-of-two bucket
-and the key mask hides everything past each sequence's context. Buckets are captured on first use.
+and the key mask hides everything past each sequence's context. The serving stack captures every
+bucket its context limit can reach at load (`capture_all`), biggest first as vLLM does, so that no
+online step pays for a capture: built on first use, a bucket cost its step tens of milliseconds, and
+the first requests after start-up, the online-only baseline's among them, took those stalls.
 """
 
 from __future__ import annotations
@@ -123,6 +126,18 @@ class DecodeGraphs:
     def captured_buckets(self) -> list[tuple[int, int]]:
         """(batch, blocks) buckets built so far."""
         return sorted(self._buckets)
+
+    def capture_all(self, max_context_tokens: int) -> int:
+        """Build every (batch, blocks) bucket a decode within max_context_tokens can use; returns
+        how many buckets exist. Biggest first: smaller graphs then reuse the shared pool's memory."""
+        widest = blocks_bucket(-(-max_context_tokens // self.kv.block_size))
+        widths = [MIN_BLOCKS_BUCKET]
+        while widths[-1] < widest:
+            widths.append(widths[-1] * 2)
+        for batch in reversed(BATCH_BUCKETS):
+            for blocks in reversed(widths):
+                self._bucket(batch, blocks)
+        return len(self._buckets)
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
         """Whether this step is a decode of sequences that all want logits, small enough for a bucket."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from backfill.serving.engine import AsyncEngine
 from backfill.serving.profiler import PROFILE_FORMAT, profile_latency
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("coserve", "priority", "fcfs", "online-only")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,8 +69,9 @@ class ServingConfig:
     # first use; engine/paged_attention.py), gather + SDPA elsewhere or if it cannot be built;
     # "sdpa" always gathers.
     decode_attention: str = "auto"
-    # CUDA: decode steps of up to 64 sequences replay per-layer graphs captured on first use of each
-    # (batch, context) bucket (engine/cuda_graphs.py); takes one KV block as the padding rows' scratch.
+    # CUDA: decode steps of up to 64 sequences replay per-layer graphs, captured at load for every
+    # (batch, context) bucket up to max_model_len (engine/cuda_graphs.py); takes one KV block as the
+    # padding rows' scratch.
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -136,7 +141,13 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
                        paged_attention_kernel=cfg.uses_paged_attention_kernel)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
-    return ModelRunner(model, kv, DecodeGraphs(model, kv) if cfg.uses_cuda_graphs else None)
+    graphs = None
+    if cfg.uses_cuda_graphs:
+        graphs = DecodeGraphs(model, kv)
+        started = time.perf_counter()
+        count = graphs.capture_all(cfg.max_model_len)
+        log.info("captured decode graphs for %d buckets in %.1f s", count, time.perf_counter() - started)
+    return ModelRunner(model, kv, graphs)
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):

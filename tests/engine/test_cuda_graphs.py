@@ -154,6 +154,26 @@ def test_bad_chunks_get_the_eager_paths_errors(model, tiny_config, device):
         runner.execute([SeqChunk("a", [5], tiny_config.max_position_embeddings, table)])
 
 
+def _capture_all_then_decode(model, tiny_config, device, capture: bool) -> None:
+    eager, graphed = _runners(model, tiny_config, device, capture=capture)
+    graphs = graphed.decode_graphs
+    max_context = 100  # 13 blocks of 8: widths 4, 8 and 16
+    assert graphs.capture_all(max_context) == len(BATCH_BUCKETS) * 3
+    every = graphs.captured_buckets
+    assert every == sorted((b, w) for b in BATCH_BUCKETS for w in (4, 8, 16))
+    prompts = _prompts([9, 30, 17])
+    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
+    tokens, logits = _generate(graphed, prompts, steps=12)
+    assert tokens == expected_tokens
+    for got, want in zip(logits, expected_logits):
+        _close(got, want)
+    assert graphs.captured_buckets == every  # nothing left to build on first use
+
+
+def test_capture_all_builds_every_bucket_up_front(model, tiny_config, device):
+    _capture_all_then_decode(model, tiny_config, device, capture=False)
+
+
 def test_capture_needs_cuda(model, tiny_config, device):
     if device != "cpu":
         pytest.skip("checks the CPU refusal")
@@ -166,3 +186,9 @@ def test_capture_needs_cuda(model, tiny_config, device):
 def test_captured_graphs_decode_like_the_eager_path(tiny_config, lengths):
     model = LlamaModel(tiny_config, random_weights(tiny_config), device="cuda")
     _decodes_like_the_eager_path(*_runners(model, tiny_config, "cuda", capture=True), lengths)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_captured_at_load_decode_like_the_eager_path(tiny_config):
+    model = LlamaModel(tiny_config, random_weights(tiny_config), device="cuda")
+    _capture_all_then_decode(model, tiny_config, "cuda", capture=True)
