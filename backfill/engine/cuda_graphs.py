@@ -54,7 +54,7 @@ class _StaticBatch:
     """The fixed tensors one bucket's graphs read and write, and a pinned host copy of the step's
     integers so a step's inputs reach the device in one asynchronous copy."""
 
-    def __init__(self, model: LlamaModel, kv: KVBlockPool, batch: int, blocks: int) -> None:
+    def __init__(self, model: LlamaModel, kv: KVBlockPool, batch: int, blocks: int, logits: torch.Tensor) -> None:
         cfg, dev = model.config, model.device
         self.batch, self.blocks, self.block_size = batch, blocks, kv.block_size
         sizes = [batch] * 4 + [batch * blocks]  # ids, positions, slots, context lengths, block tables
@@ -73,7 +73,7 @@ class _StaticBatch:
         self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=model.dtype, device=dev)
         self.cos = torch.zeros(batch, 1, cfg.head_dim, dtype=model.dtype, device=dev)
         self.sin = torch.zeros_like(self.cos)
-        self.logits = torch.zeros(batch, cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = logits  # [batch, vocab] fp32, shared by the batch's buckets: one step runs at a time
 
     def stage(self, token_ids: list[int], positions: list[int], tables: list[list[int]], scratch_block: int) -> None:
         """Write one step's integers (rows past len(token_ids) are padding) and start their copy."""
@@ -120,6 +120,9 @@ class DecodeGraphs:
         # One block of the pool is the padding rows' scratch for good: the scheduler sees one block fewer.
         self.scratch_block = kv.allocate(1)[0]
         self._buckets: dict[tuple[int, int], _Bucket] = {}
+        # One logits buffer per batch size, not per bucket: with a large vocabulary it is the
+        # biggest static tensor (64 x 128k fp32 is 32 MiB), and a batch has a bucket per context width.
+        self._logits: dict[int, torch.Tensor] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     @property
@@ -165,7 +168,10 @@ class DecodeGraphs:
         return self._buckets[key]
 
     def _build(self, batch: int, blocks: int) -> _Bucket:
-        static = _StaticBatch(self.model, self.kv, batch, blocks)
+        if batch not in self._logits:
+            self._logits[batch] = torch.zeros(batch, self.model.config.vocab_size, dtype=torch.float32,
+                                              device=self.model.device)
+        static = _StaticBatch(self.model, self.kv, batch, blocks, self._logits[batch])
         num_layers = self.model.config.num_layers
         parts = ([lambda: (self._prologue(static), self._layer(0, static))]
                  + [lambda li=li: self._layer(li, static) for li in range(1, num_layers)]

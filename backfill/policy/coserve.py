@@ -44,12 +44,13 @@ class CoServeConfig:
     slo: SLO = SLO()
     limits: BatchLimits = BatchLimits()
     # Offline batching mode: largest batch whose time between two safepoints stays below this.
-    # The bound on P99 preemption latency: an arrival waits for the rest of one stretch,
-    # half of one on average, and the estimate is of the longest stretch, so measured P99s sit
-    # below it (6.2-7.9 ms at 7 ms, 6.6-7.2 ms at 10, docs/benchmarks.md). Smaller targets cap
-    # offline batches below the size at which they stop gaining throughput (0.89-0.94x of
-    # priority's rate at 7 ms, 0.92-1.03x at 10).
-    preempt_target_ms: float = 10.0
+    # An arrival waits for the rest of one stretch, half of one on average, and the estimate is of
+    # the longest stretch. Planned at the co-serving issue's 10 ms bound on P99 preemption latency
+    # itself, 2 of 11 CPU runs went over it (10.7 and 11.3 ms): a stretch planned at 10 ms ran
+    # 10-14 ms in a slow minute. Planned at 8 ms, the bound has a fifth in reserve. Only steps of
+    # prompt chunks are big enough to meet the cap (769 tokens at 10 ms on the Zen 5, 654 at
+    # 8), and a step's fixed cost is 1-2% of such a step, so offline throughput barely moves.
+    preempt_target_ms: float = 8.0
     # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
     safepoint_gaps_per_layer: float = 2.0
     offline_batch_max_tokens: int = 2048
@@ -88,6 +89,7 @@ class RunningStep:
     shape: BatchShape
     started_s: float
     preemptible: bool
+    layer_reached: int = 0  # the last safepoint it passed (0: still in its first layer)
 
 
 class CoServePolicy:
@@ -321,6 +323,12 @@ class CoServePolicy:
             return False
         elapsed_ms = (state.now_s - step.started_s) * 1e3
         remain_ms = max(self._estimate_ms(step.shape) - elapsed_ms, 0.0)
+        if step.layer_reached > 0:
+            # The step's own pace so far (the LM head counted as one more layer). In a slow minute a
+            # step runs past its estimate, which then says it is done: three arrivals in a row let a
+            # 2x slower offline step finish and waited 0.7-0.8 s for their first token.
+            layers_left = self.config.num_layers + 1 - step.layer_reached
+            remain_ms = max(remain_ms, elapsed_ms * layers_left / step.layer_reached)
         online_shape = BatchShape()
         for seq in state.online:
             online_shape = online_shape.plus(seq.num_pending_tokens, seq.num_computed_tokens)

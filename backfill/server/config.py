@@ -106,7 +106,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p("--tpot-slo-ms", type=float, default=None, help="online time-per-output-token SLO (default 100)")
     p("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB (default 1)")
     p("--preempt-target-ms", type=float, default=None,
-      help="coserve: longest offline work between two safepoints (default 10)")
+      help="coserve: longest offline work between two safepoints (default 8)")
     p("--interference-slack", type=float, default=None,
       help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
       "(default 0.05; inf: no cap)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Protocol
 
 import torch
@@ -129,6 +129,7 @@ class Scheduler:
         self._abort_requested_s: float | None = None
         self._abort_flagged_s = 0.0
         self._current: RunningStep | None = None
+        self._layer_reached = 0  # the running step's last safepoint (its progress, for Algorithm 2)
         self._suspended: Suspension | None = None
 
     # --- called from any thread ---------------------------------------------------------------
@@ -180,12 +181,13 @@ class Scheduler:
                       for r in arrivals)
         state = SchedulerState(now, views, self.kv.num_free, self.kv.num_usable, self.kv.block_size,
                                self.max_model_len)
-        if self.policy.should_abort_step(state, step):
+        if self.policy.should_abort_step(state, replace(step, layer_reached=self._layer_reached)):
             self._abort_requested_s = min(r.arrival_time for r in arrivals)
             self._abort_flagged_s = now
             self._abort.set()
 
     def _safepoint(self, layer: int) -> bool:
+        self._layer_reached = layer
         if not self._abort.is_set():
             return False
         if self._abort_requested_s is not None:
@@ -275,6 +277,7 @@ class Scheduler:
         ran_s = resume.ran_s if resume is not None else 0.0
         # A continued step started as long ago as it has run: Algorithm 2 estimates what is left.
         self._current = RunningStep(shape, self.clock() - ran_s, plan.preemptible)
+        self._layer_reached = resume.step.partial.layer if resume is not None else 0
         if plan.preemptible:
             self._on_online_arrival()  # an arrival raced with planning
         started = time.perf_counter()

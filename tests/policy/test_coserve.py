@@ -230,6 +230,18 @@ def test_algorithm_2_with_an_interference_cap_lets_an_arrival_wait_only_a_slack_
                                         RunningStep(BatchShape(num_tokens=60), 1.0, True))
 
 
+
+def test_algorithm_2_judges_a_step_that_overran_its_estimate_by_its_own_pace():
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=200, tpot_ms=50), num_layers=30))
+    # A ~512 ms step, 600 ms in: the estimate says it is done, so the arrival would wait for it.
+    arrival = state(seq(0, ON, tokens=50, arrival=1.6), now=1.6)   # online prefill: ~62 ms
+    overran = RunningStep(BatchShape(num_tokens=500), started_s=1.0, preemptible=True)
+    assert not policy.should_abort_step(arrival, overran)
+    # But it is only at layer 10 of 30: at its pace, 21 more layers take 1.26 s.
+    assert policy.should_abort_step(arrival, replace(overran, layer_reached=10))
+    # At the LM head, 600 ms in, one layer's time (20 ms) is left: the step finishes.
+    assert not policy.should_abort_step(arrival, replace(overran, layer_reached=30))
+
 def test_priority_fills_with_offline_without_budget_and_never_aborts():
     policy = PriorityPolicy(BatchLimits(max_batch_tokens=256))
     plan = policy.schedule(state(decoding(0, ON), *[seq(i, OFF, tokens=200) for i in range(3)]))

@@ -119,6 +119,17 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
     assert all(s.offline_tokens > 0 for s in scheduler.stats.step_log if s.mode == "offline-batching")
 
 
+
+def test_algorithm_2_sees_how_far_the_running_step_got(tiny_runner):
+    scheduler, _ = _offline_with_arrivals_at(tiny_runner, 2, num_offline=2, num_online=1)
+    seen = []
+    decide = scheduler.policy.should_abort_step
+    scheduler.policy.should_abort_step = lambda state, step: seen.append(step.layer_reached) or decide(state, step)
+    _drain(scheduler)
+    # Consulted when the step starts (an arrival may race with planning), then at the arrival,
+    # which the test makes at layer 2's safepoint.
+    assert 2 in seen and all(0 <= layer <= tiny_runner.config.num_layers for layer in seen)
+
 def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_runner):
     scheduler, expected = _offline_with_arrivals_at(tiny_runner, 2, num_offline=4, num_online=1)
     while scheduler._suspended is None:
