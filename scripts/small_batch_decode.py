@@ -1,9 +1,10 @@
-"""Decode steps of 1-4 sequences, compiled pieces against the eager path, alternating in one process.
+"""Decode steps of a few sequences, compiled pieces against the eager path, alternating in one process.
 
 One model built with compiled decode; the script hides its compiled pieces every few steps so the
 same steps run eager, on the same pool and sequences, and a drifting machine slows both alike.
 
     .venv/bin/python scripts/small_batch_decode.py [--dtype bfloat16] [--context 200] [--steps 60]
+                                                   [--batches 1 2 4 8]
                                                    [--json runs/small-batch-decode.json]
 """
 
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="prompt tokens before the decodes")
     parser.add_argument("--steps", type=int, default=60, help="decode steps per batch size and path")
     parser.add_argument("--every", type=int, default=3, help="switch paths after this many steps")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     loaded = load_model(None)
@@ -35,8 +37,8 @@ def main() -> None:
     if compiled is None:
         raise SystemExit("compiled decode could not be built here (see the warning above)")
     result = {"dtype": args.dtype, "context": args.context, "compiled_batch_sizes": list(compiled.batch_sizes),
-              "batches": {}}
-    for batch in (1, 2, 3, 4):
+              "small_batch_kernel": compiled.packed, "batches": {}}
+    for batch in args.batches:
         tables = [kv.allocate(kv.blocks_needed(args.context + 2 * args.steps + 1)) for _ in range(batch)]
         for i, table in enumerate(tables):
             runner.execute([SeqChunk(i, [5] * args.context, 0, table, want_logits=False)])

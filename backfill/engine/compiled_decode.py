@@ -57,8 +57,10 @@ from backfill.engine.model import apply_rope
 log = logging.getLogger(__name__)
 
 
-# Decode batch sizes that get compiled pieces (see the module doc for why no more).
+# Decode batch sizes that get compiled pieces (see the module doc for why no more): with the
+# dot products, and with the small-batch bf16 kernel.
 DECODE_BATCH_SIZES = (1, 2, 3)
+PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -71,39 +73,42 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([(weight.float() * x[b].float()).sum(-1) for b in range(x.shape[0])])
 
 
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, x [B, in]) -> fp32 [B, out]
+
+
+def _packed_matmul(out_features: int) -> Matmul:
+    """x @ W.T through the small-batch bf16 kernel, for a weight packed by pack_bf16_pairs."""
+    return lambda packed_weight, x: torch.ops.backfill.bf16_packed_matmul(packed_weight, x, out_features)
+
+
 def _norm(h, norm_weight, eps: float):
     """RMSNorm: the first layer's attention norm, on the embedding."""
     return F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
 
 
-def _qkv_rope(x, w_qkv, cos, sin, n_q: int, n_kv: int):
+def _qkv_rope(x, w_qkv, cos, sin, n_q: int, n_kv: int, matmul: Matmul = _gemv):
     """Fused q/k/v projection of the normed x and RoPE: [B, hidden] -> q [B, n_q, hd], k and v [B, n_kv, hd]."""
     hd = cos.shape[-1]
-    qkv = _gemv(w_qkv, x).to(x.dtype)
+    qkv = matmul(w_qkv, x).to(x.dtype)
     qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
     return qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
 
 
-def _residual_projection(h, x, weight):
-    """h + x @ weight.T: the o and down projections with their residual add."""
-    return h + _gemv(weight, x).to(h.dtype)
-
-
-def _project_then_norm(h, x, weight, norm_weight, eps: float):
+def _project_then_norm(h, x, weight, norm_weight, eps: float, matmul: Matmul = _gemv):
     """h + x @ weight.T (the o or down projection and residual), and the next norm of that."""
-    h = _residual_projection(h, x, weight)
+    h = h + matmul(weight, x).to(h.dtype)
     return h, F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
 
 
-def _gate_up_silu(x, w_gate_up):
+def _gate_up_silu(x, w_gate_up, matmul: Matmul = _gemv):
     """Fused gate/up projection of the normed x and SiLU(gate) * up."""
-    gate, up = _gemv(w_gate_up, x).chunk(2, dim=-1)
+    gate, up = matmul(w_gate_up, x).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def _lm_head(x, w_head):
+def _lm_head(x, w_head, matmul: Matmul = _gemv):
     """The LM head on the final-normed x; fp32 logits."""
-    return _gemv(w_head, x)
+    return matmul(w_head, x)
 
 
 def _compile(fn, example_args: tuple[torch.Tensor, ...]):
@@ -135,8 +140,9 @@ def _compile(fn, example_args: tuple[torch.Tensor, ...]):
 
 
 @dataclass
-class PlainLayer:
-    """One layer's matmul weights as plain [out, in] tensors, the layout the reductions read."""
+class DecodeLayer:
+    """One layer's matmul weights in the layout the pieces read: plain [out, in] tensors for the
+    dot products, or packed for the small-batch bf16 kernel (engine/small_batch_matmul.py)."""
 
     qkv: torch.Tensor
     o: torch.Tensor
@@ -157,20 +163,36 @@ class DecodePieces:
 
 
 class CompiledDecode:
-    """Runs decode steps of one to three sequences through compiled pieces; the model routes them here.
+    """Runs decode steps of a few sequences through compiled pieces; the model routes them here.
 
-    Keeps its own plain copy of the matmul weights (the eager path's are packed for oneDNN and
-    opaque), so it costs the model's weight memory once more. Compilation happens here, at load,
-    so no request pays for it; where it cannot (no C++ compiler, say), `ready` is False and the
-    model stays eager.
+    Keeps its own copy of the matmul weights (the eager path's are packed for oneDNN and opaque),
+    so it costs the model's weight memory once more. In bf16 on a CPU with AVX-512 BF16, that copy
+    is packed for the small-batch kernel, which reads the weights at streaming speed for up to
+    eight sequences, and the pieces are built for batch sizes 1 to 8; elsewhere the copy is plain,
+    the pieces take the dot products, and they stop at 3. Compilation happens here, at load, so no
+    request pays for it; where it cannot (no C++ compiler, say), `ready` is False and the model
+    stays eager.
     """
 
-    def __init__(self, layers: list[PlainLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, batch_sizes: tuple[int, ...] = DECODE_BATCH_SIZES) -> None:
-        self.layers = layers
-        self.lm_head = lm_head
+    def __init__(self, layers: list[DecodeLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
+                 num_kv_heads: int, head_dim: int, batch_sizes: tuple[int, ...] | None = None,
+                 small_batch_kernel: bool = True) -> None:
         self.eps = eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.hidden_size = lm_head.shape[1]
+        self.out_features = {name: getattr(layers[0], name).shape[0] for name in ("qkv", "o", "gate_up", "down")}
+        self.out_features["lm_head"] = lm_head.shape[0]
+        self.intermediate_size = layers[0].down.shape[1]
+        self.packed = small_batch_kernel and _small_batch_kernel_takes(layers, lm_head)
+        if self.packed:
+            from backfill.engine.small_batch_matmul import pack_bf16_pairs
+
+            layers = [DecodeLayer(*(pack_bf16_pairs(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")))
+                      for layer in layers]
+            lm_head = pack_bf16_pairs(lm_head)
+        self.layers, self.lm_head = layers, lm_head
+        if batch_sizes is None:
+            batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES
         self.pieces: dict[int, DecodePieces] = {}
         try:
             for batch in batch_sizes:
@@ -185,22 +207,35 @@ class CompiledDecode:
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.pieces))
 
+    def matmul(self, name: str) -> Matmul:
+        """How the pieces multiply by the weight `name` (qkv, o, gate_up, down or lm_head)."""
+        return _packed_matmul(self.out_features[name]) if self.packed else _gemv
+
     def _compile_pieces(self, batch: int) -> DecodePieces:
         """Compile every piece now, on inputs of the shapes decode will use (the weights are real)."""
-        hidden_size, dtype, device = self.lm_head.shape[1], self.lm_head.dtype, self.lm_head.device
+        hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
         norm = torch.ones(hidden_size, dtype=dtype, device=device)
         # Distinct example tensors: inductor compiles inputs that alias in the examples as one input.
         cos, sin = (torch.zeros(batch, 1, self.head_dim, dtype=dtype, device=device) for _ in range(2))
-        eps, n_q, n_kv = self.eps, self.num_heads, self.num_kv_heads
+        eps, n_q, n_kv, mm = self.eps, self.num_heads, self.num_kv_heads, self.matmul
         layer = self.layers[0]
-        act = torch.zeros(batch, layer.down.shape[1], dtype=dtype, device=device)
+        act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)
         with torch.inference_mode():
             return DecodePieces(
                 norm=_compile(lambda *t: _norm(*t, eps), (h, norm)),
-                qkv_rope=_compile(lambda *t: _qkv_rope(*t, n_q, n_kv), (h, layer.qkv, cos, sin)),
-                o_then_norm=_compile(lambda *t: _project_then_norm(*t, eps), (h, attn, layer.o, norm)),
-                gate_up_silu=_compile(_gate_up_silu, (h, layer.gate_up)),
-                down_then_norm=_compile(lambda *t: _project_then_norm(*t, eps), (h, act, layer.down, norm)),
-                lm_head_logits=_compile(_lm_head, (h, self.lm_head)))
+                qkv_rope=_compile(lambda *t: _qkv_rope(*t, n_q, n_kv, mm("qkv")), (h, layer.qkv, cos, sin)),
+                o_then_norm=_compile(lambda *t: _project_then_norm(*t, eps, mm("o")), (h, attn, layer.o, norm)),
+                gate_up_silu=_compile(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)),
+                down_then_norm=_compile(lambda *t: _project_then_norm(*t, eps, mm("down")),
+                                        (h, act, layer.down, norm)),
+                lm_head_logits=_compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head)))
+
+
+def _small_batch_kernel_takes(layers: list[DecodeLayer], lm_head: torch.Tensor) -> bool:
+    """Whether every weight is one the small-batch kernel takes, on a CPU where it is built."""
+    from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul
+
+    weights = [lm_head, *(getattr(layer, name) for layer in layers for name in ("qkv", "o", "gate_up", "down"))]
+    return all(can_pack(w) for w in weights) and load_small_batch_matmul()

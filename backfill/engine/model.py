@@ -22,7 +22,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
 
 if TYPE_CHECKING:
-    from backfill.engine.compiled_decode import CompiledDecode, DecodePieces, PlainLayer
+    from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
     from backfill.engine.paged_attention import PagedDecodeAttention
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,10 @@ class LlamaModel:
         if self.device.type != "cpu":
             log.warning("compiled decode is built for CPU; %s decode stays eager", self.device)
             return None
-        from backfill.engine.compiled_decode import CompiledDecode, PlainLayer  # it imports apply_rope from here
+        from backfill.engine.compiled_decode import CompiledDecode, DecodeLayer  # it imports apply_rope from here
 
         cfg = self.config
-        compiled = CompiledDecode([PlainLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
+        compiled = CompiledDecode([DecodeLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return compiled if compiled.ready else None
 
@@ -259,7 +259,7 @@ class LlamaModel:
 
     def _forward_compiled_decode(self, fast: DecodePieces, input_ids: torch.Tensor, meta: AttentionMetadata,
                                  kv: KVBlockPool, safepoint: Safepoint | None) -> torch.Tensor:
-        """forward for a decode of one to three sequences: the same layers, safepoints and KV writes,
+        """forward for a decode of a few sequences: the same layers, safepoints and KV writes,
         with the fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
         cfg, weights = self.config, self.compiled_decode.layers
         batch = input_ids.shape[0]

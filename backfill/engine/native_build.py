@@ -1,0 +1,72 @@
+"""Building backfill's C++ CPU kernels with torch.utils.cpp_extension, on first use.
+
+Each kernel is compiled for the host CPU (-march=native) and cached on disk under a name keyed by
+the CPU's feature flags, so a cache carried to another machine is rebuilt rather than run with
+instructions that machine lacks. A compiler and ninja are needed; callers treat a failed build as
+"this kernel is unavailable" and keep their portable path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def cpu_key() -> str:
+    """A short hash of the CPU's feature flags: a -march=native build only runs where they match."""
+    flags = " ".join(sorted(cpu_flags())) or torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def source_digest(source: Path) -> str:
+    """A short hash of a kernel's source: step-time profiles measured with one version of a kernel
+    do not describe another."""
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:8]
+
+
+def put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip-installed one lives in the venv, which a
+    `.venv/bin/python ...` run does not put on PATH."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def vector_capability_flags() -> list[str]:
+    """The macros that pick ATen's Vectorized<float> width (as PyTorch's own kernels and inductor do):
+    AVX-512 or AVX2 where this CPU and build have them, else the portable scalar version."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AVX2"):
+        return ["-DCPU_CAPABILITY=DEFAULT"]
+    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+
+
+def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
+    """Compile (or load from the disk cache) one C++ source for this CPU; raises where it cannot.
+
+    With python_module=False the library only registers operators (torch.ops) and None is returned.
+    """
+    from torch.utils import cpp_extension
+
+    put_ninja_on_path()
+    return cpp_extension.load(name=f"{name}_{cpu_key()}", sources=[str(source)],
+                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
+                                            *vector_capability_flags()],
+                              extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)

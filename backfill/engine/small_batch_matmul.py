@@ -1,0 +1,83 @@
+"""x @ W.T for one to eight bf16 rows at the speed of a streaming read (CPU, AVX-512 BF16).
+
+Decode steps of a few sequences are weight reads. On the 2-core Zen 5, oneDNN's GEMMs read bf16
+weights at 22-26 GB/s for one to eight rows, and inductor's dot products (engine/compiled_decode.py)
+reach the streaming speed of about 45 GB/s at one row but turn compute-bound from four (their
+horizontal sums). The kernel in `csrc/small_batch_matmul.cpp` multiplies against a weight packed
+once at load into the pair layout of the VDPBF16PS instruction and keeps every row's accumulators
+in registers, so a weight byte is read once for all rows and no sums across lanes are needed.
+scripts/small_batch_matmul.py measures it against oneDNN on the decode step's shapes.
+
+It registers `torch.ops.backfill.bf16_packed_matmul`, an operator that inductor calls from the
+compiled decode pieces like any other. It is built only where the CPU has AVX-512 BF16; elsewhere
+`load_small_batch_matmul` returns False and callers keep their own matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from backfill.engine.native_build import build_cpu_extension, cpu_flags, source_digest
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "small_batch_matmul.cpp"
+# Output features per packed column block (one AVX-512 register of fp32 lanes).
+COLUMN_BLOCK = 16
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_digest() -> str:
+    return source_digest(SOURCE)
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def load_small_batch_matmul() -> bool:
+    """Build and register the operator; False (logged) where this CPU or machine cannot."""
+    if not cpu_has_avx512_bf16():
+        return False
+    try:
+        build_cpu_extension("backfill_small_batch_matmul", SOURCE, python_module=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: all mean "keep the other matmuls"
+        log.warning("small-batch bf16 matmul kernel unavailable: %s", exc)
+        return False
+    torch.library.register_fake("backfill::bf16_packed_matmul")(_output_like)
+    return True
+
+
+def _output_like(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The operator's output for tracing: [rows, out_features] fp32."""
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight: bf16 on CPU, [out, in] with an even `in`."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 2 == 0)
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in * 16]: each block of 16 output features stores, for every
+    pair of input features, the pair of each feature in turn (the pair layout of VDPBF16PS).
+    Output features past `out` are zero and never written back."""
+    if not can_pack(weight):
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}")
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // COLUMN_BLOCK)
+    padded = weight.new_zeros(blocks * COLUMN_BLOCK, in_features)
+    padded[:out_features] = weight
+    pairs = padded.view(blocks, COLUMN_BLOCK, in_features // 2, 2).permute(0, 2, 1, 3)
+    return pairs.contiguous().view(blocks, in_features * COLUMN_BLOCK)
+
+
+def packed_matmul(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] bf16 @ W.T for a weight packed by pack_bf16_pairs: fp32 [rows, out_features]."""
+    return torch.ops.backfill.bf16_packed_matmul(packed_weight, x, out_features)

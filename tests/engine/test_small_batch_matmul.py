@@ -1,0 +1,101 @@
+"""The small-batch bf16 kernel: its packed layout, its products against fp32, its errors, and the
+compiled decode that runs on it."""
+
+import pytest
+import torch
+
+from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES
+from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.model import LlamaModel
+from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, cpu_has_avx512_bf16, load_small_batch_matmul,
+                                                pack_bf16_pairs, packed_matmul)
+from tests.conftest import random_weights
+
+needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the kernel is built for AVX-512 BF16 CPUs only")
+
+
+def test_packing_puts_each_feature_pair_of_sixteen_outputs_side_by_side():
+    out_features, in_features = 20, 6
+    weight = torch.arange(out_features * in_features, dtype=torch.float32).view(out_features, in_features)
+    packed = pack_bf16_pairs(weight.bfloat16())
+    assert packed.shape == (2, in_features * COLUMN_BLOCK)  # 20 outputs -> two blocks of 16
+    blocks = packed.float().view(2, in_features // 2, COLUMN_BLOCK, 2)
+    for n in range(out_features):
+        for k in range(in_features):
+            assert blocks[n // COLUMN_BLOCK, k // 2, n % COLUMN_BLOCK, k % 2] == weight[n, k].bfloat16().float()
+    assert blocks[1, :, out_features - COLUMN_BLOCK:].abs().sum() == 0  # the padding outputs are zero
+
+
+@pytest.mark.parametrize("weight", [torch.zeros(8, 6), torch.zeros(8, 5, dtype=torch.bfloat16),
+                                    torch.zeros(4, 2, 2, dtype=torch.bfloat16)])
+def test_weights_the_kernel_cannot_take_are_refused(weight):
+    assert not can_pack(weight)
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack_bf16_pairs(weight)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(3072, 576), (37, 64), (5, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
+def test_products_match_fp32_matmul(out_features, in_features, rows):
+    assert load_small_batch_matmul()
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    out = packed_matmul(pack_bf16_pairs(weight), x, out_features)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+
+
+@needs_kernel
+def test_bad_inputs_raise_clear_errors():
+    assert load_small_batch_matmul()
+    packed = pack_bf16_pairs(torch.ones(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 tensors"):
+        packed_matmul(packed, torch.ones(1, 8), 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        packed_matmul(packed, torch.ones(1, 10, dtype=torch.bfloat16), 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        packed_matmul(packed, torch.ones(1, 8, dtype=torch.bfloat16), 64)
+
+
+@needs_kernel
+def test_bf16_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config):
+    weights = random_weights(tiny_config, seed=5)
+    model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True)
+    assert model.compiled_decode.packed and model.compiled_decode.batch_sizes == PACKED_DECODE_BATCH_SIZES
+    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16),
+                        KVBlockPool(tiny_config, 48, 8, dtype=torch.bfloat16))
+    fast = ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=torch.bfloat16))
+    batch = 8
+    prompts = [torch.randint(3, 256, (7 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(batch)]
+    results = []
+    for runner in (eager, fast):
+        tables = [runner.kv.allocate(3) for _ in prompts]
+        for i, (ids, table) in enumerate(zip(prompts, tables)):
+            runner.execute([SeqChunk(i, ids, 0, table)])
+        # The same tokens fed to both: bf16 rounding may flip a greedy choice between near-equal logits.
+        steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
+                                 for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
+        results.append(torch.stack(steps))
+    reference, compiled = results
+    assert (compiled - reference).abs().max() < 0.05 * reference.abs().max() + 0.05
+
+
+def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_config):
+    from backfill.engine.compiled_decode import CompiledDecode, DecodeLayer
+
+    weights = random_weights(tiny_config, seed=6)
+    plain = LlamaModel(tiny_config, weights, dtype=torch.bfloat16)  # for the shapes only
+    hd = tiny_config.head_dim
+    layer = DecodeLayer(qkv=torch.zeros((tiny_config.num_heads + 2 * tiny_config.num_kv_heads) * hd,
+                                        tiny_config.hidden_size, dtype=torch.bfloat16),
+                        o=torch.zeros(tiny_config.hidden_size, tiny_config.num_heads * hd, dtype=torch.bfloat16),
+                        gate_up=torch.zeros(2 * tiny_config.intermediate_size, tiny_config.hidden_size,
+                                            dtype=torch.bfloat16),
+                        down=torch.zeros(tiny_config.hidden_size, tiny_config.intermediate_size, dtype=torch.bfloat16))
+    decode = CompiledDecode([layer], plain.embed, tiny_config.rms_norm_eps, tiny_config.num_heads,
+                            tiny_config.num_kv_heads, hd, small_batch_kernel=False)
+    assert not decode.packed and decode.batch_sizes == DECODE_BATCH_SIZES
