@@ -1,4 +1,4 @@
-"""Decode steps of one to three sequences through compiled layer pieces (gpt-fast's approach, CPU).
+"""Decode steps of a few sequences through compiled layer pieces (gpt-fast's approach, CPU).
 
 A decode step of a few sequences reads every weight once and does little arithmetic, so its time
 is memory traffic plus per-op overhead. Eager PyTorch pays both badly here: about twenty dispatches
@@ -23,11 +23,16 @@ shapes, which a decode of a given batch size fixes: the pieces are compiled once
 Batches of two and three sequences take the same pieces with one dot product per (row, sequence),
 all sequences' products of a row in one pass over it, so the weights are still read once: the
 matmuls of a whole bf16 step took 7.2, 8.4 and 11.1 ms at batch 1, 2 and 3 in isolation, against
-14.6-19.9 ms for eager matmuls at batch 1-4, and an eager step of up to 8 tokens takes 21 ms. At
-batch 4 the products' arithmetic catches up with the eager GEMMs (13.9 ms in isolation), at 8 it
-is slower (25.4 against 18.2), so bigger batches stay eager. Two or three decoding sequences are
-the common case of online load on a small machine (requests overlapping) and of a co-serving
-step that carries a few offline decodes.
+14.6-19.9 ms for eager matmuls at batch 1-4. At batch 4 the products' arithmetic catches up with
+the eager GEMMs (13.9 ms in isolation), at 8 it is slower (25.4 against 18.2): their horizontal
+sums cost as much as the products. So with dot products, bigger batches stay eager.
+
+On a CPU with AVX-512 BF16, the pieces multiply through the small-batch kernel instead
+(engine/small_batch_matmul.py), in bf16 or fp32: the weights are packed for it at load, it reads
+them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to 8. On the 2-core
+Zen 5 a whole bf16 step of 1 / 4 / 8 sequences took 7.7 / 9.7 / 13.3 ms, against 11.1 / 12.5 /
+17.0 ms eager (scripts/small_batch_decode.py). A co-serving step that carries a few offline
+decodes with an online one is such a batch.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
 its context grows every step and would recompile a static graph, and a dynamic one ran slower
@@ -58,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 # Decode batch sizes that get compiled pieces (see the module doc for why no more): with the
-# dot products, and with the small-batch bf16 kernel.
+# dot products, and with the small-batch kernel.
 DECODE_BATCH_SIZES = (1, 2, 3)
 PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -77,8 +82,8 @@ Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, x [B, 
 
 
 def _packed_matmul(out_features: int) -> Matmul:
-    """x @ W.T through the small-batch bf16 kernel, for a weight packed by pack_bf16_pairs."""
-    return lambda packed_weight, x: torch.ops.backfill.bf16_packed_matmul(packed_weight, x, out_features)
+    """x @ W.T through the small-batch kernel, for a weight packed by pack_for_small_batches."""
+    return lambda packed_weight, x: torch.ops.backfill.packed_matmul(packed_weight, x, out_features)
 
 
 def _norm(h, norm_weight, eps: float):
@@ -166,9 +171,9 @@ class CompiledDecode:
     """Runs decode steps of a few sequences through compiled pieces; the model routes them here.
 
     Keeps its own copy of the matmul weights (the eager path's are packed for oneDNN and opaque),
-    so it costs the model's weight memory once more. In bf16 on a CPU with AVX-512 BF16, that copy
-    is packed for the small-batch kernel, which reads the weights at streaming speed for up to
-    eight sequences, and the pieces are built for batch sizes 1 to 8; elsewhere the copy is plain,
+    so it costs the model's weight memory once more. On a CPU with AVX-512 BF16, that copy is
+    packed for the small-batch kernel, which reads the weights at streaming speed for up to eight
+    sequences, and the pieces are built for batch sizes 1 to 8; elsewhere the copy is plain,
     the pieces take the dot products, and they stop at 3. Compilation happens here, at load, so no
     request pays for it; where it cannot (no C++ compiler, say), `ready` is False and the model
     stays eager.
@@ -185,11 +190,11 @@ class CompiledDecode:
         self.intermediate_size = layers[0].down.shape[1]
         self.packed = small_batch_kernel and _small_batch_kernel_takes(layers, lm_head)
         if self.packed:
-            from backfill.engine.small_batch_matmul import pack_bf16_pairs
+            from backfill.engine.small_batch_matmul import pack_for_small_batches
 
-            layers = [DecodeLayer(*(pack_bf16_pairs(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")))
+            layers = [DecodeLayer(*(pack_for_small_batches(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")))
                       for layer in layers]
-            lm_head = pack_bf16_pairs(lm_head)
+            lm_head = pack_for_small_batches(lm_head)
         self.layers, self.lm_head = layers, lm_head
         if batch_sizes is None:
             batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES

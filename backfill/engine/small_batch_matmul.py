@@ -1,4 +1,4 @@
-"""x @ W.T for one to eight bf16 rows at the speed of a streaming read (CPU, AVX-512 BF16).
+"""x @ W.T for one to eight rows at the speed of a streaming read (CPU, AVX-512; bf16 or fp32).
 
 Decode steps of a few sequences are weight reads. On the 2-core Zen 5, oneDNN's GEMMs read bf16
 weights at 22-26 GB/s for one to eight rows, and inductor's dot products (engine/compiled_decode.py)
@@ -6,9 +6,9 @@ reach the streaming speed of about 45 GB/s at one row but turn compute-bound fro
 horizontal sums). The kernel in `csrc/small_batch_matmul.cpp` multiplies against a weight packed
 once at load into the pair layout of the VDPBF16PS instruction and keeps every row's accumulators
 in registers, so a weight byte is read once for all rows and no sums across lanes are needed.
-scripts/small_batch_matmul.py measures it against oneDNN on the decode step's shapes.
+fp32 weights take the same layout, one input feature at a time, with fused multiply-adds.
 
-It registers `torch.ops.backfill.bf16_packed_matmul`, an operator that inductor calls from the
+It registers `torch.ops.backfill.packed_matmul`, an operator that inductor calls from the
 compiled decode pieces like any other. It is built only where the CPU has AVX-512 BF16; elsewhere
 `load_small_batch_matmul` returns False and callers keep their own matmuls.
 """
@@ -49,7 +49,7 @@ def load_small_batch_matmul() -> bool:
     except Exception as exc:  # no compiler, no ninja, a build error: all mean "keep the other matmuls"
         log.warning("small-batch bf16 matmul kernel unavailable: %s", exc)
         return False
-    torch.library.register_fake("backfill::bf16_packed_matmul")(_output_like)
+    torch.library.register_fake("backfill::packed_matmul")(_output_like)
     return True
 
 
@@ -58,26 +58,32 @@ def _output_like(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int
     return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
 
+# Input features one multiply-add instruction takes per output lane.
+FEATURES_PER_STEP = {torch.bfloat16: 2, torch.float32: 1}
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this weight: bf16 on CPU, [out, in] with an even `in`."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 2 == 0)
+    """Whether the kernel takes this weight: bf16 (with an even `in`) or fp32, [out, in], on CPU."""
+    step = FEATURES_PER_STEP.get(weight.dtype)
+    return step is not None and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % step == 0
 
 
-def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [ceil(out / 16), in * 16]: each block of 16 output features stores, for every
-    pair of input features, the pair of each feature in turn (the pair layout of VDPBF16PS).
-    Output features past `out` are zero and never written back."""
+def pack_for_small_batches(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in * 16]: each block of 16 output features stores, step by
+    step along the input, that step's input features of each output in turn (for bf16 a pair, the
+    layout VDPBF16PS multiplies; for fp32 one). Output features past `out` are zero and never
+    written back."""
     if not can_pack(weight):
         raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device}")
     out_features, in_features = weight.shape
+    step = FEATURES_PER_STEP[weight.dtype]
     blocks = -(-out_features // COLUMN_BLOCK)
     padded = weight.new_zeros(blocks * COLUMN_BLOCK, in_features)
     padded[:out_features] = weight
-    pairs = padded.view(blocks, COLUMN_BLOCK, in_features // 2, 2).permute(0, 2, 1, 3)
-    return pairs.contiguous().view(blocks, in_features * COLUMN_BLOCK)
+    steps = padded.view(blocks, COLUMN_BLOCK, in_features // step, step).permute(0, 2, 1, 3)
+    return steps.contiguous().view(blocks, in_features * COLUMN_BLOCK)
 
 
 def packed_matmul(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [rows, in] bf16 @ W.T for a weight packed by pack_bf16_pairs: fp32 [rows, out_features]."""
-    return torch.ops.backfill.bf16_packed_matmul(packed_weight, x, out_features)
+    """x [rows, in] @ W.T for a weight packed by pack_for_small_batches (same dtype): fp32 [rows, out_features]."""
+    return torch.ops.backfill.packed_matmul(packed_weight, x, out_features)

@@ -64,7 +64,7 @@ class ServingConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use
     threads: int | None = None
-    # CPU: decode steps of a few sequences (up to 8 in bf16 with AVX-512 BF16, else 3) through
+    # CPU: decode steps of a few sequences (up to 8 where the CPU has AVX-512 BF16, else 3) through
     # compiled layer pieces (engine/compiled_decode.py); compiles at load and keeps a second copy
     # of the matmul weights.
     compile_decode: bool = False
@@ -130,7 +130,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
     kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
-    if cfg.compile_decode and device == "cpu" and cfg.torch_dtype == torch.bfloat16 and cpu_has_avx512_bf16():
+    if cfg.compile_decode and device == "cpu" and cpu_has_avx512_bf16():
         kernel += f"-sb{small_batch_digest()}"  # compiled decode packs its weights for this kernel
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"

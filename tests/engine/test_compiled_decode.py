@@ -1,10 +1,11 @@
-"""Decode of one to three sequences through compiled pieces against the eager path, on tiny weights."""
+"""Decode of a few sequences through compiled pieces against the eager path, on tiny weights."""
 
 import logging
 
 import pytest
 import torch
 
+from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
@@ -63,17 +64,19 @@ def test_greedy_decode_matches_eager(runners):
 def test_compiled_path_runs_small_decode_batches_only(runners, monkeypatch):
     _, compiled = runners
     model = compiled.model
-    assert model.compiled_decode.batch_sizes == (1, 2, 3)
+    sizes = model.compiled_decode.batch_sizes
+    assert sizes == (PACKED_DECODE_BATCH_SIZES if model.compiled_decode.packed else DECODE_BATCH_SIZES)
     calls = []
     real = model._forward_compiled_decode
     monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a: calls.append(a[1].shape[0]) or real(*a))
-    ids = [_prompt(9 + 2 * i, 1 + i) for i in range(4)]
+    n = max(sizes) + 1
+    ids = [_prompt(9 + i, 1 + i) for i in range(n)]
     tables = [compiled.kv.allocate(3) for _ in ids]
     for i, t in enumerate(tables):
         compiled.execute([SeqChunk(i, ids[i], 0, t)])
     assert calls == []  # prefill stays eager
-    four = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
-    assert calls == [] and four.logits.shape[0] == 4  # four decodes stay eager
+    many = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
+    assert calls == [] and many.logits.shape[0] == n  # more decodes than the largest compiled batch stay eager
     mixed = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0]),
                               SeqChunk(1, [7, 8], len(ids[1]) + 1, tables[1])])
     assert calls == [] and mixed.logits.shape[0] == 2  # a prefill chunk in the step keeps it eager
@@ -116,7 +119,7 @@ def test_each_compiled_piece_equals_its_python_function(runners, tiny_config, ba
     from backfill.engine import compiled_decode as cd
 
     decode = runners[1].model.compiled_decode
-    fast, layer = decode.pieces[batch], decode.layers[1]
+    fast, layer, mm = decode.pieces[batch], decode.layers[1], decode.matmul
     eps, n_q, n_kv = decode.eps, tiny_config.num_heads, tiny_config.num_kv_heads
     g = torch.Generator().manual_seed(7)
     h = torch.randn(batch, tiny_config.hidden_size, generator=g)
@@ -127,11 +130,13 @@ def test_each_compiled_piece_equals_its_python_function(runners, tiny_config, ba
     with torch.inference_mode():
         pairs = [
             ((fast.norm(h, norm),), (cd._norm(h, norm, eps),)),
-            (fast.qkv_rope(h, layer.qkv, cos, sin), cd._qkv_rope(h, layer.qkv, cos, sin, n_q, n_kv)),
-            (fast.o_then_norm(h, attn, layer.o, norm), cd._project_then_norm(h, attn, layer.o, norm, eps)),
-            ((fast.gate_up_silu(h, layer.gate_up),), (cd._gate_up_silu(h, layer.gate_up),)),
-            (fast.down_then_norm(h, act, layer.down, norm), cd._project_then_norm(h, act, layer.down, norm, eps)),
-            ((fast.lm_head_logits(h, decode.lm_head),), (cd._lm_head(h, decode.lm_head),)),
+            (fast.qkv_rope(h, layer.qkv, cos, sin), cd._qkv_rope(h, layer.qkv, cos, sin, n_q, n_kv, mm("qkv"))),
+            (fast.o_then_norm(h, attn, layer.o, norm),
+             cd._project_then_norm(h, attn, layer.o, norm, eps, mm("o"))),
+            ((fast.gate_up_silu(h, layer.gate_up),), (cd._gate_up_silu(h, layer.gate_up, mm("gate_up")),)),
+            (fast.down_then_norm(h, act, layer.down, norm),
+             cd._project_then_norm(h, act, layer.down, norm, eps, mm("down"))),
+            ((fast.lm_head_logits(h, decode.lm_head),), (cd._lm_head(h, decode.lm_head, mm("lm_head")),)),
         ]
     for compiled, reference in pairs:
         assert len(compiled) == len(reference)

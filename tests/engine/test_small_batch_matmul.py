@@ -1,4 +1,4 @@
-"""The small-batch bf16 kernel: its packed layout, its products against fp32, its errors, and the
+"""The small-batch matmul kernel (bf16 and fp32): its packed layout, its products against fp32, its errors, and the
 compiled decode that runs on it."""
 
 import pytest
@@ -9,41 +9,44 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, cpu_has_avx512_bf16, load_small_batch_matmul,
-                                                pack_bf16_pairs, packed_matmul)
+                                                pack_for_small_batches, packed_matmul)
 from tests.conftest import random_weights
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the kernel is built for AVX-512 BF16 CPUs only")
 
 
-def test_packing_puts_each_feature_pair_of_sixteen_outputs_side_by_side():
+@pytest.mark.parametrize("dtype,step", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_packing_puts_each_step_of_sixteen_outputs_side_by_side(dtype, step):
+    """bf16 steps are pairs of input features (VDPBF16PS), fp32 steps single features."""
     out_features, in_features = 20, 6
-    weight = torch.arange(out_features * in_features, dtype=torch.float32).view(out_features, in_features)
-    packed = pack_bf16_pairs(weight.bfloat16())
-    assert packed.shape == (2, in_features * COLUMN_BLOCK)  # 20 outputs -> two blocks of 16
-    blocks = packed.float().view(2, in_features // 2, COLUMN_BLOCK, 2)
+    weight = torch.arange(out_features * in_features, dtype=torch.float32).view(out_features, in_features).to(dtype)
+    packed = pack_for_small_batches(weight)
+    assert packed.shape == (2, in_features * COLUMN_BLOCK) and packed.dtype == dtype  # 20 outputs -> 2 blocks of 16
+    blocks = packed.view(2, in_features // step, COLUMN_BLOCK, step)
     for n in range(out_features):
         for k in range(in_features):
-            assert blocks[n // COLUMN_BLOCK, k // 2, n % COLUMN_BLOCK, k % 2] == weight[n, k].bfloat16().float()
+            assert blocks[n // COLUMN_BLOCK, k // step, n % COLUMN_BLOCK, k % step] == weight[n, k]
     assert blocks[1, :, out_features - COLUMN_BLOCK:].abs().sum() == 0  # the padding outputs are zero
 
 
-@pytest.mark.parametrize("weight", [torch.zeros(8, 6), torch.zeros(8, 5, dtype=torch.bfloat16),
+@pytest.mark.parametrize("weight", [torch.zeros(8, 6, dtype=torch.float16), torch.zeros(8, 5, dtype=torch.bfloat16),
                                     torch.zeros(4, 2, 2, dtype=torch.bfloat16)])
 def test_weights_the_kernel_cannot_take_are_refused(weight):
     assert not can_pack(weight)
     with pytest.raises(ValueError, match="cannot pack"):
-        pack_bf16_pairs(weight)
+        pack_for_small_batches(weight)
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_features,in_features", [(3072, 576), (37, 64), (5, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
-def test_products_match_fp32_matmul(out_features, in_features, rows):
+def test_products_match_fp32_matmul(dtype, out_features, in_features, rows):
     assert load_small_batch_matmul()
     g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
-    out = packed_matmul(pack_bf16_pairs(weight), x, out_features)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    out = packed_matmul(pack_for_small_batches(weight), x, out_features)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
 
@@ -51,9 +54,11 @@ def test_products_match_fp32_matmul(out_features, in_features, rows):
 @needs_kernel
 def test_bad_inputs_raise_clear_errors():
     assert load_small_batch_matmul()
-    packed = pack_bf16_pairs(torch.ones(32, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="bf16 tensors"):
+    packed = pack_for_small_batches(torch.ones(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="of the same dtype"):
         packed_matmul(packed, torch.ones(1, 8), 32)
+    with pytest.raises(RuntimeError, match="of the same dtype"):
+        packed_matmul(packed.half(), torch.ones(1, 8, dtype=torch.float16), 32)
     with pytest.raises(RuntimeError, match="does not match"):
         packed_matmul(packed, torch.ones(1, 10, dtype=torch.bfloat16), 32)
     with pytest.raises(RuntimeError, match="does not match"):
@@ -61,13 +66,13 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @needs_kernel
-def test_bf16_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config, dtype):
     weights = random_weights(tiny_config, seed=5)
-    model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True)
+    model = LlamaModel(tiny_config, weights, dtype=dtype, compile_decode=True)
     assert model.compiled_decode.packed and model.compiled_decode.batch_sizes == PACKED_DECODE_BATCH_SIZES
-    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16),
-                        KVBlockPool(tiny_config, 48, 8, dtype=torch.bfloat16))
-    fast = ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=torch.bfloat16))
+    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 48, 8, dtype=dtype))
+    fast = ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=dtype))
     batch = 8
     prompts = [torch.randint(3, 256, (7 + i,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
@@ -81,7 +86,10 @@ def test_bf16_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_conf
                                  for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
         results.append(torch.stack(steps))
     reference, compiled = results
-    assert (compiled - reference).abs().max() < 0.05 * reference.abs().max() + 0.05
+    if dtype == torch.float32:
+        torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
+    else:
+        assert (compiled - reference).abs().max() < 0.05 * reference.abs().max() + 0.05
 
 
 def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_config):
