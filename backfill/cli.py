@@ -17,8 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with bf16 matmul kernels, else float32")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--compile-decode", action="store_true",
-                   help="CPU: compile single-sequence decode steps with inductor (faster batch-1 "
-                        "decode; a few seconds to compile at load, the matmul weights held twice)")
+                   help="CPU: compile decode steps of a few sequences with inductor (1-8 where the CPU "
+                        "has AVX-512 BF16, else 1-3; about 1.3-1.5x faster; compiled at load, the "
+                        "matmul weights held twice)")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "sdpa"],
                    help="auto: on CPU, read the paged KV cache in place with a C++ kernel (built on first "
                         "use, ~30 s); sdpa: gather each sequence's blocks and run SDPA")

@@ -1,11 +1,11 @@
 // x @ W.T for a few rows on AVX-512 CPUs, bf16 or fp32 (backfill/engine/small_batch_matmul.py).
 //
 // A decode step of one to eight sequences reads every weight once and does little arithmetic, so
-// it should run at the speed of a streaming read. oneDNN's GEMMs read the weights at 22-26 GB/s
-// for such batches on the 2-core Zen 5, and inductor's dot products reach the streaming speed at
-// one sequence but become compute-bound at four (their horizontal sums cost almost as much as the
-// products). Here the weight is packed once, at load, so that one 64-byte load holds two
-// consecutive input features of sixteen output features ([N/16][K/2][16][2], the pair layout
+// it should run at the speed of a streaming read. On the 2-core Zen 5, inductor's dot products
+// reach the streaming speed at one sequence but become compute-bound at four (their horizontal
+// sums cost almost as much as the products), and F.linear reads bf16 weights at 22-26 GB/s.
+// Here the weight is packed once, at load, so that one 64-byte load holds two consecutive input
+// features of sixteen output features ([N/16][K/2][16][2], the pair layout
 // VDPBF16PS multiplies), and a pair of a row's inputs is broadcast against it: each output lane
 // accumulates its own dot product, no horizontal sums are needed, and every weight byte is read
 // once for all rows. fp32 weights take the same layout with one input feature per step and plain
