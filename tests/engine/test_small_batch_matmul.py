@@ -8,11 +8,13 @@ from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BA
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner, SeqChunk
-from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, cpu_has_avx512_bf16, load_small_batch_matmul,
+from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, load_small_batch_matmul,
                                                 pack_for_small_batches, packed_matmul)
 from tests.conftest import random_weights
 
-needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the kernel is built for AVX-512 BF16 CPUs only")
+# Built for AVX-512 BF16 CPUs only, and only where a C++ toolchain is at hand (as the paged-attention kernel).
+needs_kernel = pytest.mark.skipif(not load_small_batch_matmul(),
+                                  reason="no AVX-512 BF16 on this CPU, or no C++ toolchain to build the kernel")
 
 
 @pytest.mark.parametrize("dtype,step", [(torch.bfloat16, 2), (torch.float32, 1)])
@@ -42,7 +44,6 @@ def test_weights_the_kernel_cannot_take_are_refused(weight):
 @pytest.mark.parametrize("out_features,in_features", [(3072, 576), (37, 64), (5, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
 def test_products_match_fp32_matmul(dtype, out_features, in_features, rows):
-    assert load_small_batch_matmul()
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
@@ -53,7 +54,6 @@ def test_products_match_fp32_matmul(dtype, out_features, in_features, rows):
 
 @needs_kernel
 def test_bad_inputs_raise_clear_errors():
-    assert load_small_batch_matmul()
     packed = pack_for_small_batches(torch.ones(32, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="of the same dtype"):
         packed_matmul(packed, torch.ones(1, 8), 32)
@@ -107,3 +107,11 @@ def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_
     decode = CompiledDecode([layer], plain.embed, tiny_config.rms_norm_eps, tiny_config.num_heads,
                             tiny_config.num_kv_heads, hd, small_batch_kernel=False)
     assert not decode.packed and decode.batch_sizes == DECODE_BATCH_SIZES
+
+
+def test_a_cpu_without_avx512_bf16_gets_no_kernel(monkeypatch):
+    from backfill.engine import small_batch_matmul
+
+    monkeypatch.setattr(small_batch_matmul, "cpu_flags", lambda: {"avx2", "fma"})
+    assert not small_batch_matmul.cpu_has_avx512_bf16()
+    assert small_batch_matmul.load_small_batch_matmul.__wrapped__() is False  # the uncached loader
