@@ -258,10 +258,13 @@ class CoServePolicy:
         would in an offline batch.
 
         On a GPU a decode step is bound by reading the weights and an offline token rides along
-        almost free, as ConServe assumes. On a CPU every token costs compute, and a step can jump
-        (a compiled decode of one sequence takes 10-15 ms, of three 17, an eager step 21 or more):
-        a few offline tokens then lengthen the online step by more than an offline batch would
-        spend on them, which delays online work and gains no offline throughput.
+        almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
+        a batch size has no compiled path (a compiled decode of three sequences takes 17 ms, an eager
+        step 21 or more, without the small-batch kernel). Even with the kernel, a rider pays for
+        its context's attention (0.3-0.7 ms for an offline request on the 2-core Zen 5), about what
+        offline batching pays for one of its decode tokens. A few offline tokens then lengthen the
+        online step by at least what an offline batch would spend on them, which delays online work
+        and gains no offline throughput (docs/benchmarks.md, co-serving, sixth session).
         """
         riders = plan.tokens - online_shape.num_tokens
         added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(online_shape))
