@@ -29,9 +29,9 @@ sums cost as much as the products. So with dot products, bigger batches stay eag
 
 On a CPU with AVX-512 BF16, the pieces multiply through the small-batch kernel instead
 (engine/small_batch_matmul.py), in bf16 or fp32: the weights are packed for it at load, it reads
-them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to 8. On the 2-core
-Zen 5 a whole bf16 step of 1 / 4 / 8 sequences took 7.7 / 9.7 / 13.3 ms, against 11.1 / 12.5 /
-17.0 ms eager (scripts/small_batch_decode.py). A co-serving step that carries a few offline
+them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to
+8. On the 2-core Zen 5 a whole bf16 step of 1 / 4 / 8 sequences took 6.3 / 9.5 / 13.0 ms, against
+9.8 / 12.9 / 16.8 ms eager (scripts/small_batch_decode.py). A co-serving step that carries a few offline
 decodes with an online one is such a batch.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
@@ -47,7 +47,7 @@ millisecond.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -58,6 +58,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backfill.engine.model import apply_rope
+from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +148,15 @@ def _compile(fn, example_args: tuple[torch.Tensor, ...]):
 @dataclass
 class DecodeLayer:
     """One layer's matmul weights in the layout the pieces read: plain [out, in] tensors for the
-    dot products, or packed for the small-batch bf16 kernel (engine/small_batch_matmul.py)."""
+    dot products, or packed for the small-batch kernel (engine/small_batch_matmul.py)."""
 
     qkv: torch.Tensor
     o: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+
+
+LAYER_WEIGHTS = tuple(f.name for f in fields(DecodeLayer))
 
 
 @dataclass
@@ -180,24 +184,20 @@ class CompiledDecode:
     """
 
     def __init__(self, layers: list[DecodeLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, batch_sizes: tuple[int, ...] | None = None,
-                 small_batch_kernel: bool = True) -> None:
+                 num_kv_heads: int, head_dim: int, small_batch_kernel: bool = True) -> None:
         self.eps = eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.hidden_size = lm_head.shape[1]
-        self.out_features = {name: getattr(layers[0], name).shape[0] for name in ("qkv", "o", "gate_up", "down")}
+        self.out_features = {name: getattr(layers[0], name).shape[0] for name in LAYER_WEIGHTS}
         self.out_features["lm_head"] = lm_head.shape[0]
         self.intermediate_size = layers[0].down.shape[1]
         self.packed = small_batch_kernel and _small_batch_kernel_takes(layers, lm_head)
         if self.packed:
-            from backfill.engine.small_batch_matmul import pack_for_small_batches
-
-            layers = [DecodeLayer(*(pack_for_small_batches(getattr(layer, name)) for name in ("qkv", "o", "gate_up", "down")))
+            layers = [DecodeLayer(*(pack_for_small_batches(getattr(layer, name)) for name in LAYER_WEIGHTS))
                       for layer in layers]
             lm_head = pack_for_small_batches(lm_head)
         self.layers, self.lm_head = layers, lm_head
-        if batch_sizes is None:
-            batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES
+        batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES
         self.pieces: dict[int, DecodePieces] = {}
         try:
             for batch in batch_sizes:
@@ -240,7 +240,5 @@ class CompiledDecode:
 
 def _small_batch_kernel_takes(layers: list[DecodeLayer], lm_head: torch.Tensor) -> bool:
     """Whether every weight is one the small-batch kernel takes, on a CPU where it is built."""
-    from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul
-
-    weights = [lm_head, *(getattr(layer, name) for layer in layers for name in ("qkv", "o", "gate_up", "down"))]
+    weights = [lm_head, *(getattr(layer, name) for layer in layers for name in LAYER_WEIGHTS)]
     return all(can_pack(w) for w in weights) and load_small_batch_matmul()

@@ -50,7 +50,7 @@ def load_small_batch_matmul() -> bool:
     try:
         build_cpu_extension("backfill_small_batch_matmul", SOURCE, python_module=False)
     except Exception as exc:  # no compiler, no ninja, a build error: all mean "keep the other matmuls"
-        log.warning("small-batch bf16 matmul kernel unavailable: %s", exc)
+        log.warning("small-batch matmul kernel unavailable: %s", exc)
         return False
     torch.library.register_fake("backfill::packed_matmul")(_output_like)
     return True

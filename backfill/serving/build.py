@@ -17,7 +17,7 @@ from backfill.engine.linear import cpu_has_bf16_matmul, matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.paged_attention import kernel_digest
 from backfill.engine.runner import ModelRunner
-from backfill.engine.small_batch_matmul import cpu_has_avx512_bf16
+from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
 from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
@@ -130,7 +130,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
     kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
-    if cfg.compile_decode and device == "cpu" and cpu_has_avx512_bf16():
+    if cfg.compile_decode and device == "cpu" and load_small_batch_matmul():  # built already by the runner
         kernel += f"-sb{small_batch_digest()}"  # compiled decode packs its weights for this kernel
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"

@@ -95,16 +95,14 @@ def test_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config, d
 def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_config):
     from backfill.engine.compiled_decode import CompiledDecode, DecodeLayer
 
-    weights = random_weights(tiny_config, seed=6)
-    plain = LlamaModel(tiny_config, weights, dtype=torch.bfloat16)  # for the shapes only
-    hd = tiny_config.head_dim
-    layer = DecodeLayer(qkv=torch.zeros((tiny_config.num_heads + 2 * tiny_config.num_kv_heads) * hd,
-                                        tiny_config.hidden_size, dtype=torch.bfloat16),
-                        o=torch.zeros(tiny_config.hidden_size, tiny_config.num_heads * hd, dtype=torch.bfloat16),
-                        gate_up=torch.zeros(2 * tiny_config.intermediate_size, tiny_config.hidden_size,
-                                            dtype=torch.bfloat16),
-                        down=torch.zeros(tiny_config.hidden_size, tiny_config.intermediate_size, dtype=torch.bfloat16))
-    decode = CompiledDecode([layer], plain.embed, tiny_config.rms_norm_eps, tiny_config.num_heads,
+    hd, hidden, bf16 = tiny_config.head_dim, tiny_config.hidden_size, torch.bfloat16
+    qkv_rows = (tiny_config.num_heads + 2 * tiny_config.num_kv_heads) * hd
+    layer = DecodeLayer(qkv=torch.zeros(qkv_rows, hidden, dtype=bf16),
+                        o=torch.zeros(hidden, tiny_config.num_heads * hd, dtype=bf16),
+                        gate_up=torch.zeros(2 * tiny_config.intermediate_size, hidden, dtype=bf16),
+                        down=torch.zeros(hidden, tiny_config.intermediate_size, dtype=bf16))
+    lm_head = torch.zeros(tiny_config.vocab_size, hidden, dtype=bf16)
+    decode = CompiledDecode([layer], lm_head, tiny_config.rms_norm_eps, tiny_config.num_heads,
                             tiny_config.num_kv_heads, hd, small_batch_kernel=False)
     assert not decode.packed and decode.batch_sizes == DECODE_BATCH_SIZES
 
