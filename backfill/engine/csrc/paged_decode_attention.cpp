@@ -48,6 +48,27 @@ inline Vec load_reduced(const Reduced* src, int64_t n) {
 inline Vec load_float(const c10::BFloat16* src, int64_t n) { return load_reduced(src, n); }
 inline Vec load_float(const c10::Half* src, int64_t n) { return load_reduced(src, n); }
 
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// out[u] = the sum of the lanes of v[u], for four vectors at once.
+inline void sum_lanes4(const Vec* v, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Fold each to 8 lanes, then three horizontal adds leave each vector's sum split over the two
+  // 128-bit halves: 13 instructions for the four sums, against about 8 for each one alone.
+  __m256 half[4];
+  for (int u = 0; u < 4; ++u) {
+    const __m512 x = v[u];
+    half[u] = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  }
+  const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+#else
+  for (int u = 0; u < 4; ++u) out[u] = sum_lanes(v[u]);
+#endif
+}
+
 // A running softmax over part of one (sequence, KV head)'s context, for its `group` query heads:
 // the maximum score seen, the sum of exp(score - max), and sum of exp(score - max) * value.
 struct Partial {
@@ -71,6 +92,23 @@ struct Scratch {
     scores.resize(s.group * padded_block);
   }
 };
+
+// Ask for the next block's rows of one KV head while this block is computed. Blocks lie wherever
+// the pool handed them out, so the hardware prefetcher cannot guess the next one: without this,
+// each block began with a wait on memory and the kernel read the pool at 11-13 GB/s in a real
+// decode step, against 45 GB/s for a streaming read.
+template <typename T>
+inline void prefetch_block(const Shape& s, const T* k_pool, const T* v_pool, int64_t block, int64_t head,
+                           int64_t hd) {
+  const int64_t token_stride = s.n_kv * hd, row_bytes = hd * static_cast<int64_t>(sizeof(T));
+  const T* keys = k_pool + (block * s.block_size * s.n_kv + head) * hd;
+  const T* values = v_pool + (block * s.block_size * s.n_kv + head) * hd;
+  for (int64_t t = 0; t < s.block_size; ++t)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(keys + t * token_stride) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(values + t * token_stride) + byte);
+    }
+}
 
 // Blocks [first, last) of one sequence's table, for one KV head, folded into `part`. kHeadDim > 0
 // fixes the head size at compile time (the loops over it unroll and the queries stay in registers).
@@ -97,8 +135,29 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     const int64_t tokens = std::min(s.block_size, context - j * s.block_size);
     const T* keys = k_pool + (block * s.block_size * s.n_kv + head) * hd;
     const T* values = v_pool + (block * s.block_size * s.n_kv + head) * hd;
+    if (j + 1 < last) prefetch_block(s, k_pool, v_pool, table[j + 1], head, hd);
     // Scores of the block: each key row is converted once and dotted with every query of the group.
-    for (int64_t t = 0; t < tokens; ++t) {
+    int64_t t = 0;
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+      // Four tokens at a time: their rows stay in registers across the group, and their four dot
+      // products are summed across lanes together (the sums cost as much as the products).
+      constexpr int64_t kChunks = kHeadDim / kLanes;
+      for (; t + 4 <= tokens; t += 4) {
+        Vec rows4[4][kChunks];
+        for (int64_t u = 0; u < 4; ++u)
+          for (int64_t c = 0; c < kChunks; ++c) rows4[u][c] = load_float(keys + (t + u) * token_stride + c * kLanes, kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          Vec dots[4];
+          for (int64_t u = 0; u < 4; ++u) {
+            dots[u] = Vec(0.0f);
+            for (int64_t c = 0; c < kChunks; ++c)
+              dots[u] = at::vec::fmadd(Vec::loadu(query + g * hd + c * kLanes), rows4[u][c], dots[u]);
+          }
+          sum_lanes4(dots, scores + g * padded + t);
+        }
+      }
+    }
+    for (; t < tokens; ++t) {
       const T* key = keys + t * token_stride;
       for (int64_t g = 0; g < group; ++g) {
         Vec dot(0.0f);
@@ -106,7 +165,7 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
           const int64_t n = std::min(kLanes, hd - d);
           dot = at::vec::fmadd(load_float(query + g * hd + d, n), load_float(key + d, n), dot);
         }
-        scores[g * padded + t] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, dot);
+        scores[g * padded + t] = sum_lanes(dot);
       }
     }
     // Softmax of the block against the running one: positions past the context score -inf.
@@ -133,7 +192,7 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
         kept.store(sg + t);
         total = total + kept;
       }
-      part.sum[g] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+      part.sum[g] += sum_lanes(total);
     }
     // Values weighted by the probabilities: the block's rows are converted to fp32 once, then each
     // chunk of each query head's output sums over the block's tokens in a register (accumulating
