@@ -83,6 +83,16 @@ class RequestRecord:
         out.update(ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms, e2e_ms=self.e2e_ms, send_lag_ms=self.send_lag_ms)
         return out
 
+    @classmethod
+    def from_json(cls, raw: dict) -> "RequestRecord":
+        """A record as `to_json` wrote it (the derived latencies are recomputed, not read)."""
+        try:
+            fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+            fields["request_class"] = RequestClass(raw["request_class"])
+            return cls(**fields)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise WorkloadError(f"not a request record: {exc}") from exc
+
 
 class PreemptionEvent(NamedTuple):
     """One preemption of offline work, as the engine reports it (ConServe §4.3)."""

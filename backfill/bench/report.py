@@ -2,7 +2,8 @@
 
     write_report({"online-only": ModeResult(m0, recs0), "coserve": ModeResult(m1, recs1)}, "out/")
 
-writes out/report.json (one object per mode: config, metrics, ratios to the baseline),
+writes out/report.json (one object per mode: config, metrics, ratios to the baseline, and the
+P99 latency ratios' bootstrap intervals),
 out/report.md, out/requests-<mode>.jsonl (one record per request), and the timelines
 (ConServe Figures 5-6): throughput.png (online/offline tokens/s per second, one row per mode),
 latency.png (TTFT and TPOT of each online request against its send time, SLO lines dashed)
@@ -14,14 +15,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
 
+from backfill.bench.confidence import RatioInterval, paired_values, percentile_ratio_interval  # noqa: E402
 from backfill.bench.metrics import BenchMetrics, RequestRecord  # noqa: E402
 from backfill.errors import WorkloadError  # noqa: E402
 from backfill.serving.api import RequestClass  # noqa: E402
@@ -64,6 +67,24 @@ def ratios(metrics: BenchMetrics, baseline: BenchMetrics) -> dict[str, float | N
     return out
 
 
+# Online latencies whose P99 ratio to the baseline gets an interval (bench/confidence.py).
+LATENCY_INTERVALS: tuple[tuple[str, Callable[[RequestRecord], float | None]], ...] = (
+    ("P99 TTFT", lambda r: r.ttft_ms),
+    ("P99 TPOT", lambda r: r.tpot_ms),
+)
+
+
+def ratio_intervals(records: Sequence[RequestRecord], baseline: Sequence[RequestRecord]) -> dict[str, RatioInterval]:
+    """95% paired-bootstrap intervals of the P99 latency ratios; a latency with fewer than two
+    requests measured in both runs is left out."""
+    out = {}
+    for label, value in LATENCY_INTERVALS:
+        mine, theirs = paired_values(records, baseline, value)
+        if len(mine) >= 2 and np.percentile(theirs, 99) > 0:
+            out[label] = percentile_ratio_interval(mine, theirs)
+    return out
+
+
 def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
                  baseline: str | None = "online-only") -> ReportFiles:
     """Write the report files; ratios are left out when the baseline mode is absent."""
@@ -76,6 +97,9 @@ def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
     for name, res in results.items():
         doc["modes"][name] = {"config": dict(res.config), "metrics": res.metrics.to_dict(),
                               "ratios_to_baseline": ratios(res.metrics, base) if base is not None else None}
+        if base is not None and name != baseline:
+            doc["modes"][name]["ratio_intervals_95"] = {
+                label: asdict(interval) for label, interval in ratio_intervals(res.records, results[baseline].records).items()}
     json_path = out / "report.json"
     json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
     md_path = out / "report.md"
@@ -106,6 +130,8 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> s
                 cell += f" ({value / get(base):.2f}x)"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if base is not None:
+        lines += _interval_section(results, baseline)
     lines += ["", "## Online latency (ms): mean / p50 / p90 / p99 / max", "",
               "| mode | TTFT | TPOT | ITL | E2E | send lag | SLO attainment |", "|---|---|---|---|---|---|---:|"]
     for name, res in results.items():
@@ -133,6 +159,24 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> s
                 rate = f"{tokens / seconds:.1f}" if seconds > 0 else "-"
                 lines.append(f"| {name} | {step_mode} | {seconds:.1f} | {tokens} | {rate} |")
     return "\n".join(lines) + "\n"
+
+
+def _interval_section(results: Mapping[str, ModeResult], baseline: str) -> list[str]:
+    rows = []
+    for name, res in results.items():
+        if name == baseline:
+            continue
+        intervals = ratio_intervals(res.records, results[baseline].records)
+        cells = [f"{iv.ratio:.2f}x [{iv.low:.2f}, {iv.high:.2f}]" if (iv := intervals.get(label)) else "-"
+                 for label, _ in LATENCY_INTERVALS]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", f"P99 latency ratios to `{baseline}` with 95% intervals: a paired bootstrap over the online "
+            "requests (the same requests resampled in both runs), i.e. how much the ratio depends on which "
+            "few requests land in the tail. It does not cover the machine drifting between runs.", "",
+            "| mode | " + " | ".join(label for label, _ in LATENCY_INTERVALS) + " |",
+            "|---|" + "---:|" * len(LATENCY_INTERVALS), *rows]
 
 
 def format_summary(name: str, m: BenchMetrics) -> str:

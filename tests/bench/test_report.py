@@ -45,6 +45,12 @@ def test_write_report_files(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     lines = files.requests[1].read_text().splitlines()
     assert len(lines) == 11 and json.loads(lines[0])["ttft_ms"] == pytest.approx(110)
+    # Every coserve TTFT is 1.1x its twin's, so each resample gives 1.1 too; TPOTs are equal.
+    ttft = co["ratio_intervals_95"]["P99 TTFT"]
+    assert [ttft["ratio"], ttft["low"], ttft["high"]] == pytest.approx([1.1] * 3) and ttft["pairs"] == 10
+    assert co["ratio_intervals_95"]["P99 TPOT"]["ratio"] == pytest.approx(1.0)
+    assert "ratio_intervals_95" not in doc["modes"]["online-only"]
+    assert "| coserve | 1.10x [1.10, 1.10] | 1.00x [1.00, 1.00] |" in md
 
 
 def test_report_without_baseline(tmp_path):
