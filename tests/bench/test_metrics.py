@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from backfill.bench.metrics import PreemptionEvent, RequestRecord, Summary, compute_metrics
@@ -77,3 +79,12 @@ def test_errors():
         compute_metrics([RequestRecord("x", ON, send_s=0.0)])
     with pytest.raises(WorkloadError):
         compute_metrics(_records(), bucket_s=0)
+
+
+def test_records_round_trip_through_json():
+    for record in _records():
+        assert RequestRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    with pytest.raises(WorkloadError):
+        RequestRecord.from_json({"request_id": "x", "request_class": "batch"})
+    with pytest.raises(WorkloadError):
+        RequestRecord.from_json({"request_class": "online"})
