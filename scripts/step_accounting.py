@@ -56,11 +56,20 @@ def main() -> None:
                   f"overhead {(busy_s - forward_s) / steps * 1e3:5.1f} ms/step  "
                   f"offline tokens fed {fed:>6} ({fed / max(forward_s, 1e-9):5.0f} per forward s)")
         decodes: dict[int, list[float]] = defaultdict(list)
-        for step in scheduler.stats.step_log:
+        between: dict[int, list[float]] = defaultdict(list)
+        log = list(scheduler.stats.step_log)
+        for step, after in zip(log, log[1:] + [None]):
             if not step.aborted and step.offline_tokens == 0 and step.online_tokens <= 4:
                 decodes[step.online_tokens].append(step.forward_ms)
+                if after is not None and after.offline_tokens == 0 and after.online_tokens > 0:
+                    # From the end of this step to the start of the next: the engine loop, event
+                    # delivery and anything else that holds the interpreter between two steps.
+                    between[step.online_tokens].append((after.at_s - step.at_s) * 1e3 - step.busy_ms)
         print("  online-only steps, forward ms (median of n): " + ", ".join(
             f"{k} tokens {statistics.median(v):.1f} (n={len(v)})" for k, v in sorted(decodes.items())))
+        print("  then until the next online step starts, ms (median / p90): " + ", ".join(
+            f"{k} tokens {statistics.median(v):.2f} / {statistics.quantiles(v, n=10)[-1]:.2f}"
+            for k, v in sorted(between.items()) if len(v) >= 2))
 
 
 if __name__ == "__main__":

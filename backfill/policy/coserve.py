@@ -206,14 +206,16 @@ class CoServePolicy:
         self._note_online_prompts(state)
         limits = cfg.limits
         online = decode_first(state.online)
-        offline = decode_first(state.offline)
-        victims = recompute_cost_order([s for s in offline if s.running])
+        offline = state.offline
+        victims = None  # sorted only when an online request needs blocks: this runs every online step
         # Online work is never limited by the offline budget; only by the step's token cap.
         plan = PlanBuilder(state, max(limits.max_batch_tokens, self._offline_tokens),
                            limits.max_batch_seqs, limits.prefill_chunk_tokens)
         for seq in online:
             want = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
             if state.blocks_for(seq, want) > plan.free_blocks:
+                if victims is None:
+                    victims = recompute_cost_order([s for s in offline if s.running])
                 plan.make_room(seq, want, victims)
             plan.add(seq)
         budget_ms = self._budget_ms(state)
@@ -233,17 +235,15 @@ class CoServePolicy:
         # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
         # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
         # Long contexts lose nothing for it: they advance in offline batching mode.
-        for seq in sorted(offline, key=lambda s: (s.in_prefill or not s.running, s.num_computed_tokens)):
-            if seq.suspended:
-                continue  # its tokens wait in the suspended step, which offline batching continues
+        # Suspended requests' tokens wait in the suspended step, which offline batching continues.
+        # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its context,
+        # building its causal mask) is in the latency model; on CPU a 1-15 token offline chunk
+        # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
+        # batching mode, and co-serving steps carry offline decodes only.
+        candidates = [s for s in offline if not (s.suspended or s.needs_restore or s.in_prefill)]
+        for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
-            if seq.needs_restore or seq.in_prefill:
-                # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its
-                # context, building its causal mask) is in the latency model; on CPU a 1-15 token
-                # offline chunk made a 33 ms online step 7-10 ms longer. Offline requests start
-                # and resume in offline batching mode; co-serving steps carry offline decodes.
-                continue
             room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
                                        min(seq.num_pending_tokens, limits.prefill_chunk_tokens), correction)
             if room > 0:

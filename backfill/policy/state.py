@@ -7,13 +7,18 @@ tests on hand-built states, and the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from backfill.serving.api import RequestClass
 
 
-@dataclass(frozen=True)
-class SeqView:
-    """One request as the policy sees it."""
+class SeqView(NamedTuple):
+    """One request as the policy sees it.
+
+    A named tuple, not a frozen dataclass: the scheduler builds one per request for every step's
+    snapshot, 50 or more a step with an offline backlog, and a frozen dataclass took 1.2 us to
+    build against 0.2 us for a named tuple.
+    """
 
     seq_id: str
     request_class: RequestClass

@@ -207,15 +207,18 @@ class Scheduler:
     # --- the scheduler thread -----------------------------------------------------------------
 
     def snapshot(self) -> SchedulerState:
-        views = tuple(self._view(s) for s in self.seqs.values())
+        suspended = self._suspended.state if self._suspended is not None else {}
+        views = tuple(self._view(s, seq_id in suspended) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len)
 
-    def _view(self, s: Sequence) -> SeqView:
-        return SeqView(s.seq_id, s.request_class, s.request.arrival_time, len(s.prompt_ids), s.num_tokens,
-                       s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
-                       s.checkpoint.num_tokens, s.request.sampling.max_tokens, len(s.output_ids),
-                       s.first_token_s, self._suspended is not None and s.seq_id in self._suspended.state)
+    @staticmethod
+    def _view(s: Sequence, suspended: bool) -> SeqView:
+        request = s.request
+        return SeqView(request.request_id, request.request_class, request.arrival_time, len(s.prompt_ids),
+                       s.num_tokens, s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
+                       s.checkpoint.num_tokens, request.sampling.max_tokens, len(s.output_ids),
+                       s.first_token_s, suspended)
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()

@@ -107,7 +107,7 @@ def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
 
 def test_a_suspended_offline_step_is_continued_in_offline_batching_and_left_alone_in_co_serving():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
-    suspended = [replace(decoding(i, OFF), suspended=True) for i in range(3)]
+    suspended = [decoding(i, OFF)._replace(suspended=True) for i in range(3)]
     idle = decoding(9, OFF, arrival=0.2)
     batching = policy.schedule(state(*suspended, idle))
     assert batching.resume and batching.preemptible and batching.mode == "offline-batching"
@@ -131,7 +131,7 @@ def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
 
 def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
     """An online request decoding for decode_s seconds since its first token, outputs tokens out."""
-    return replace(decoding(i, ON), num_output_tokens=outputs, first_token_s=now - decode_s, max_tokens=64)
+    return decoding(i, ON)._replace(num_output_tokens=outputs, first_token_s=now - decode_s, max_tokens=64)
 
 
 def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
