@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import matplotlib
-import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
@@ -79,10 +78,16 @@ def ratio_intervals(records: Sequence[RequestRecord], baseline: Sequence[Request
     requests measured in both runs is left out."""
     out = {}
     for label, value in LATENCY_INTERVALS:
-        mine, theirs = paired_values(records, baseline, value)
-        if len(mine) >= 2 and np.percentile(theirs, 99) > 0:
-            out[label] = percentile_ratio_interval(mine, theirs)
+        try:
+            out[label] = percentile_ratio_interval(*paired_values(records, baseline, value))
+        except WorkloadError:  # too few paired requests, or a zero baseline: no interval to give
+            continue
     return out
+
+
+def _intervals_by_mode(results: Mapping[str, ModeResult], baseline: str) -> dict[str, dict[str, RatioInterval]]:
+    return {name: ratio_intervals(res.records, results[baseline].records)
+            for name, res in results.items() if name != baseline}
 
 
 def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
@@ -94,16 +99,16 @@ def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
     out.mkdir(parents=True, exist_ok=True)
     base = results[baseline].metrics if baseline in results else None
     doc = {"baseline": baseline if base is not None else None, "modes": {}}
+    intervals = _intervals_by_mode(results, baseline) if base is not None else {}
     for name, res in results.items():
         doc["modes"][name] = {"config": dict(res.config), "metrics": res.metrics.to_dict(),
                               "ratios_to_baseline": ratios(res.metrics, base) if base is not None else None}
-        if base is not None and name != baseline:
-            doc["modes"][name]["ratio_intervals_95"] = {
-                label: asdict(interval) for label, interval in ratio_intervals(res.records, results[baseline].records).items()}
+        if name in intervals:
+            doc["modes"][name]["ratio_intervals_95"] = {label: asdict(iv) for label, iv in intervals[name].items()}
     json_path = out / "report.json"
     json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
     md_path = out / "report.md"
-    md_path.write_text(markdown_table(results, baseline if base is not None else None), encoding="utf-8")
+    md_path.write_text(markdown_table(results, baseline if base is not None else None, intervals), encoding="utf-8")
     request_paths = []
     for name, res in results.items():
         p = out / f"requests-{_slug(name)}.jsonl"
@@ -115,7 +120,9 @@ def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
     return ReportFiles(json_path, md_path, tuple(request_paths), tuple(plots))
 
 
-def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> str:
+def markdown_table(results: Mapping[str, ModeResult], baseline: str | None,
+                   intervals: Mapping[str, Mapping[str, RatioInterval]] | None = None) -> str:
+    """The report's Markdown; `intervals` (mode -> label -> interval) is computed when not given."""
     base = results[baseline].metrics if baseline in results else None
     lines = ["# Co-serving benchmark", ""]
     lines.append(f"Ratios are to `{baseline}`." if base is not None else "No baseline mode: ratios omitted.")
@@ -131,7 +138,8 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> s
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if base is not None:
-        lines += _interval_section(results, baseline)
+        lines += _interval_section(intervals if intervals is not None else _intervals_by_mode(results, baseline),
+                                   baseline)
     lines += ["", "## Online latency (ms): mean / p50 / p90 / p99 / max", "",
               "| mode | TTFT | TPOT | ITL | E2E | send lag | SLO attainment |", "|---|---|---|---|---|---|---:|"]
     for name, res in results.items():
@@ -161,13 +169,10 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None) -> s
     return "\n".join(lines) + "\n"
 
 
-def _interval_section(results: Mapping[str, ModeResult], baseline: str) -> list[str]:
+def _interval_section(intervals: Mapping[str, Mapping[str, RatioInterval]], baseline: str) -> list[str]:
     rows = []
-    for name, res in results.items():
-        if name == baseline:
-            continue
-        intervals = ratio_intervals(res.records, results[baseline].records)
-        cells = [f"{iv.ratio:.2f}x [{iv.low:.2f}, {iv.high:.2f}]" if (iv := intervals.get(label)) else "-"
+    for name, by_label in intervals.items():
+        cells = [f"{iv.ratio:.2f}x [{iv.low:.2f}, {iv.high:.2f}]" if (iv := by_label.get(label)) else "-"
                  for label, _ in LATENCY_INTERVALS]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if not rows:

@@ -231,21 +231,20 @@ class CoServePolicy:
         # profile could otherwise never carry one.
         correction = self.correction_for(plan.shape.num_tokens)
         online_shape, riders_from = plan.shape, plan.mark()
-        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
-        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
-        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
-        # Long contexts lose nothing for it: they advance in offline batching mode.
         # Suspended requests' tokens wait in the suspended step, which offline batching continues.
         # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its context,
         # building its causal mask) is in the latency model; on CPU a 1-15 token offline chunk
         # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
-        # batching mode, and co-serving steps carry offline decodes only.
+        # batching mode, and co-serving steps carry offline decodes only: one token each.
         candidates = [s for s in offline if not (s.suspended or s.needs_restore or s.in_prefill)]
+        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
+        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
+        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
+        # Long contexts lose nothing for it: they advance in offline batching mode.
         for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
-            room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens,
-                                       min(seq.num_pending_tokens, limits.prefill_chunk_tokens), correction)
+            room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens, 1, correction)
             if room > 0:
                 plan.add(seq, token_cap=room)
         if plan.tokens > online_shape.num_tokens and not self._riders_pay_off(state, online_shape, plan, correction):
