@@ -6,6 +6,13 @@ estimate_ms = interp(token_grid -> step_ms, tokens)
 
 A table, not a formula: on a CPU the step time is flat while weight reads dominate and
 linear once compute does, and a piecewise-linear table follows both without a model.
+
+Steps of decodes alone (no prompt token) may run another path than steps with a prompt chunk:
+CUDA graphs on a GPU (3 ms for 1 to 8 sequences on the H100, where any eager step costs 11), a
+compiled decode on a CPU. When the profile has a decode table (decode_grid -> decode_ms, in
+sequences), such steps up to its last point are read from it instead of the token table. Without
+it, a GPU profile saw a second sequence turn a 3 ms decode into an 11 ms step, and no offline
+token could ever ride along an online decode there (docs/benchmarks.md, co-serving on the H100).
 """
 
 from __future__ import annotations
@@ -42,25 +49,36 @@ class LatencyModel:
     ms_per_mpair: float = 0.0
     device: str = "cpu"
     model_name: str = ""
+    decode_grid: tuple[int, ...] = ()    # sequences decoding, alone in a step
+    decode_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_grid) != len(self.step_ms) or len(self.token_grid) < 2:
             raise BackfillError("latency model needs at least two (tokens, ms) points of equal count")
         if list(self.token_grid) != sorted(set(self.token_grid)):
             raise BackfillError("latency model token grid must be strictly increasing")
+        if len(self.decode_grid) != len(self.decode_ms) or len(self.decode_grid) == 1:
+            raise BackfillError("a latency model's decode table needs none or at least two (sequences, ms) points")
+        if list(self.decode_grid) != sorted(set(self.decode_grid)):
+            raise BackfillError("latency model decode grid must be strictly increasing")
 
-    def _token_ms(self, tokens: int) -> float:
-        grid, ms = self.token_grid, self.step_ms
+    @staticmethod
+    def _interp(grid: tuple[int, ...], ms: tuple[float, ...], tokens: int) -> float:
         if tokens <= grid[0]:
             return ms[0]
         i = min(bisect.bisect_left(grid, tokens), len(grid) - 1)
         x0, x1, y0, y1 = grid[i - 1], grid[i], ms[i - 1], ms[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)  # extrapolates past the last point
 
+    def _base_ms(self, shape: BatchShape) -> float:
+        if self.decode_grid and shape.prefill_attention_pairs == 0 and shape.num_tokens <= self.decode_grid[-1]:
+            return self._interp(self.decode_grid, self.decode_ms, shape.num_tokens)
+        return self._interp(self.token_grid, self.step_ms, shape.num_tokens)
+
     def estimate_ms(self, shape: BatchShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return (self._token_ms(shape.num_tokens) + self.ms_per_kctx * shape.decode_context_tokens / 1e3
+        return (self._base_ms(shape) + self.ms_per_kctx * shape.decode_context_tokens / 1e3
                 + self.ms_per_mpair * shape.prefill_attention_pairs / 1e6)
 
     def max_new_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
@@ -88,6 +106,8 @@ class LatencyModel:
                        step_ms=tuple(float(x) for x in raw["step_ms"]),
                        ms_per_kctx=float(raw.get("ms_per_kctx", 0.0)),
                        ms_per_mpair=float(raw.get("ms_per_mpair", 0.0)),
-                       device=str(raw.get("device", "cpu")), model_name=str(raw.get("model_name", "")))
+                       device=str(raw.get("device", "cpu")), model_name=str(raw.get("model_name", "")),
+                       decode_grid=tuple(int(x) for x in raw.get("decode_grid", ())),
+                       decode_ms=tuple(float(x) for x in raw.get("decode_ms", ())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise BackfillError(f"cannot read latency profile {path}: {exc}") from exc

@@ -34,3 +34,28 @@ def test_save_load_round_trip_and_corrupt_file(tmp_path):
         LatencyModel.load(tmp_path / "bad.json")
     with pytest.raises(BackfillError):
         LatencyModel((1,), (1.0,))
+
+
+def test_decode_steps_read_the_decode_table_and_steps_with_prompt_tokens_the_token_table():
+    # A GPU: decodes from CUDA graphs at 3 ms, any step with a prompt chunk eager at 11 ms.
+    m = LatencyModel((1, 64), (11.0, 12.0), ms_per_kctx=1.0, decode_grid=(1, 8), decode_ms=(3.0, 3.7))
+    two_decodes = BatchShape().plus(1, 499).plus(1, 499)
+    assert m.estimate_ms(two_decodes) == pytest.approx(3.1 + 1.0)
+    assert m.estimate_ms(two_decodes.plus(2, 0)) == pytest.approx(11.0 + 3 / 63 + 1.0)
+    # Past the decode table's last point the token table takes over.
+    many = BatchShape()
+    for _ in range(9):
+        many = many.plus(1, 99)
+    assert m.estimate_ms(many) == pytest.approx(11.0 + 8 / 63 + 0.9)
+
+
+def test_decode_table_round_trips_and_is_validated(tmp_path):
+    m = LatencyModel((1, 64), (3.0, 9.0), decode_grid=(1, 2, 4), decode_ms=(1.0, 1.5, 2.0))
+    m.save(tmp_path / "p.json")
+    assert LatencyModel.load(tmp_path / "p.json") == m
+    with pytest.raises(BackfillError, match="decode table"):
+        LatencyModel((1, 64), (3.0, 9.0), decode_grid=(1,), decode_ms=(1.0,))
+    with pytest.raises(BackfillError, match="decode table"):
+        LatencyModel((1, 64), (3.0, 9.0), decode_grid=(1, 2), decode_ms=(1.0,))
+    with pytest.raises(BackfillError, match="decode grid"):
+        LatencyModel((1, 64), (3.0, 9.0), decode_grid=(2, 1), decode_ms=(1.0, 2.0))
