@@ -138,7 +138,7 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
     run_on_torch_thread(_drain, engine.scheduler)
     t0 = run.t0_monotonic_s
     engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
-                    "wasted_tokens": stats.wasted_tokens,
+                    "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,
                     "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
                     "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
                     "output_tokens": dict(stats.output_tokens),

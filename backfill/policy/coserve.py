@@ -24,7 +24,8 @@ Algorithm 2: when an online request arrives during a preemptible step, abort the
 next layer safepoint if finishing it would make the request miss its TTFT SLO - or, with an
 interference cap, if finishing it would delay the request by more than that share of its prefill.
 The aborted step is suspended, not lost: once no online work is left, offline batching continues
-it from that safepoint.
+it from that safepoint. Meanwhile co-serving steps may take its requests as riders, giving the step
+up, where their savings over the online work left pay for the work it loses.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class CoServeConfig:
     bank_tpot_slack: bool = True
     # Bank kept back for this many future online prefills (of the longest recent online prompt).
     bank_reserve_prefills: float = 1.0
+    # Offline tokens ride in a co-serving step only when they add at most this share of what an
+    # offline batch spends on a token (see _pays_off).
+    rider_cost_share: float = 0.5
+    # Let co-serving steps take requests of the step an arrival suspended, giving that step up,
+    # when what they save pays for its lost work (see _release_suspended).
+    release_suspended: bool = True
     num_layers: int = 30
 
     def __post_init__(self) -> None:
@@ -80,6 +87,8 @@ class CoServeConfig:
             raise InvalidRequestError("slo_margin must be in (0, 1]")
         if not self.bank_reserve_prefills >= 0:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
+        if not self.rider_cost_share >= 0:
+            raise InvalidRequestError("rider_cost_share must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -231,12 +240,21 @@ class CoServePolicy:
         # profile could otherwise never carry one.
         correction = self.correction_for(plan.shape.num_tokens)
         online_shape, riders_from = plan.shape, plan.mark()
-        # Suspended requests' tokens wait in the suspended step, which offline batching continues.
         # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its context,
         # building its causal mask) is in the latency model; on CPU a 1-15 token offline chunk
         # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
         # batching mode, and co-serving steps carry offline decodes only: one token each.
-        candidates = [s for s in offline if not (s.suspended or s.needs_restore or s.in_prefill)]
+        rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
+        self._add_riders(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
+        if plan.tokens > online_shape.num_tokens and not self._pays_off(state, online_shape, plan, correction):
+            plan.rollback(riders_from)
+        held = [s for s in rideable if s.suspended]
+        if held and cfg.release_suspended:
+            self._release_suspended(state, plan, held, budget_ms, correction, reserve)
+        return plan.plan(mode="co-serving", budget_ms=budget_ms)
+
+    def _add_riders(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
+                    correction: float, reserve: int) -> None:
         # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
         # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
         # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
@@ -247,14 +265,50 @@ class CoServePolicy:
             room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens, 1, correction)
             if room > 0:
                 plan.add(seq, token_cap=room)
-        if plan.tokens > online_shape.num_tokens and not self._riders_pay_off(state, online_shape, plan, correction):
-            plan.rollback(riders_from)
-        return plan.plan(mode="co-serving", budget_ms=budget_ms)
 
-    def _riders_pay_off(self, state: SchedulerState, online_shape: BatchShape, plan: PlanBuilder,
-                        correction: float) -> bool:
-        """Whether the offline tokens added to a co-serving step cost it no more per token than they
-        would in an offline batch.
+    def _release_suspended(self, state: SchedulerState, plan: PlanBuilder, held: list[SeqView], budget_ms: float,
+                           correction: float, reserve: int) -> None:
+        """Let requests of the suspended step ride, giving the step up, where that pays for it.
+
+        An arrival aborts the offline batch, and that step holds every running offline request: from
+        then until no online work is left, nothing can ride. On a GPU, where a co-serving decode
+        step carries a few offline tokens almost free, that left co-serving steps nearly empty. The
+        price of riding is the suspended step's work so far (its tokens are redone in a later
+        batch); the gain is what each step's riders save against running those tokens in an offline
+        batch, over the steps the online work has left (the longest remaining online request's
+        max_tokens: an upper bound when requests stop early).
+        """
+        before, riders_from = plan.shape, plan.mark()
+        self._add_riders(plan, held, state, budget_ms, correction, reserve)
+        riders = plan.tokens - before.num_tokens
+        if riders == 0:
+            return
+        added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(before))
+        batch_ms = riders * self._batch_ms_per_token(state)
+        steps_left = max(1, max(s.max_tokens - s.num_output_tokens for s in state.online))
+        if added_ms > self.config.rider_cost_share * batch_ms or (batch_ms - added_ms) * steps_left < state.suspended_ms:
+            plan.rollback(riders_from)
+
+    def _batch_ms_per_token(self, state: SchedulerState) -> float:
+        """What an offline batch spends on each decode token, with the whole offline backlog decoding
+        together (each at its context): the rate a rider's token is weighed against.
+
+        Decodes only: a request's prompt is prefilled once wherever its decodes run, so what riders
+        take over from offline batching is decode steps; a batch priced with its prompt chunks made
+        a GPU rider look dear against 2,048 prompt tokens in one 19 ms eager step. The whole
+        backlog, not only the requests decoding now: at a round's start (a few requests decoding,
+        dozens of prompts waiting) a batch of a few decodes at a lone step's cost made riders look
+        cheap, and four of them doubled a lone online decode on the CPU (10.5 -> 21 ms) for a dozen
+        steps. inf when there is no offline work."""
+        batch, n = BatchShape(), 0
+        for seq in state.offline[: self.config.offline_batch_max_seqs]:
+            batch, n = batch.plus(1, max(seq.num_tokens - 1, 1)), n + 1
+        return self._estimate_ms(batch) / n if n else float("inf")
+
+    def _pays_off(self, state: SchedulerState, online_shape: BatchShape, plan: PlanBuilder,
+                  correction: float) -> bool:
+        """Whether the offline tokens added to a co-serving step cost it at most rider_cost_share of
+        what they would cost in an offline batch.
 
         On a GPU a decode step is bound by reading the weights and an offline token rides along
         almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
@@ -264,21 +318,16 @@ class CoServePolicy:
         offline batching pays for one of its decode tokens. A few offline tokens then lengthen the
         online step by at least what an offline batch would spend on them, which delays online work
         and gains no offline throughput (docs/benchmarks.md, co-serving, sixth session).
+
+        Hence the share, a margin for the estimate's error: riders the profile priced at about 0.6 of
+        a batch's cost per token carried 4,252 offline tokens in a 2-core CPU run and gained none
+        (0.742x priority against 0.745x without them), while the median online TPOT rose 13%
+        (docs/benchmarks.md, co-serving, eighth session). On a GPU, a rider added to a decode from
+        CUDA graphs costs a few percent of a batch's token and passes at any share.
         """
         riders = plan.tokens - online_shape.num_tokens
         added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(online_shape))
-        # The batch offline batching would run instead, prompts first as it does: every offline
-        # token, prompt or output, is work it must do once. Measured against running decodes alone,
-        # a round's start (a few requests decoding, dozens of prompts waiting) looked like a batch
-        # of a few tokens at a lone step's cost: four riders doubled a lone online decode (10.5 ->
-        # 21 ms) for a dozen steps, where offline batching spends about 1 ms on each token.
-        batch, n = BatchShape(), 0
-        for seq in prefill_first(state.offline):
-            take = min(seq.num_pending_tokens, self._offline_tokens - n)
-            if take <= 0:
-                break
-            batch, n = batch.plus(take, seq.num_computed_tokens), n + take
-        return n == 0 or added_ms / riders <= self._estimate_ms(batch) / n
+        return added_ms <= self.config.rider_cost_share * riders * self._batch_ms_per_token(state)
 
     # --- Offline batching mode ------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ class SchedulerState:
     total_blocks: int
     block_size: int
     max_model_len: int
+    # Forward time the suspended step (an offline batch an arrival aborted) has run: lost if a plan
+    # reschedules any of its requests instead of continuing it.
+    suspended_ms: float = 0.0
 
     def by_class(self, cls: RequestClass) -> list[SeqView]:
         return [s for s in self.seqs if s.request_class is cls]

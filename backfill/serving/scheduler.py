@@ -83,6 +83,7 @@ class SchedulerStats:
     aborted_steps: int = 0
     resumed_steps: int = 0              # aborted steps continued from their safepoint
     wasted_tokens: int = 0              # tokens of aborted steps that were redone instead
+    wasted_forward_s: float = 0.0       # forward time those aborted steps had run
     preemption_events: list[PreemptionRecord] = field(default_factory=list)
     preempted_requests: int = 0         # requests taken off the device to free blocks
     checkpointed_tokens: int = 0
@@ -207,10 +208,12 @@ class Scheduler:
     # --- the scheduler thread -----------------------------------------------------------------
 
     def snapshot(self) -> SchedulerState:
-        suspended = self._suspended.state if self._suspended is not None else {}
+        suspension = self._suspended
+        suspended = suspension.state if suspension is not None else {}
         views = tuple(self._view(s, seq_id in suspended) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
-                              self.kv.block_size, self.max_model_len)
+                              self.kv.block_size, self.max_model_len,
+                              suspension.ran_s * 1e3 if suspension is not None else 0.0)
 
     @staticmethod
     def _view(s: Sequence, suspended: bool) -> SeqView:
@@ -299,6 +302,7 @@ class Scheduler:
             self.stats.aborted_steps += 1
             if out.suspended is None:
                 self.stats.wasted_tokens += out.num_tokens
+                self.stats.wasted_forward_s += out.duration_s
             else:
                 self._suspended = Suspension(chunks, shape, out.suspended, ran_s + out.duration_s,
                                              {c.seq_id: self._fingerprint(self.seqs[c.seq_id]) for c in chunks})
@@ -328,6 +332,7 @@ class Scheduler:
 
     def _drop_suspension(self) -> None:
         self.stats.wasted_tokens += self._suspended.num_tokens
+        self.stats.wasted_forward_s += self._suspended.ran_s
         self._suspended = None
 
     # --- per-request bookkeeping --------------------------------------------------------------

@@ -15,6 +15,9 @@ from backfill.serving.api import SLO, RequestClass
 ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
 # 20 ms floor up to 8 tokens, then +1 ms per token: a CPU-like shape.
 LATENCY = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0))
+# LATENCY prices a rider past 8 tokens at what an offline batch pays a token: with riders allowed
+# up to the full batch cost, the step's budget alone limits them (the tests of budgets use this).
+FILL = {"rider_cost_share": 1.0}
 
 
 def seq(i, cls, *, tokens=10, computed=0, blocks=0, running=False, arrival=0.0, ckpt=0) -> SeqView:
@@ -66,7 +69,7 @@ def test_offline_batching_counts_decode_context_against_the_preemption_target():
 
 
 def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
     offline = [decoding(i, OFF) for i in range(100)]
     plan = policy.schedule(state(*online, *offline))
@@ -105,15 +108,39 @@ def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
     assert set(ids(plan)) == {"online0", "offline10", "offline11", "offline12"}
 
 
-def test_a_suspended_offline_step_is_continued_in_offline_batching_and_left_alone_in_co_serving():
+def test_a_suspended_offline_step_is_continued_in_offline_batching_and_left_alone_when_dear():
     policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     suspended = [decoding(i, OFF)._replace(suspended=True) for i in range(3)]
     idle = decoding(9, OFF, arrival=0.2)
     batching = policy.schedule(state(*suspended, idle))
     assert batching.resume and batching.preemptible and batching.mode == "offline-batching"
     assert not batching.scheduled and not batching.preempt
-    co = policy.schedule(state(decoding(0, ON, arrival=0.5), *suspended, idle))
+    # The suspended step ran 1 s: three riders cannot save that in the online request's 16 steps.
+    co = policy.schedule(replace(state(decoding(0, ON, arrival=0.5), *suspended, idle), suspended_ms=1000.0))
     assert co.mode == "co-serving" and not co.resume and set(ids(co)) == {"online0", "offline9"}
+
+
+def _suspended_riders_case(suspended_ms: float, online_steps_left: int, **config):
+    # A GPU-like step: 3 ms flat for decodes of up to 8 sequences; offline batching's 288-token
+    # step (prefilling the waiting prompt: 20 ms floor, +1 ms a token) costs 1.04 ms a token, and
+    # a rider adds nothing to the online decode, so each saves that.
+    latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), decode_grid=(1, 8), decode_ms=(3.0, 3.0))
+    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **config))
+    online = decoding(0, ON, arrival=0.5)._replace(max_tokens=10 + online_steps_left, num_output_tokens=10)
+    suspended = [decoding(i, OFF)._replace(suspended=True) for i in range(3)]
+    waiting = seq(20, OFF, tokens=300)  # offline batching would prefill this: its tokens are cheap
+    return policy.schedule(replace(state(online, *suspended, waiting), suspended_ms=suspended_ms))
+
+
+def test_requests_of_the_suspended_step_ride_when_their_savings_pay_for_its_lost_work():
+    plan = _suspended_riders_case(suspended_ms=5.0, online_steps_left=30)
+    assert set(ids(plan)) == {"online0", "offline0", "offline1", "offline2"} and not plan.resume
+    # Three riders save 3.1 ms a step: one step left cannot pay for 5 ms of lost work, and 30 steps
+    # cannot pay for a second of it.
+    assert set(ids(_suspended_riders_case(suspended_ms=5.0, online_steps_left=1))) == {"online0"}
+    assert set(ids(_suspended_riders_case(suspended_ms=1000.0, online_steps_left=30))) == {"online0"}
+    assert set(ids(_suspended_riders_case(suspended_ms=5.0, online_steps_left=30,
+                                          release_suspended=False))) == {"online0"}
 
 
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
@@ -135,14 +162,14 @@ def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
 
 
 def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
-    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8)  # target 40 ms per token
+    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, **FILL)  # target 40 ms per token
     offline = [decoding(i, OFF) for i in range(100)]
     # 20 tokens in 0.5 s: 25 ms each, 300 ms banked against the 40 ms target. The step may take up
     # to the SLO itself (50 ms), never the whole bank.
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
     banked = CoServePolicy(LATENCY, cfg).schedule(state(ahead, *offline))
     assert banked.info["budget_ms"] == 50
-    per_step = CoServePolicy(LATENCY, CoServeConfig(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False))
+    per_step = CoServePolicy(LATENCY, CoServeConfig(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
     plain = per_step.schedule(state(ahead, *offline))
     assert plain.info["budget_ms"] == pytest.approx(40)
     assert banked.num_tokens - plain.num_tokens == 10  # 10 ms more at 1 ms per token past 8
@@ -183,7 +210,7 @@ def test_the_bank_keeps_a_reserve_for_the_longest_recent_online_prefill():
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=1000)))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=1000), **FILL))
     waiting_online = seq(0, ON, tokens=100, arrival=0.9)
     offline = [decoding(i, OFF) for i in range(300)]
     fresh = policy.schedule(state(waiting_online, *offline, now=0.9))
@@ -272,7 +299,7 @@ def test_invalid_policy_configs_raise_typed_errors():
 
 
 def test_measured_step_times_correct_the_profile():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
     busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(100)])
     before = policy.schedule(busy).num_tokens
     for _ in range(40):   # steps of this size run twice as slow as profiled
@@ -364,3 +391,33 @@ def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():
     plan = policy.schedule(state(seq(0, ON, tokens=20, arrival=1.0), seq(0, OFF, tokens=900), now=1.0))
     assert plan.info["budget_ms"] == 50
     assert LATENCY.estimate_ms(BatchShape(plan.num_tokens)) <= 50
+
+
+def test_riders_must_cost_at_most_their_share_of_a_batch_token():
+    # Past 8 sequences a decode adds 0.6 ms: a rider adds that to the online step, while the batch
+    # of all 64 offline requests decoding (53.6 ms) spends 0.84 ms a token.
+    latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), decode_grid=(1, 8, 128),
+                           decode_ms=(20.0, 20.0, 20.0 + 120 * 0.6))
+    online = [decoding(i, ON, arrival=0.5) for i in range(8)]
+    offline = [decoding(i, OFF) for i in range(64)]
+
+    def riders(share: float) -> int:
+        policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                      rider_cost_share=share))
+        return policy.schedule(state(*online, *offline)).num_tokens - len(online)
+
+    assert riders(0.5) == 0 and riders(1.0) == 50  # 30 ms of budget left at 0.6 ms each
+    with pytest.raises(InvalidRequestError, match="rider_cost_share"):
+        CoServeConfig(rider_cost_share=-0.1)
+
+
+def test_riders_are_weighed_against_the_whole_backlog_decoding_not_its_prompts():
+    # A GPU-like profile: decodes from graphs are flat (3 ms up to 64), eager steps with prompt
+    # chunks cost 11-19 ms. Against a batch priced with 2,048 cheap prompt tokens a rider looked
+    # dear; against the backlog decoding it is nearly free.
+    latency = LatencyModel((1, 2048), (11.0, 19.0), ms_per_kctx=0.1, decode_grid=(1, 64), decode_ms=(3.0, 3.5))
+    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                  interference_slack=0.05))
+    waiting = [seq(100 + i, OFF, tokens=300) for i in range(40)]
+    plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)], *waiting))
+    assert plan.num_tokens > 1
