@@ -103,6 +103,23 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim_coserve(args: argparse.Namespace) -> int:
+    from backfill.bench.coserve import headline, save_json
+    from backfill.serving.build import ServingConfig
+    from backfill.sim.coserve import load_inputs, simulate_coserve
+
+    scenario = _scenario(args)
+    serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
+                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
+    config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv)
+    results = simulate_coserve(scenario, machine, latency, config, serving, tuple(args.modes), args.out)
+    print(headline(results))
+    if args.json:
+        save_json(results, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """backfill's main job in one short run: online traffic alone, then with offline work harvested."""
     from backfill.bench.coserve import CoserveScenario, headline, run_coserve_bench
@@ -156,6 +173,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     latency.save(path)
     for n, ms in zip(latency.token_grid, latency.step_ms):
         print(f"{n:5d} tokens: {ms:7.1f} ms")
+    for n, ms in zip(latency.decode_grid, latency.decode_ms):
+        print(f"{n:5d} sequences decoding: {ms:7.1f} ms")
     print(f"decode attention: {latency.ms_per_kctx:.3f} ms per 1k context tokens; "
           f"prefill attention: {latency.ms_per_mpair:.3f} ms per 1M pairs")
     print(f"saved {path}")
@@ -260,6 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
                                       "(options: see python -m backfill.node.bench --help)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
+
+    sim = sub.add_parser("sim", help="simulations: the real scheduler and policies, with steps costed "
+                                     "on a virtual clock instead of run").add_subparsers(dest="sim", required=True)
+    p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (a minute instead of 16; "
+                                       "any machine a step-cost table describes)")
+    _add_scenario_args(p)
+    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
+    p.add_argument("--rounds", type=int, default=1, help="as bench coserve's: fresh traces, pooled")
+    p.add_argument("--profile", default=None,
+                   help="latency profile the policies plan with (default: the one `backfill profile` saved "
+                        "for these model options)")
+    p.add_argument("--machine", default=None,
+                   help="latency-profile JSON of what steps cost on the simulated machine (default: the profile)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="host time each step adds beyond its cost table (Python between steps)")
+    p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
+    p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
+    p.set_defaults(func=cmd_sim_coserve, warmup_s=0.0)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
     _add_model_args(p)

@@ -176,6 +176,11 @@ def _tokenizer(reader, path: Path) -> Tokenizer | None:
     )
 
 
+def read_gguf_config(path: Path) -> ModelConfig:
+    """The model's shape from the GGUF header alone (no tensor is read): for sizing without loading."""
+    return _config(_open(path), path, name=path.name.removesuffix(".gguf"))
+
+
 def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
     """Parse, dequantize and un-permute a GGUF; the weights are not yet checked against the config."""
     reader = _open(path)

@@ -54,13 +54,19 @@ class KVBlockPool:
         # Blocks taken away by a node runtime (Valve §4.3 reclamation) are neither free nor usable.
         self._retired: set[int] = set()
 
+    @staticmethod
+    def blocks_in_memory(config: ModelConfig, kv_bytes: int, block_size: int = 16,
+                         dtype: torch.dtype = torch.float32) -> int:
+        """How many blocks of this model's KV fit in kv_bytes (at least one)."""
+        bytes_per_block = (2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim
+                           * torch.tensor([], dtype=dtype).element_size())
+        return max(1, kv_bytes // bytes_per_block)
+
     @classmethod
     def for_memory(cls, config: ModelConfig, kv_bytes: int, block_size: int = 16,
                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVBlockPool":
         """Size the pool to use about kv_bytes of memory."""
-        bytes_per_block = (2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim
-                           * torch.tensor([], dtype=dtype).element_size())
-        return cls(config, max(1, kv_bytes // bytes_per_block), block_size, dtype, device)
+        return cls(config, cls.blocks_in_memory(config, kv_bytes, block_size, dtype), block_size, dtype, device)
 
     # --- allocation -------------------------------------------------------------------------
 

@@ -133,6 +133,11 @@ def load_hf_dir(directory: Path, *, name: str | None = None, source: str | None 
     return LoadedModel(config, weights, tokenizer, source or str(directory.resolve()))
 
 
+def read_hf_config(directory: Path) -> ModelConfig:
+    """An HF directory's model shape from its config.json alone (no weights read)."""
+    return _hf_config(directory, directory.resolve().name)
+
+
 def _hf_config(directory: Path, name: str) -> ModelConfig:
     path = directory / "config.json"
     if not path.is_file():

@@ -1,0 +1,1 @@
+"""Simulation of the serving stack: the real scheduler and policies on a costed, virtual-time runner."""

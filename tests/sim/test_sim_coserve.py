@@ -1,0 +1,103 @@
+"""The co-serving scenario simulated: the benchmark's workload and report on the simulated runner."""
+
+import json
+
+import pytest
+
+from backfill.bench.coserve import CoserveScenario
+from backfill.cli import main
+from backfill.engine.config import ModelConfig
+from backfill.errors import BackfillError, InvalidRequestError
+from backfill.policy.latency_model import LatencyModel
+from backfill.serving.build import ServingConfig
+from backfill.sim.coserve import SimMachine, load_inputs, simulate_coserve
+
+REAL = ModelConfig.tiny(num_layers=8, max_position_embeddings=2048)
+# CPU-like: a 20 ms floor up to 8 tokens, then +0.5 ms per token; decode attention 1 ms per 1k context.
+CPU_LIKE = LatencyModel((1, 8, 1024), (20.0, 20.0, 528.0), ms_per_kctx=1.0)
+SCENARIO = CoserveScenario(duration_s=30.0, prompt_len="uniform:32:96", output_len="uniform:8:24",
+                           offline_prompt_len="uniform:64:128", offline_output_len="uniform:16:48",
+                           offline_concurrency=8, offline_pool=400, warmup_s=0.0)
+MODES = ("online-only", "priority", "coserve")
+
+
+def simulate(**kwargs):
+    args = dict(scenario=SCENARIO, machine=SimMachine(CPU_LIKE, 512), latency=CPU_LIKE, real_config=REAL,
+                serving=ServingConfig(), modes=MODES, out_dir=None, log=lambda *a: None)
+    return simulate_coserve(**(args | kwargs))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return simulate()
+
+
+def test_every_online_request_is_served_and_no_offline_request_is_lost(results):
+    for mode, result in results.items():
+        online = [r for r in result.records if r.request_class.value == "online"]
+        offline = [r for r in result.records if r.request_class.value == "offline"]
+        assert online and all(r.ok and r.output_tokens > 0 for r in online), mode
+        # Offline requests either finished with all their tokens or were in flight at the end.
+        assert all(r.ok or r.cancelled for r in offline), mode
+        assert result.config["engine"]["recomputed_tokens"] == 0
+    assert results["online-only"].metrics.offline.tokens_per_s == 0
+    assert results["coserve"].metrics.offline.tokens_per_s > 0 and results["priority"].metrics.offline.tokens_per_s > 0
+
+
+def test_coserve_preempts_offline_batches_and_keeps_online_latency_where_priority_does_not(results):
+    co, prio, alone = (results[m].metrics for m in ("coserve", "priority", "online-only"))
+    engine = results["coserve"].config["engine"]
+    assert engine["aborted_steps"] > 0 and co.preemptions == len(engine["preemptions"])
+    # A stretch between two safepoints of the biggest offline step is well under the 8 ms target.
+    assert 0 < co.preemption_latency_ms.max <= 8.0
+    assert co.online.ttft_ms.p99 < prio.online.ttft_ms.p99
+    assert co.online.ttft_ms.p99 <= 1.5 * alone.online.ttft_ms.p99
+    # The policies were given online-only's own P99 latency as their SLOs.
+    slo = results["coserve"].config["slo"]
+    assert slo == {"ttft_ms": alone.online.ttft_ms.p99, "tpot_ms": alone.online.tpot_ms.p99}
+    assert results["coserve"].config["simulated"] is True
+
+
+def test_the_same_inputs_give_the_same_figures(results):
+    again = simulate(modes=("online-only", "coserve"))
+    assert again["coserve"].metrics.to_dict() == results["coserve"].metrics.to_dict()
+
+
+def test_a_slower_machine_than_the_profile_is_what_steps_cost(results):
+    slower = LatencyModel(CPU_LIKE.token_grid, tuple(2 * ms for ms in CPU_LIKE.step_ms), ms_per_kctx=2.0)
+    slow = simulate(machine=SimMachine(slower, 512), modes=("online-only",))
+    # The load is a share of the simulated machine's capacity: half the arrival rate, same busy share.
+    fast_rate = results["online-only"].config["workload"]["online_rate_per_s"]
+    assert slow["online-only"].config["workload"]["online_rate_per_s"] == pytest.approx(fast_rate / 2, rel=0.01)
+    assert slow["online-only"].metrics.online.ttft_ms.p50 > 1.5 * results["online-only"].metrics.online.ttft_ms.p50
+
+
+def test_bad_input_is_refused(tmp_path):
+    with pytest.raises(InvalidRequestError, match="unknown mode"):
+        simulate(modes=("coserve", "fastest"))
+    with pytest.raises(InvalidRequestError):
+        SimMachine(CPU_LIKE, 0)
+    with pytest.raises(InvalidRequestError):
+        SimMachine(CPU_LIKE, 16, step_overhead_ms=-1.0)
+    with pytest.raises(BackfillError, match="no latency profile"):
+        load_inputs(ServingConfig(), profile=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(BackfillError, match="latency profile"):
+        load_inputs(ServingConfig(), profile=tmp_path / "bad.json")
+
+
+def test_cli_simulates_the_default_model_from_a_profile_and_writes_the_report(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    CPU_LIKE.save(profile)
+    out, result_json = tmp_path / "report", tmp_path / "sim.json"
+    code = main(["sim", "coserve", "--profile", str(profile), "--duration", "20", "--kv-cache-gb", "0.25",
+                 "--modes", "online-only", "coserve", "--out", str(out), "--json", str(result_json)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "coserve" in printed and "offline tok/s" in printed
+    saved = json.loads(result_json.read_text())
+    assert set(saved) == {"online-only", "coserve"} and saved["coserve"]["config"]["simulated"] is True
+    assert (out / "report.md").is_file()
+    # A missing profile is a clear error, not a traceback.
+    assert main(["sim", "coserve", "--profile", str(tmp_path / "none.json"), "--duration", "5"]) == 2
+    assert "no latency profile" in capsys.readouterr().err
