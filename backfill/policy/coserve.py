@@ -92,6 +92,15 @@ class CoServeConfig:
 
 
 @dataclass(frozen=True)
+class _RidingStep:
+    """A planned co-serving step with riders, to learn what they added once it has run."""
+
+    online: BatchShape     # its online part alone
+    shape: BatchShape      # with the riders
+    correction: float      # the online step's drift it was planned with
+
+
+@dataclass(frozen=True)
 class RunningStep:
     """What the scheduler is executing right now (for Algorithm 2)."""
 
@@ -115,6 +124,11 @@ class CoServePolicy:
         self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
         self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
+        # What riders really add to a co-serving step, against what the profile says (EWMA): the
+        # step's measured time less its online part's estimate. On the 2-core CPU riders added
+        # 1.3 ms each where the profile said 0.3-0.6 (docs/benchmarks.md, co-serving, eighth session).
+        self.rider_correction = 1.0
+        self._riding: _RidingStep | None = None  # the last co-serving plan that carried riders
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -126,6 +140,17 @@ class CoServePolicy:
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         estimate = self.latency.estimate_ms(shape)
         if estimate <= 0 or duration_ms <= 0:
+            return
+        riding, self._riding = self._riding, None
+        if riding is not None and riding.shape == shape:
+            # A step with riders teaches what riders add, and only that: were it also to move the
+            # drift of its online part, a slow rider would read as a slow machine, and with riders
+            # in every step the online part's estimate would grow until riders looked free again.
+            online_ms = riding.correction * self.latency.estimate_ms(riding.online)
+            planned_ms = riding.correction * (estimate - self.latency.estimate_ms(riding.online))
+            if planned_ms > 0:
+                added = min(8.0, max(0.0, (duration_ms - online_ms) / planned_ms))
+                self.rider_correction = 0.9 * self.rider_correction + 0.1 * added
             return
         ratio = min(4.0, max(0.25, duration_ms / estimate))
         bucket = self._bucket(shape.num_tokens)
@@ -251,6 +276,8 @@ class CoServePolicy:
         held = [s for s in rideable if s.suspended]
         if held and cfg.release_suspended:
             self._release_suspended(state, plan, held, budget_ms, correction, reserve)
+        self._riding = _RidingStep(online_shape, plan.shape, correction) if plan.tokens > online_shape.num_tokens \
+            else None
         return plan.plan(mode="co-serving", budget_ms=budget_ms)
 
     def _add_riders(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
@@ -283,7 +310,7 @@ class CoServePolicy:
         riders = plan.tokens - before.num_tokens
         if riders == 0:
             return
-        added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(before))
+        added_ms = self._added_ms(before, plan.shape, correction)
         batch_ms = riders * self._batch_ms_per_token(state)
         steps_left = max(1, max(s.max_tokens - s.num_output_tokens for s in state.online))
         if added_ms > self.config.rider_cost_share * batch_ms or (batch_ms - added_ms) * steps_left < state.suspended_ms:
@@ -326,8 +353,14 @@ class CoServePolicy:
         CUDA graphs costs a few percent of a batch's token and passes at any share.
         """
         riders = plan.tokens - online_shape.num_tokens
-        added_ms = correction * (self.latency.estimate_ms(plan.shape) - self.latency.estimate_ms(online_shape))
+        added_ms = self._added_ms(online_shape, plan.shape, correction)
         return added_ms <= self.config.rider_cost_share * riders * self._batch_ms_per_token(state)
+
+    def _added_ms(self, without: BatchShape, with_riders: BatchShape, correction: float) -> float:
+        """What riders add to a co-serving step: the profile's difference, corrected by the online
+        step's drift and by what riders were measured to add (rider_correction)."""
+        profiled_ms = self.latency.estimate_ms(with_riders) - self.latency.estimate_ms(without)
+        return self.rider_correction * correction * profiled_ms
 
     # --- Offline batching mode ------------------------------------------------------------------
 

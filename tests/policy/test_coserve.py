@@ -421,3 +421,26 @@ def test_riders_are_weighed_against_the_whole_backlog_decoding_not_its_prompts()
     waiting = [seq(100 + i, OFF, tokens=300) for i in range(40)]
     plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)], *waiting))
     assert plan.num_tokens > 1
+
+
+def test_riders_that_prove_dearer_than_profiled_stop_riding():
+    latency = LatencyModel((1, 2048), (11.0, 19.0), ms_per_kctx=0.1, decode_grid=(1, 64), decode_ms=(3.0, 3.5))
+    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                  interference_slack=0.05))
+    busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)],
+                 *[seq(100 + i, OFF, tokens=300) for i in range(40)])
+    online_ms = latency.estimate_ms(BatchShape().plus(1, 40))
+
+    def run_steps(added_factor: float) -> None:
+        for _ in range(20):
+            plan = policy.schedule(busy)
+            shape = BatchShape()
+            for item in plan.scheduled:
+                shape = shape.plus(item.num_tokens, 40)
+            measured = online_ms + added_factor * (latency.estimate_ms(shape) - online_ms)
+            policy.observe_step(shape, measured)
+
+    run_steps(1.0)  # riders cost what the profile said: they keep riding
+    assert policy.rider_correction == pytest.approx(1.0) and policy.schedule(busy).num_tokens > 1
+    run_steps(8.0)  # each rider took 8x its estimate: riding stops once the correction says so
+    assert policy.rider_correction > 1.5 and policy.schedule(busy).num_tokens == 1
