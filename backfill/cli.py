@@ -62,9 +62,13 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slack(args: argparse.Namespace) -> dict[str, float]:
-    """--interference-slack only when given, so ServingConfig's default applies otherwise."""
-    return {} if args.interference_slack is None else {"interference_slack": args.interference_slack}
+def _slack(args: argparse.Namespace) -> dict:
+    """coserve's knobs: --interference-slack only when given, so ServingConfig's default applies
+    otherwise; --no-release-suspended."""
+    out = {"release_suspended": not args.no_release_suspended}
+    if args.interference_slack is not None:
+        out["interference_slack"] = args.interference_slack
+    return out
 
 
 def _scenario(args: argparse.Namespace):
@@ -209,6 +213,9 @@ def _add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interference-slack", type=float, default=None,
                    help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
                         "(default 0.05; inf: no cap)")
+    p.add_argument("--no-release-suspended", action="store_true",
+                   help="coserve: co-serving steps never take requests of the offline step an arrival "
+                        "suspended (by default they do where it pays for the step's lost work)")
     p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
 
 

@@ -29,10 +29,10 @@ OPTION_TYPES: dict[str, type] = {
     "db": str, "api_key": str, "max_online_queue": int, "max_body_mb": float,
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
     "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
-    "decode_attention": str, "cuda_graphs": bool,
+    "decode_attention": str, "cuda_graphs": bool, "release_suspended": bool,
 }
 _SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
-                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs")
+                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs", "release_suspended")
 
 
 def default_db_path(port: int) -> Path:
@@ -110,6 +110,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p("--interference-slack", type=float, default=None,
       help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
       "(default 0.05; inf: no cap)")
+    p("--no-release-suspended", dest="release_suspended", action="store_false", default=None,
+      help="coserve: co-serving steps never take requests of the offline step an arrival suspended")
     p("--compile-decode", action="store_true", default=None,
       help="CPU: compile single-sequence decode steps with inductor (faster batch-1 decode)")
     p("--decode-attention", default=None, choices=["auto", "sdpa"],

@@ -61,6 +61,8 @@ class ServingConfig:
     # coserve: a co-serving step takes at most 1.05x its online work alone (inf or None: no cap).
     interference_slack: float | None = 0.05
     online_reserve_fraction: float = 0.1
+    # coserve: co-serving steps may take requests of the offline step an arrival suspended (policy/coserve.py).
+    release_suspended: bool = CoServeConfig.release_suspended
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use
     threads: int | None = None
@@ -168,7 +170,7 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
     return CoServePolicy(latency, CoServeConfig(
         slo=cfg.slo, preempt_target_ms=cfg.preempt_target_ms, **limits,
         interference_slack=cfg.interference_slack, online_reserve_fraction=cfg.online_reserve_fraction,
-        num_layers=num_layers))
+        release_suspended=cfg.release_suspended, num_layers=num_layers))
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:

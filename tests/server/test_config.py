@@ -147,3 +147,23 @@ def test_cuda_graphs_from_flag_or_file(tmp_path):
         parse("--config", str(toml))
     # Graphs are a CUDA mechanism: on a CPU the setting changes nothing.
     assert not parse("--device", "cpu").serving.uses_cuda_graphs
+
+
+def test_release_suspended_from_flag_or_file(tmp_path):
+    assert parse().serving.release_suspended is True
+    assert parse("--no-release-suspended").serving.release_suspended is False
+    toml = tmp_path / "c.toml"
+    toml.write_text("release-suspended = false\n")
+    assert parse("--config", str(toml)).serving.release_suspended is False
+    toml.write_text('release-suspended = "no"\n')
+    with pytest.raises(ServerConfigError, match="release-suspended must be a bool"):
+        parse("--config", str(toml))
+
+
+def test_release_suspended_reaches_the_coserve_policy():
+    from backfill.policy.latency_model import LatencyModel
+    from backfill.serving.build import ServingConfig, make_policy
+
+    latency = LatencyModel((1, 64), (1.0, 2.0))
+    assert make_policy(ServingConfig(), latency, 4).config.release_suspended is True
+    assert make_policy(ServingConfig(release_suspended=False), latency, 4).config.release_suspended is False
