@@ -34,6 +34,7 @@ import asyncio
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from backfill.bench.arrivals import gamma_arrivals
 from backfill.bench.driver import RunResult, run_workload
@@ -48,6 +49,7 @@ from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.serving.api import SLO
 from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
 from backfill.serving.engine import AsyncEngine
+from backfill.serving.scheduler import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 
 MODES = ("online-only", "fcfs", "priority", "coserve")
@@ -136,16 +138,18 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
         await engine.stop()
     stats = engine.scheduler.stats
     run_on_torch_thread(_drain, engine.scheduler)
-    t0 = run.t0_monotonic_s
-    engine_stats = {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
-                    "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,
-                    "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
-                    "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                    "output_tokens": dict(stats.output_tokens),
-                    "mode_busy_s": dict(stats.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens),
-                    "preemptions": [e._asdict() | {"at_s": e.at_s - t0} for e in stats.preemption_events
-                                    if e.at_s >= t0]}
-    return RoundResult(run, engine_stats)
+    return RoundResult(run, engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s))
+
+
+def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: float = 0.0) -> dict:
+    """A round's scheduler counters for the report, preemption times in s since the round's t0."""
+    return {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
+            "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,
+            "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
+            "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
+            "output_tokens": dict(stats.output_tokens),
+            "mode_busy_s": dict(mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens),
+            "preemptions": [e._asdict() | {"at_s": e.at_s - t0_s} for e in stats.preemption_events if e.at_s >= t0_s]}
 
 
 def _shifted(record: RequestRecord, offset_s: float, prefix: str) -> RequestRecord:
@@ -208,36 +212,32 @@ def load_and_profile(serving: ServingConfig):
     return run_on_torch_thread(build)
 
 
-def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
-                      modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
-                      progress: bool = True, log=print) -> dict[str, ModeResult]:
+def check_modes(modes: tuple[str, ...]) -> None:
     for mode in modes:
         if mode not in MODES:
             raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-    loaded, runner, latency = load_and_profile(serving)
+
+
+# One mode's share of one round: (mode, the round's scenario, the SLOs, round index) -> its result
+# and what the report should say of the mode.
+RunMode = Callable[[str, CoserveScenario, SLO, int], tuple[RoundResult, dict]]
+
+
+def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: RunMode) -> dict[str, ModeResult]:
+    """Each round's trace (seed + round, duration / rounds) through every mode in turn, the baseline
+    first: online-only's first round sets the SLOs the others get, unless the scenario gives them.
+    Each mode's rounds are pooled into one result."""
+    check_modes(modes)
     slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
-    ordered = sorted(modes, key=lambda m: m != "online-only")  # the baseline first: it calibrates SLOs
-    if scenario.warmup_s > 0:
-        log(f"== warm-up: {scenario.warmup_s:.0f} s of offline batching (not measured)")
-        engine = AsyncEngine(build_scheduler(runner, replace(serving, policy="priority", slo=slo), loaded.tokenizer,
-                                             loaded.config.name, latency), loaded.tokenizer, loaded.config.name)
-        asyncio.run(_run_round(engine, warmup_workload(scenario, loaded.tokenizer), progress=False))
+    ordered = sorted(modes, key=lambda m: m != "online-only")
     parts: dict[str, list[RoundResult]] = {mode: [] for mode in ordered}
     meta: dict[str, dict] = {}
     for k in range(scenario.rounds):
         round_scenario = replace(scenario, duration_s=scenario.duration_s / scenario.rounds, seed=scenario.seed + k)
         for mode in ordered:
-            workload = make_workload(round_scenario, loaded.tokenizer, latency, with_offline=mode != "online-only")
-            cfg = replace(serving, policy=mode, slo=slo)
-            engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
-                                 loaded.tokenizer, loaded.config.name)
-            label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
-            log(f"== {mode}{label}: {workload.name}, {len(workload.requests)} online requests, "
-                f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
-            parts[mode].append(asyncio.run(_run_round(engine, workload, progress)))
-            meta[mode] = {"policy": mode, "model": loaded.config.name, "slo": asdict(slo), "scenario": asdict(scenario),
-                          "dtype": serving.resolved_dtype,
-                          "workload": dict(workload.meta)}
+            part, about = run_mode(mode, round_scenario, slo, k)
+            parts[mode].append(part)
+            meta[mode] = {"policy": mode, "slo": asdict(slo), "scenario": asdict(scenario), **about}
             if mode == "online-only" and k == 0:
                 m = pool_rounds(parts[mode], None).metrics.online
                 slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
@@ -246,8 +246,33 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
         pooled = pool_rounds(parts[mode], slo if mode != "online-only" else None)
         results[mode] = ModeResult(pooled.metrics, pooled.records, {**pooled.config, **meta[mode]})
         print_summary(mode, pooled.metrics)
-    baseline = "online-only" if "online-only" in results else None
-    files = write_report(results, out_dir, baseline=baseline)
+    return results
+
+
+def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
+                      modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
+                      progress: bool = True, log=print) -> dict[str, ModeResult]:
+    check_modes(modes)
+    loaded, runner, latency = load_and_profile(serving)
+    name, tokenizer = loaded.config.name, loaded.tokenizer
+    if scenario.warmup_s > 0:
+        log(f"== warm-up: {scenario.warmup_s:.0f} s of offline batching (not measured)")
+        engine = AsyncEngine(build_scheduler(runner, replace(serving, policy="priority"), tokenizer, name, latency),
+                             tokenizer, name)
+        asyncio.run(_run_round(engine, warmup_workload(scenario, tokenizer), progress=False))
+
+    def run_mode(mode: str, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+        workload = make_workload(round_scenario, tokenizer, latency, with_offline=mode != "online-only")
+        cfg = replace(serving, policy=mode, slo=slo)
+        engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name)
+        label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
+        log(f"== {mode}{label}: {workload.name}, {len(workload.requests)} online requests, "
+            f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
+        part = asyncio.run(_run_round(engine, workload, progress))
+        return part, {"model": name, "dtype": serving.resolved_dtype, "workload": dict(workload.meta)}
+
+    results = run_in_rounds(scenario, modes, run_mode)
+    files = write_report(results, out_dir, baseline="online-only" if "online-only" in results else None)
     log(f"report: {files.markdown}")
     return results
 

@@ -16,13 +16,13 @@ lognormal noise_cv gives each step.
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backfill.bench.coserve import MODES, CoserveScenario, RoundResult, make_workload, pool_rounds
+from backfill.bench.coserve import MODES, CoserveScenario, RoundResult, engine_counters, make_workload, run_in_rounds
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
-from backfill.bench.report import ModeResult, print_summary, write_report
+from backfill.bench.report import ModeResult, write_report
 from backfill.bench.workload import BenchRequest, Workload
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.engine.config import ModelConfig
@@ -128,7 +128,7 @@ class _Replay:
             if record.end_s is None:
                 record.cancelled = True  # offline work in flight when the run ended
         return RoundResult(RunResult(sorted(self.records.values(), key=lambda r: r.send_s), duration_s=end_s),
-                           self._engine_stats())
+                           engine_counters(self.scheduler.stats, self.mode_busy_s))
 
     def _record(self, event) -> None:
         record = self.records[event.request_id]
@@ -144,50 +144,25 @@ class _Replay:
             if record.request_class is RequestClass.ONLINE:
                 self._open_online -= 1
 
-    def _engine_stats(self) -> dict:
-        stats = self.scheduler.stats
-        return {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
-                "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s, "preempted_requests": stats.preempted_requests,
-                "checkpointed_tokens": stats.checkpointed_tokens, "restored_tokens": stats.restored_tokens,
-                "recomputed_tokens": stats.recomputed_tokens, "output_tokens": dict(stats.output_tokens),
-                "mode_busy_s": dict(self.mode_busy_s), "mode_offline_tokens": dict(stats.mode_offline_tokens),
-                "preemptions": [e._asdict() for e in stats.preemption_events]}
-
-
 def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: LatencyModel, real_config: ModelConfig,
                      serving: ServingConfig = ServingConfig(), modes: tuple[str, ...] = MODES,
                      out_dir: str | Path | None = None, log=print) -> dict[str, ModeResult]:
     """Every mode on the scenario's rounds, as `backfill bench coserve` runs them; `latency` is the
     profile the policies plan with (what the machine's steps cost is `machine.cost`)."""
-    for mode in modes:
-        if mode not in MODES:
-            raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     tokenizer = ByteTokenizer()
-    slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
-    ordered = sorted(modes, key=lambda m: m != "online-only")  # the baseline first: it calibrates SLOs
-    parts: dict[str, list[RoundResult]] = {mode: [] for mode in ordered}
-    meta: dict[str, dict] = {}
-    for k in range(scenario.rounds):
-        round_scenario = replace(scenario, duration_s=scenario.duration_s / scenario.rounds, seed=scenario.seed + k)
-        for mode in ordered:
-            # Load is a share of the simulated machine's capacity, as the benchmark's is of the real one's.
-            workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=mode != "online-only")
-            cfg = replace(serving, policy=mode, slo=slo, block_size=machine.block_size)
 
-            def make_scheduler(runner, cfg=cfg):
-                return build_scheduler(runner, cfg, None, real_config.name, latency)
+    def run_mode(mode: str, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+        # Load is a share of the simulated machine's capacity, as the benchmark's is of the real one's.
+        workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=mode != "online-only")
+        cfg = replace(serving, policy=mode, slo=slo, block_size=machine.block_size)
 
-            parts[mode].append(_Replay(workload, make_scheduler, machine, real_config, seed=k).run())
-            meta[mode] = {"policy": mode, "model": real_config.name, "slo": asdict(slo),
-                          "scenario": asdict(scenario), "simulated": True, "workload": dict(workload.meta)}
-            if mode == "online-only" and k == 0:
-                m = pool_rounds(parts[mode], None).metrics.online
-                slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
-    results: dict[str, ModeResult] = {}
-    for mode in ordered:
-        pooled = pool_rounds(parts[mode], slo if mode != "online-only" else None)
-        results[mode] = ModeResult(pooled.metrics, pooled.records, {**pooled.config, **meta[mode]})
-        print_summary(mode, pooled.metrics)
+        def make_scheduler(runner):
+            return build_scheduler(runner, cfg, None, real_config.name, latency)
+
+        part = _Replay(workload, make_scheduler, machine, real_config, seed=k).run()
+        return part, {"model": real_config.name, "simulated": True, "workload": dict(workload.meta)}
+
+    results = run_in_rounds(scenario, modes, run_mode)
     if out_dir is not None:
         files = write_report(results, out_dir, baseline="online-only" if "online-only" in results else None)
         log(f"report: {files.markdown}")

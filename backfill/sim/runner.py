@@ -30,7 +30,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LM_HEAD_SLICES, Safepoint
 from backfill.engine.runner import SeqChunk, StepOutput
 from backfill.errors import InvalidRequestError
-from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.latency_model import BatchShape
 
 # Where a layer's work lies between its three safepoints: attention, gate/up, down.
 LAYER_STAGE_SHARES = (0.25, 0.5, 0.25)
