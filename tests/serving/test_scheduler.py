@@ -143,6 +143,37 @@ def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_r
     assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
 
 
+def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identical_tokens(tiny_runner):
+    """Riders cost nothing in this profile (decodes flat at 1 ms), and each online request has 15
+    decodes left: co-serving steps give the suspended step up and take its requests as riders.
+    Their tokens are those of an undisturbed run."""
+    offline = _requests(4, OFFLINE)
+    expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
+    free_riders = LatencyModel((1, 4096), (1.0, 41.0), decode_grid=(1, 64), decode_ms=(1.0, 1.0))
+    scheduler = Scheduler(tiny_runner, CoServePolicy(free_riders, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0))))
+    for r in offline:
+        scheduler.add(r)
+    arrivals = iter(_requests(2, ONLINE, params=SamplingParams.greedy_params(max_tokens=16), prefix="on"))
+    original = scheduler._safepoint
+
+    def safepoint_with_arrival(at: int) -> bool:
+        # Once the offline requests decode: requests still in prefill never ride.
+        if at == 2 and scheduler.stats.steps >= 3 and not scheduler._abort.is_set():
+            request = next(arrivals, None)
+            if request is not None:
+                scheduler.add(request)
+        return original(at)
+
+    scheduler._safepoint = safepoint_with_arrival
+    out, _ = _drain(scheduler)
+    assert scheduler.stats.aborted_steps >= 1
+    assert scheduler.stats.wasted_tokens > 0 and scheduler.stats.wasted_forward_s > 0  # a step given up
+    assert any(s.mode == "co-serving" and s.online_tokens and s.offline_tokens for s in scheduler.stats.step_log)
+    assert {k: out[k] for k in expected} == expected
+    assert all(len(out[f"on{i}"]) == 16 for i in range(2))
+    assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
+
+
 def test_arrival_after_the_last_layer_suspends_the_step_in_its_lm_head(tiny_runner):
     """Past the last layer only the LM head is left, the longest stretch of a big step: the step
     yields there too, and is continued from there once the online work is done."""
