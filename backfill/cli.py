@@ -62,7 +62,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slack(args: argparse.Namespace) -> dict:
+def _coserve_options(args: argparse.Namespace) -> dict:
     """coserve's knobs: --interference-slack only when given, so ServingConfig's default applies
     otherwise; --no-release-suspended."""
     out = {"release_suspended": not args.no_release_suspended}
@@ -88,7 +88,7 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
     scenario = _scenario(args)
     serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
-                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
+                            preempt_target_ms=args.preempt_target_ms, **_coserve_options(args))
     if args.url:
         from backfill.bench.coserve import load_and_profile
 
@@ -114,7 +114,7 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
     scenario = _scenario(args)
     serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
-                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
+                            preempt_target_ms=args.preempt_target_ms, **_coserve_options(args))
     config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv)
     results = simulate_coserve(scenario, machine, latency, config, serving, tuple(args.modes), args.out)
     print(headline(results))
@@ -156,7 +156,7 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
     from backfill.serving.build import ServingConfig
 
     serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
-                            preempt_target_ms=args.preempt_target_ms, **_slack(args))
+                            preempt_target_ms=args.preempt_target_ms, **_coserve_options(args))
     slo = SLO(args.ttft_slo_ms or 300.0, args.tpot_slo_ms or 60.0)
     results = run_server_overhead_bench(_scenario(args), serving, slo, args.out)
     if args.json:
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim", help="simulations: the real scheduler and policies, with steps costed "
                                      "on a virtual clock instead of run").add_subparsers(dest="sim", required=True)
-    p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (a minute instead of 16; "
+    p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
                                        "any machine a step-cost table describes)")
     _add_scenario_args(p)
     p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])

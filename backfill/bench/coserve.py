@@ -252,7 +252,7 @@ def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: R
 def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
                       modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
                       progress: bool = True, log=print) -> dict[str, ModeResult]:
-    check_modes(modes)
+    check_modes(modes)  # before the model loads
     loaded, runner, latency = load_and_profile(serving)
     name, tokenizer = loaded.config.name, loaded.tokenizer
     if scenario.warmup_s > 0:

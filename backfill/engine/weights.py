@@ -96,17 +96,31 @@ def gguf_cache_key(path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def load_model(path: str | Path | None = None, *, cache_dir: Path | None = None) -> LoadedModel:
-    """A GGUF file or an HF directory; None is the default model (SmolLM2-135M-Instruct)."""
+def _model_path(path: str | Path | None) -> Path:
+    """A GGUF file or an HF directory that exists; None is the default model's GGUF."""
     if path is None:
         from backfill.engine.default_model import default_model_path
         path = default_model_path()
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
+    return path
+
+
+def load_model(path: str | Path | None = None, *, cache_dir: Path | None = None) -> LoadedModel:
+    """A GGUF file or an HF directory; None is the default model (SmolLM2-135M-Instruct)."""
+    path = _model_path(path)
     if path.is_dir():
         return load_hf_dir(path)
     return _load_gguf_cached(path.resolve(), cache_dir if cache_dir is not None else default_cache_dir())
+
+
+def read_model_config(path: str | Path | None = None) -> ModelConfig:
+    """load_model's config alone, read without the weights (a GGUF's header, an HF config.json)."""
+    from backfill.engine.gguf_reader import read_gguf_config
+
+    path = _model_path(path)
+    return _hf_config(path, path.resolve().name) if path.is_dir() else read_gguf_config(path.resolve())
 
 
 def load_hf_dir(directory: Path, *, name: str | None = None, source: str | None = None) -> LoadedModel:
@@ -131,11 +145,6 @@ def load_hf_dir(directory: Path, *, name: str | None = None, source: str | None 
     validate_weights(config, weights, str(directory))
     tokenizer = Tokenizer.from_hf_dir(directory) if (directory / "tokenizer.json").is_file() else None
     return LoadedModel(config, weights, tokenizer, source or str(directory.resolve()))
-
-
-def read_hf_config(directory: Path) -> ModelConfig:
-    """An HF directory's model shape from its config.json alone (no weights read)."""
-    return _hf_config(directory, directory.resolve().name)
 
 
 def _hf_config(directory: Path, name: str) -> ModelConfig:

@@ -69,7 +69,7 @@ class CoServeConfig:
     # Bank kept back for this many future online prefills (of the longest recent online prompt).
     bank_reserve_prefills: float = 1.0
     # Offline tokens ride in a co-serving step only when they add at most this share of what an
-    # offline batch spends on a token (see _pays_off).
+    # offline batch spends on a token (see _saving_ms).
     rider_cost_share: float = 0.5
     # Let co-serving steps take requests of the step an arrival suspended, giving that step up,
     # when what they save pays for its lost work (see _release_suspended).
@@ -147,7 +147,7 @@ class CoServePolicy:
             # drift of its online part, a slow rider would read as a slow machine, and with riders
             # in every step the online part's estimate would grow until riders looked free again.
             online_ms = riding.correction * self.latency.estimate_ms(riding.online)
-            planned_ms = riding.correction * (estimate - self.latency.estimate_ms(riding.online))
+            planned_ms = riding.correction * estimate - online_ms
             if planned_ms > 0:
                 added = min(8.0, max(0.0, (duration_ms - online_ms) / planned_ms))
                 self.rider_correction = 0.9 * self.rider_correction + 0.1 * added
@@ -271,7 +271,7 @@ class CoServePolicy:
         # batching mode, and co-serving steps carry offline decodes only: one token each.
         rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
         self._add_riders(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
-        if plan.tokens > online_shape.num_tokens and not self._pays_off(state, online_shape, plan, correction):
+        if plan.tokens > online_shape.num_tokens and self._saving_ms(state, online_shape, plan, correction) is None:
             plan.rollback(riders_from)
         held = [s for s in rideable if s.suspended]
         if held and cfg.release_suspended:
@@ -307,13 +307,11 @@ class CoServePolicy:
         """
         before, riders_from = plan.shape, plan.mark()
         self._add_riders(plan, held, state, budget_ms, correction, reserve)
-        riders = plan.tokens - before.num_tokens
-        if riders == 0:
+        if plan.tokens == before.num_tokens:
             return
-        added_ms = self._added_ms(before, plan.shape, correction)
-        batch_ms = riders * self._batch_ms_per_token(state)
+        saving_ms = self._saving_ms(state, before, plan, correction)
         steps_left = max(1, max(s.max_tokens - s.num_output_tokens for s in state.online))
-        if added_ms > self.config.rider_cost_share * batch_ms or (batch_ms - added_ms) * steps_left < state.suspended_ms:
+        if saving_ms is None or saving_ms * steps_left < state.suspended_ms:
             plan.rollback(riders_from)
 
     def _batch_ms_per_token(self, state: SchedulerState) -> float:
@@ -332,10 +330,10 @@ class CoServePolicy:
             batch, n = batch.plus(1, max(seq.num_tokens - 1, 1)), n + 1
         return self._estimate_ms(batch) / n if n else float("inf")
 
-    def _pays_off(self, state: SchedulerState, online_shape: BatchShape, plan: PlanBuilder,
-                  correction: float) -> bool:
-        """Whether the offline tokens added to a co-serving step cost it at most rider_cost_share of
-        what they would cost in an offline batch.
+    def _saving_ms(self, state: SchedulerState, without: BatchShape, plan: PlanBuilder,
+                   correction: float) -> float | None:
+        """What the offline tokens added to a co-serving step since `without` save against running
+        them in an offline batch; None unless they cost the step at most rider_cost_share of that.
 
         On a GPU a decode step is bound by reading the weights and an offline token rides along
         almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
@@ -352,15 +350,12 @@ class CoServePolicy:
         (docs/benchmarks.md, co-serving, eighth session). On a GPU, a rider added to a decode from
         CUDA graphs costs a few percent of a batch's token and passes at any share.
         """
-        riders = plan.tokens - online_shape.num_tokens
-        added_ms = self._added_ms(online_shape, plan.shape, correction)
-        return added_ms <= self.config.rider_cost_share * riders * self._batch_ms_per_token(state)
-
-    def _added_ms(self, without: BatchShape, with_riders: BatchShape, correction: float) -> float:
-        """What riders add to a co-serving step: the profile's difference, corrected by the online
-        step's drift and by what riders were measured to add (rider_correction)."""
-        profiled_ms = self.latency.estimate_ms(with_riders) - self.latency.estimate_ms(without)
-        return self.rider_correction * correction * profiled_ms
+        # What riders add: the profile's difference, corrected by the online step's drift and by
+        # what riders were measured to add (rider_correction).
+        added_ms = self.rider_correction * correction * (self.latency.estimate_ms(plan.shape)
+                                                         - self.latency.estimate_ms(without))
+        batch_ms = (plan.tokens - without.num_tokens) * self._batch_ms_per_token(state)
+        return batch_ms - added_ms if added_ms <= self.config.rider_cost_share * batch_ms else None
 
     # --- Offline batching mode ------------------------------------------------------------------
 

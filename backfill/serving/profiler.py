@@ -2,8 +2,8 @@
 
 It runs synthetic batches on the runner's own KV pool: prefill chunks of growing size for the
 token table, batches of decoding sequences for the decode table, decode batches at two context
-lengths for the per-context cost, and a chunk at two start positions for the prefill-attention cost. The result is saved and
-reloaded at start, so serving does not pay for profiling twice.
+lengths for the per-context cost, and a chunk at two start positions for the prefill-attention
+cost. The result is saved and reloaded at start, so serving does not pay for profiling twice.
 """
 
 from __future__ import annotations

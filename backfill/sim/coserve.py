@@ -28,6 +28,7 @@ from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.weights import read_model_config
 from backfill.errors import BackfillError, InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
 from backfill.serving.api import SLO, GenerationRequest, RequestClass
@@ -169,28 +170,12 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
     return results
 
 
-def model_config_of(serving: ServingConfig) -> ModelConfig:
-    """The served model's shape, read without loading its weights (the embedded default model when
-    serving.model is None)."""
-    from backfill.engine.default_model import default_model_path
-    from backfill.engine.gguf_reader import read_gguf_config
-
-    path = Path(serving.model) if serving.model else default_model_path()
-    if path.is_dir():
-        from backfill.engine.weights import read_hf_config
-
-        return read_hf_config(path)
-    if not path.is_file():
-        raise InvalidRequestError(f"no model at {path}")
-    return read_gguf_config(path)
-
-
 def load_inputs(serving: ServingConfig, profile: str | Path | None = None, machine: str | Path | None = None,
                 step_overhead_ms: float = 0.0, noise_cv: float = 0.0) -> tuple[ModelConfig, LatencyModel, SimMachine]:
     """The model's shape, the profile the policies plan with (by default the one `backfill profile`
     saved for these options) and the machine (by default the profile itself, with the KV pool the
     serving config sizes)."""
-    config = model_config_of(serving)
+    config = read_model_config(serving.model)
     path = Path(profile) if profile else default_profile_path(config.name, serving)
     if not path.is_file():
         raise BackfillError(f"no latency profile at {path}: run `backfill profile` with the same model options, "

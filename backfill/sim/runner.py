@@ -66,7 +66,8 @@ class SimPartial:
     """Where an aborted simulated step stopped: the scheduler reads `layer` on resume."""
 
     layer: int
-    stretch: int          # index of the next stretch to run
+    stretch: int                  # index of the next stretch to run
+    checks: tuple[int, ...]       # the step's stretches, as _stretches made them
     stretch_ms: tuple[float, ...]
 
 
@@ -149,13 +150,12 @@ class SimulatedRunner:
             checks, stretch_ms = self._stretches(step_ms, shape.num_tokens, len(logit_ids))
             first = 0
         else:
-            checks, _ = self._stretches(1.0, shape.num_tokens, len(logit_ids))
-            stretch_ms, first = list(resume.partial.stretch_ms), resume.partial.stretch
+            checks, stretch_ms, first = resume.partial.checks, resume.partial.stretch_ms, resume.partial.stretch
         ran_ms = 0.0
         for i in range(first, len(checks)):
             self.on_time(self.clock())
             if checks[i] >= 0 and safepoint is not None and safepoint(checks[i]):
-                partial = SimPartial(checks[i], i, tuple(stretch_ms))
+                partial = SimPartial(checks[i], i, tuple(checks), tuple(stretch_ms))
                 return StepOutput(None, [], aborted=True, aborted_at_layer=checks[i], duration_s=ran_ms / 1e3,
                                   num_tokens=shape.num_tokens, suspended=SimSuspendedStep(partial, logit_ids))
             self.clock.advance_ms(stretch_ms[i])
