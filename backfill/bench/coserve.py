@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from backfill.bench.arrivals import gamma_arrivals
+from backfill.bench.ceiling import offline_ceiling
 from backfill.bench.driver import RunResult, run_workload
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
@@ -312,6 +313,10 @@ def headline(results: dict[str, ModeResult]) -> str:
         rows.append(f"{mode:<12} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
                     f"{m.online.tokens_per_s:>13.1f} {m.offline.tokens_per_s:>14.1f} "
                     f"{'-' if lat is None else f'{lat:.1f}':>15}")
+    ceiling = offline_ceiling(results)
+    if ceiling is not None and ceiling.ceiling_vs_priority is not None:
+        rows.append(f"offline ceiling (riders aside): {ceiling.ceiling_tokens_per_s:.1f} tok/s = "
+                    f"{ceiling.ceiling_vs_priority:.3f}x priority; coserve reached {ceiling.measured_vs_priority:.3f}x")
     return "\n".join(rows)
 
 

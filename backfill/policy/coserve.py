@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
+from backfill.policy.riders import Riders
 from backfill.policy.state import SchedulerState, SeqView, StepPlan
 from backfill.serving.api import SLO
 
@@ -69,10 +70,10 @@ class CoServeConfig:
     # Bank kept back for this many future online prefills (of the longest recent online prompt).
     bank_reserve_prefills: float = 1.0
     # Offline tokens ride in a co-serving step only when they add at most this share of what an
-    # offline batch spends on a token (see _saving_ms).
+    # offline batch spends on a token (see riders.Riders.saving_ms).
     rider_cost_share: float = 0.5
     # Let co-serving steps take requests of the step an arrival suspended, giving that step up,
-    # when what they save pays for its lost work (see _release_suspended).
+    # when what they save pays for its lost work (see riders.Riders.release_suspended).
     release_suspended: bool = True
     num_layers: int = 30
 
@@ -89,15 +90,6 @@ class CoServeConfig:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError("rider_cost_share must be >= 0")
-
-
-@dataclass(frozen=True)
-class _RidingStep:
-    """A planned co-serving step with riders, to learn what they added once it has run."""
-
-    online: BatchShape     # its online part alone
-    shape: BatchShape      # with the riders
-    correction: float      # the online step's drift it was planned with
 
 
 @dataclass(frozen=True)
@@ -124,11 +116,8 @@ class CoServePolicy:
         self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
         self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
-        # What riders really add to a co-serving step, against what the profile says (EWMA): the
-        # step's measured time less its online part's estimate. On the 2-core CPU riders added
-        # 1.3 ms each where the profile said 0.3-0.6 (docs/benchmarks.md, co-serving, eighth session).
-        self.rider_correction = 1.0
-        self._riding: _RidingStep | None = None  # the last co-serving plan that carried riders
+        self.riders = Riders(latency, self._estimate_ms, cost_share=config.rider_cost_share,
+                             batch_max_seqs=config.offline_batch_max_seqs)
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -141,16 +130,7 @@ class CoServePolicy:
         estimate = self.latency.estimate_ms(shape)
         if estimate <= 0 or duration_ms <= 0:
             return
-        riding, self._riding = self._riding, None
-        if riding is not None and riding.shape == shape:
-            # A step with riders teaches what riders add, and only that: were it also to move the
-            # drift of its online part, a slow rider would read as a slow machine, and with riders
-            # in every step the online part's estimate would grow until riders looked free again.
-            online_ms = riding.correction * self.latency.estimate_ms(riding.online)
-            planned_ms = riding.correction * estimate - online_ms
-            if planned_ms > 0:
-                added = min(8.0, max(0.0, (duration_ms - online_ms) / planned_ms))
-                self.rider_correction = 0.9 * self.rider_correction + 0.1 * added
+        if self.riders.observe_step(shape, duration_ms):
             return
         ratio = min(4.0, max(0.25, duration_ms / estimate))
         bucket = self._bucket(shape.num_tokens)
@@ -160,16 +140,13 @@ class CoServePolicy:
     def _estimate_ms(self, shape: BatchShape) -> float:
         return self.correction_for(shape.num_tokens) * self.latency.estimate_ms(shape)
 
-    def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int,
-                       correction: float | None = None) -> int:
-        """Most tokens (<= limit) a chunk at start_pos can add to base within budget_ms; estimated
-        with `correction` when given, else with the correction of the resulting step's size."""
+    def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
+        """Most tokens (<= limit) a chunk at start_pos can add to base within budget_ms, estimated
+        with the correction of the resulting step's size."""
         lo, hi = 0, limit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            shape = base.plus(mid, start_pos)
-            estimate = self._estimate_ms(shape) if correction is None else correction * self.latency.estimate_ms(shape)
-            if estimate <= budget_ms:
+            if self._estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
                 lo = mid
             else:
                 hi = mid - 1
@@ -270,92 +247,14 @@ class CoServePolicy:
         # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
         # batching mode, and co-serving steps carry offline decodes only: one token each.
         rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
-        self._add_riders(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
-        if plan.tokens > online_shape.num_tokens and self._saving_ms(state, online_shape, plan, correction) is None:
+        self.riders.add(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
+        if plan.tokens > online_shape.num_tokens and self.riders.saving_ms(state, online_shape, plan, correction) is None:
             plan.rollback(riders_from)
         held = [s for s in rideable if s.suspended]
         if held and cfg.release_suspended:
-            self._release_suspended(state, plan, held, budget_ms, correction, reserve)
-        self._riding = _RidingStep(online_shape, plan.shape, correction) if plan.tokens > online_shape.num_tokens \
-            else None
+            self.riders.release_suspended(state, plan, held, budget_ms, correction, reserve)
+        self.riders.planned(online_shape, plan.shape, correction)
         return plan.plan(mode="co-serving", budget_ms=budget_ms)
-
-    def _add_riders(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
-                    correction: float, reserve: int) -> None:
-        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
-        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
-        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
-        # Long contexts lose nothing for it: they advance in offline batching mode.
-        for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
-            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
-                continue  # do not admit new offline work into the online headroom
-            room = self._budget_tokens(plan.shape, budget_ms, seq.num_computed_tokens, 1, correction)
-            if room > 0:
-                plan.add(seq, token_cap=room)
-
-    def _release_suspended(self, state: SchedulerState, plan: PlanBuilder, held: list[SeqView], budget_ms: float,
-                           correction: float, reserve: int) -> None:
-        """Let requests of the suspended step ride, giving the step up, where that pays for it.
-
-        An arrival aborts the offline batch, and that step holds every running offline request: from
-        then until no online work is left, nothing can ride. On a GPU, where a co-serving decode
-        step carries a few offline tokens almost free, that left co-serving steps nearly empty. The
-        price of riding is the suspended step's work so far (its tokens are redone in a later
-        batch); the gain is what each step's riders save against running those tokens in an offline
-        batch, over the steps the online work has left (the longest remaining online request's
-        max_tokens: an upper bound when requests stop early).
-        """
-        before, riders_from = plan.shape, plan.mark()
-        self._add_riders(plan, held, state, budget_ms, correction, reserve)
-        if plan.tokens == before.num_tokens:
-            return
-        saving_ms = self._saving_ms(state, before, plan, correction)
-        steps_left = max(1, max(s.max_tokens - s.num_output_tokens for s in state.online))
-        if saving_ms is None or saving_ms * steps_left < state.suspended_ms:
-            plan.rollback(riders_from)
-
-    def _batch_ms_per_token(self, state: SchedulerState) -> float:
-        """What an offline batch spends on each decode token, with the whole offline backlog decoding
-        together (each at its context): the rate a rider's token is weighed against.
-
-        Decodes only: a request's prompt is prefilled once wherever its decodes run, so what riders
-        take over from offline batching is decode steps; a batch priced with its prompt chunks made
-        a GPU rider look dear against 2,048 prompt tokens in one 19 ms eager step. The whole
-        backlog, not only the requests decoding now: at a round's start (a few requests decoding,
-        dozens of prompts waiting) a batch of a few decodes at a lone step's cost made riders look
-        cheap, and four of them doubled a lone online decode on the CPU (10.5 -> 21 ms) for a dozen
-        steps. inf when there is no offline work."""
-        batch, n = BatchShape(), 0
-        for seq in state.offline[: self.config.offline_batch_max_seqs]:
-            batch, n = batch.plus(1, max(seq.num_tokens - 1, 1)), n + 1
-        return self._estimate_ms(batch) / n if n else float("inf")
-
-    def _saving_ms(self, state: SchedulerState, without: BatchShape, plan: PlanBuilder,
-                   correction: float) -> float | None:
-        """What the offline tokens added to a co-serving step since `without` save against running
-        them in an offline batch; None unless they cost the step at most rider_cost_share of that.
-
-        On a GPU a decode step is bound by reading the weights and an offline token rides along
-        almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
-        a batch size has no compiled path (a compiled decode of three sequences takes 17 ms, an eager
-        step 21 or more, without the small-batch kernel). Even with the kernel, a rider pays for
-        its context's attention (0.3-0.7 ms for an offline request on the 2-core Zen 5), about what
-        offline batching pays for one of its decode tokens. A few offline tokens then lengthen the
-        online step by at least what an offline batch would spend on them, which delays online work
-        and gains no offline throughput (docs/benchmarks.md, co-serving, sixth session).
-
-        Hence the share, a margin for the estimate's error: riders the profile priced at about 0.6 of
-        a batch's cost per token carried 4,252 offline tokens in a 2-core CPU run and gained none
-        (0.742x priority against 0.745x without them), while the median online TPOT rose 13%
-        (docs/benchmarks.md, co-serving, eighth session). On a GPU, a rider added to a decode from
-        CUDA graphs costs a few percent of a batch's token and passes at any share.
-        """
-        # What riders add: the profile's difference, corrected by the online step's drift and by
-        # what riders were measured to add (rider_correction).
-        added_ms = self.rider_correction * correction * (self.latency.estimate_ms(plan.shape)
-                                                         - self.latency.estimate_ms(without))
-        batch_ms = (plan.tokens - without.num_tokens) * self._batch_ms_per_token(state)
-        return batch_ms - added_ms if added_ms <= self.config.rider_cost_share * batch_ms else None
 
     # --- Offline batching mode ------------------------------------------------------------------
 

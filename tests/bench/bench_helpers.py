@@ -13,7 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from backfill.bench.metrics import PreemptionEvent, RequestRecord, compute_metrics
 from backfill.bench.prompts import bundled_corpus
+from backfill.bench.report import ModeResult
+from backfill.serving.api import SLO, RequestClass
 
 
 class BPETokenizer:
@@ -137,3 +140,24 @@ class FakeOpenAIServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def mode_result(ttft_s: float, offline_tokens: int, preempt_ms: list[float]) -> ModeResult:
+    """Ten online requests with this TTFT (and 50 ms between tokens), one offline request of
+    offline_tokens over 4 s, and these preemption latencies, as one mode's result."""
+    recs = []
+    for i in range(10):
+        send = i * 0.5
+        times = [send + ttft_s + 0.05 * k for k in range(5)]
+        recs.append(RequestRecord(f"on{i}", RequestClass.ONLINE, scheduled_s=send, send_s=send,
+                                  first_token_s=times[0], chunk_times_s=times, chunk_tokens=[1] * 5,
+                                  end_s=times[-1], prompt_tokens=8, output_tokens=5))
+    if offline_tokens:
+        times = [0.1 + 4.0 * k / offline_tokens for k in range(offline_tokens)]
+        recs.append(RequestRecord("off0", RequestClass.OFFLINE, send_s=0.0, first_token_s=times[0],
+                                  chunk_times_s=times, chunk_tokens=[1] * offline_tokens, end_s=times[-1],
+                                  output_tokens=offline_tokens))
+    events = [PreemptionEvent(1.0 + i, ms) for i, ms in enumerate(preempt_ms)]
+    m = compute_metrics(recs, slo=SLO(200, 100), preemption_events=events,
+                        engine_samples=[(0.5, {"num_running": 2.0}), (2.5, {"num_running": 3.0})])
+    return ModeResult(m, recs, {"policy": "x"})

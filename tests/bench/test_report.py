@@ -1,33 +1,13 @@
 import json
 
 import pytest
+from bench_helpers import mode_result
 
-from backfill.bench.metrics import PreemptionEvent, RequestRecord, compute_metrics
 from backfill.bench.report import ModeResult, format_summary, ratios, write_report
-from backfill.serving.api import SLO, RequestClass
-
-
-def _run(ttft_s: float, offline_tokens: int, preempt_ms: list[float]) -> ModeResult:
-    recs = []
-    for i in range(10):
-        send = i * 0.5
-        times = [send + ttft_s + 0.05 * k for k in range(5)]
-        recs.append(RequestRecord(f"on{i}", RequestClass.ONLINE, scheduled_s=send, send_s=send,
-                                  first_token_s=times[0], chunk_times_s=times, chunk_tokens=[1] * 5,
-                                  end_s=times[-1], prompt_tokens=8, output_tokens=5))
-    if offline_tokens:
-        times = [0.1 + 4.0 * k / offline_tokens for k in range(offline_tokens)]
-        recs.append(RequestRecord("off0", RequestClass.OFFLINE, send_s=0.0, first_token_s=times[0],
-                                  chunk_times_s=times, chunk_tokens=[1] * offline_tokens, end_s=times[-1],
-                                  output_tokens=offline_tokens))
-    events = [PreemptionEvent(1.0 + i, ms) for i, ms in enumerate(preempt_ms)]
-    m = compute_metrics(recs, slo=SLO(200, 100), preemption_events=events,
-                        engine_samples=[(0.5, {"num_running": 2.0}), (2.5, {"num_running": 3.0})])
-    return ModeResult(m, recs, {"policy": "x"})
 
 
 def test_write_report_files(tmp_path):
-    results = {"online-only": _run(0.1, 0, []), "coserve": _run(0.11, 40, [2.0, 3.0])}
+    results = {"online-only": mode_result(0.1, 0, []), "coserve": mode_result(0.11, 40, [2.0, 3.0])}
     files = write_report(results, tmp_path / "out")
     doc = json.loads(files.json.read_text())
     assert doc["baseline"] == "online-only" and set(doc["modes"]) == {"online-only", "coserve"}
@@ -54,14 +34,14 @@ def test_write_report_files(tmp_path):
 
 
 def test_report_without_baseline(tmp_path):
-    files = write_report({"coserve": _run(0.1, 10, [])}, tmp_path)
+    files = write_report({"coserve": mode_result(0.1, 10, [])}, tmp_path)
     assert json.loads(files.json.read_text())["baseline"] is None
     assert "ratios omitted" in files.markdown.read_text()
     assert len(files.plots) == 3
 
 
 def test_report_breaks_engine_time_down_by_step_mode(tmp_path):
-    run = _run(0.1, 10, [])
+    run = mode_result(0.1, 10, [])
     engine = {"mode_busy_s": {"co-serving": 2.0, "offline-batching": 4.0},
               "mode_offline_tokens": {"co-serving": 10, "offline-batching": 800}}
     md = write_report({"coserve": ModeResult(run.metrics, run.records, {"engine": engine})}, tmp_path).markdown
@@ -72,7 +52,7 @@ def test_report_breaks_engine_time_down_by_step_mode(tmp_path):
 
 
 def test_ratios_and_summary_text():
-    base, co = _run(0.1, 0, []), _run(0.2, 20, [5.0])
+    base, co = mode_result(0.1, 0, []), mode_result(0.2, 20, [5.0])
     r = ratios(co.metrics, base.metrics)
     assert r["P99 TTFT (ms)"] == pytest.approx(2.0) and r["online tok/s"] == pytest.approx(
         co.metrics.online.tokens_per_s / base.metrics.online.tokens_per_s)

@@ -441,6 +441,6 @@ def test_riders_that_prove_dearer_than_profiled_stop_riding():
             policy.observe_step(shape, measured)
 
     run_steps(1.0)  # riders cost what the profile said: they keep riding
-    assert policy.rider_correction == pytest.approx(1.0) and policy.schedule(busy).num_tokens > 1
+    assert policy.riders.correction == pytest.approx(1.0) and policy.schedule(busy).num_tokens > 1
     run_steps(8.0)  # each rider took 8x its estimate: riding stops once the correction says so
-    assert policy.rider_correction > 1.5 and policy.schedule(busy).num_tokens == 1
+    assert policy.riders.correction > 1.5 and policy.schedule(busy).num_tokens == 1

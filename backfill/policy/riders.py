@@ -1,0 +1,141 @@
+"""Offline decodes riding in co-serving steps: which fit, whether they pay, what they really cost.
+
+A co-serving step (ConServe §4.2 Algorithm 1) fills what its SLO budget leaves with offline
+tokens. Here those tokens are decodes only, one per request ("riders"), and they ride only where
+they pay: what they add to the step must be at most a share of what an offline batch would spend
+on the same tokens. On a GPU a decode step is bound by reading the weights and a rider costs a few
+percent of a batch's token; on a CPU every token costs compute, and a rider can cost more than the
+batch (docs/benchmarks.md, co-serving, sixth and eighth sessions). What riders add is learned from
+the steps that carried them, apart from the online part's drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.planner import PlanBuilder
+from backfill.policy.state import SchedulerState, SeqView
+
+
+@dataclass(frozen=True)
+class _RidingStep:
+    """A planned co-serving step with riders, to learn what they added once it has run."""
+
+    online: BatchShape     # its online part alone
+    shape: BatchShape      # with the riders
+    correction: float      # the online step's drift it was planned with
+
+
+class Riders:
+    """Chooses a co-serving step's riders and learns their real cost; one per policy."""
+
+    def __init__(self, latency: LatencyModel, estimate_ms: Callable[[BatchShape], float], *,
+                 cost_share: float, batch_max_seqs: int) -> None:
+        self.latency = latency
+        self._estimate_ms = estimate_ms  # the policy's drift-corrected step estimate
+        self.cost_share = cost_share
+        self.batch_max_seqs = batch_max_seqs
+        # What riders really add to a co-serving step, against what the profile says (EWMA): the
+        # step's measured time less its online part's estimate. On the 2-core CPU riders added
+        # 1.3 ms each where the profile said 0.3-0.6 (docs/benchmarks.md, co-serving, eighth session).
+        self.correction = 1.0
+        self._riding: _RidingStep | None = None  # the last plan that carried riders
+
+    def planned(self, online: BatchShape, shape: BatchShape, correction: float) -> None:
+        """The plan just made: its online part, the whole step, and the drift it was planned with."""
+        self._riding = _RidingStep(online, shape, correction) if shape.num_tokens > online.num_tokens else None
+
+    def observe_step(self, shape: BatchShape, duration_ms: float) -> bool:
+        """Learn from a step that carried riders; False when the step was not one (the policy's
+        drift learns from it instead)."""
+        riding, self._riding = self._riding, None
+        if riding is None or riding.shape != shape:
+            return False
+        # Only what riders add: were such a step also to move the drift of its online part, a slow
+        # rider would read as a slow machine, and with riders in every step the online part's
+        # estimate would grow until riders looked free again.
+        online_ms = riding.correction * self.latency.estimate_ms(riding.online)
+        planned_ms = riding.correction * self.latency.estimate_ms(shape) - online_ms
+        if planned_ms > 0:
+            added = min(8.0, max(0.0, (duration_ms - online_ms) / planned_ms))
+            self.correction = 0.9 * self.correction + 0.1 * added
+        return True
+
+    def add(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
+            correction: float, reserve: int) -> None:
+        """Add one decode token of each candidate that fits the step within budget_ms."""
+        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
+        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
+        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
+        # Long contexts lose nothing for it: they advance in offline batching mode.
+        for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
+            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
+                continue  # do not admit new offline work into the online headroom
+            if correction * self.latency.estimate_ms(plan.shape.plus(1, seq.num_computed_tokens)) <= budget_ms:
+                plan.add(seq, token_cap=1)
+
+    def saving_ms(self, state: SchedulerState, without: BatchShape, plan: PlanBuilder,
+                  correction: float) -> float | None:
+        """What the offline tokens added to a co-serving step since `without` save against running
+        them in an offline batch; None unless they cost the step at most cost_share of that.
+
+        On a GPU a decode step is bound by reading the weights and an offline token rides along
+        almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
+        a batch size has no compiled path (a compiled decode of three sequences takes 17 ms, an eager
+        step 21 or more, without the small-batch kernel). Even with the kernel, a rider pays for
+        its context's attention (0.3-0.7 ms for an offline request on the 2-core Zen 5), about what
+        offline batching pays for one of its decode tokens. A few offline tokens then lengthen the
+        online step by at least what an offline batch would spend on them, which delays online work
+        and gains no offline throughput (docs/benchmarks.md, co-serving, sixth session).
+
+        Hence the share, a margin for the estimate's error: riders the profile priced at about 0.6 of
+        a batch's cost per token carried 4,252 offline tokens in a 2-core CPU run and gained none
+        (0.742x priority against 0.745x without them), while the median online TPOT rose 13%
+        (docs/benchmarks.md, co-serving, eighth session). On a GPU, a rider added to a decode from
+        CUDA graphs costs a few percent of a batch's token and passes at any share.
+        """
+        # What riders add: the profile's difference, corrected by the online step's drift and by
+        # what riders were measured to add.
+        added_ms = self.correction * correction * (self.latency.estimate_ms(plan.shape)
+                                                   - self.latency.estimate_ms(without))
+        batch_ms = (plan.tokens - without.num_tokens) * self.batch_ms_per_token(state)
+        return batch_ms - added_ms if added_ms <= self.cost_share * batch_ms else None
+
+    def batch_ms_per_token(self, state: SchedulerState) -> float:
+        """What an offline batch spends on each decode token, with the whole offline backlog decoding
+        together (each at its context): the rate a rider's token is weighed against.
+
+        Decodes only: a request's prompt is prefilled once wherever its decodes run, so what riders
+        take over from offline batching is decode steps; a batch priced with its prompt chunks made
+        a GPU rider look dear against 2,048 prompt tokens in one 19 ms eager step. The whole
+        backlog, not only the requests decoding now: at a round's start (a few requests decoding,
+        dozens of prompts waiting) a batch of a few decodes at a lone step's cost made riders look
+        cheap, and four of them doubled a lone online decode on the CPU (10.5 -> 21 ms) for a dozen
+        steps. inf when there is no offline work."""
+        batch, n = BatchShape(), 0
+        for seq in state.offline[: self.batch_max_seqs]:
+            batch, n = batch.plus(1, max(seq.num_tokens - 1, 1)), n + 1
+        return self._estimate_ms(batch) / n if n else float("inf")
+
+    def release_suspended(self, state: SchedulerState, plan: PlanBuilder, held: list[SeqView], budget_ms: float,
+                          correction: float, reserve: int) -> None:
+        """Let requests of the suspended step ride, giving the step up, where that pays for it.
+
+        An arrival aborts the offline batch, and that step holds every running offline request: from
+        then until no online work is left, nothing can ride. On a GPU, where a co-serving decode
+        step carries a few offline tokens almost free, that left co-serving steps nearly empty. The
+        price of riding is the suspended step's work so far (its tokens are redone in a later
+        batch); the gain is what each step's riders save against running those tokens in an offline
+        batch, over the steps the online work has left (the longest remaining online request's
+        max_tokens: an upper bound when requests stop early).
+        """
+        before, riders_from = plan.shape, plan.mark()
+        self.add(plan, held, state, budget_ms, correction, reserve)
+        if plan.tokens == before.num_tokens:
+            return
+        saving_ms = self.saving_ms(state, before, plan, correction)
+        steps_left = max(1, max(s.max_tokens - s.num_output_tokens for s in state.online))
+        if saving_ms is None or saving_ms * steps_left < state.suspended_ms:
+            plan.rollback(riders_from)
