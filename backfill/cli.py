@@ -62,10 +62,14 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+MODES_HELP = ("policies to run in turn (online-only, fcfs, priority, coserve); a variant adds knobs, e.g. "
+              "coserve:rider_cost_share=1,interference_slack=0.1, and runs interleaved with the others")
+
+
 def _coserve_options(args: argparse.Namespace) -> dict:
     """coserve's knobs: --interference-slack only when given, so ServingConfig's default applies
-    otherwise; --no-release-suspended."""
-    out = {"release_suspended": not args.no_release_suspended}
+    otherwise; --no-release-suspended; --rider-cost-share."""
+    out = {"release_suspended": not args.no_release_suspended, "rider_cost_share": args.rider_cost_share}
     if args.interference_slack is not None:
         out["interference_slack"] = args.interference_slack
     return out
@@ -216,6 +220,9 @@ def _add_scenario_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-release-suspended", action="store_true",
                    help="coserve: co-serving steps never take requests of the offline step an arrival "
                         "suspended (by default they do where it pays for the step's lost work)")
+    p.add_argument("--rider-cost-share", type=float, default=CoServeConfig.rider_cost_share,
+                   help="coserve: an offline decode rides in a co-serving step only when it adds at most "
+                        "this share of what an offline batch spends on a token (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
 
 
@@ -264,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
     _add_scenario_args(p)
-    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
+    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"], help=MODES_HELP)
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the modes in this many rounds of duration/rounds each and pool them "
                         "(ratios then compare modes run minutes apart less on a machine whose speed drifts)")
@@ -292,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
                                        "any machine a step-cost table describes)")
     _add_scenario_args(p)
-    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"])
+    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"], help=MODES_HELP)
     p.add_argument("--rounds", type=int, default=1, help="as bench coserve's: fresh traces, pooled")
     p.add_argument("--profile", default=None,
                    help="latency profile the policies plan with (default: the one `backfill profile` saved "

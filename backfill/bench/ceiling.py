@@ -54,6 +54,14 @@ class OfflineCeiling:
                 "ceiling_vs_priority": self.ceiling_vs_priority, "measured_vs_priority": self.measured_vs_priority}
 
 
+def offline_ceilings(results: Mapping[str, ModeResult], *, alone: str = "online-only",
+                     reference: str = "priority") -> dict[str, OfflineCeiling]:
+    """The bound for every mode that ran offline batches (coserve and its variants)."""
+    found = {mode: offline_ceiling(results, alone=alone, mode=mode, reference=reference)
+             for mode in results if mode not in (alone, reference)}
+    return {mode: c for mode, c in found.items() if c is not None}
+
+
 def _busy(result: ModeResult) -> tuple[Mapping[str, float], Mapping[str, int]]:
     engine = result.config.get("engine") or {}
     return engine.get("mode_busy_s") or {}, engine.get("mode_offline_tokens") or {}

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Callable
 
 from backfill.bench.arrivals import gamma_arrivals
-from backfill.bench.ceiling import offline_ceiling
+from backfill.bench.ceiling import offline_ceilings
 from backfill.bench.driver import RunResult, run_workload
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, compute_metrics
+from backfill.bench.modes import BASELINE, POLICIES, ModeSpec, parse_modes
 from backfill.bench.prompts import PromptSource
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
@@ -53,7 +54,7 @@ from backfill.serving.engine import AsyncEngine
 from backfill.serving.scheduler import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 
-MODES = ("online-only", "fcfs", "priority", "coserve")
+MODES = POLICIES
 
 
 @dataclass(frozen=True)
@@ -213,38 +214,33 @@ def load_and_profile(serving: ServingConfig):
     return run_on_torch_thread(build)
 
 
-def check_modes(modes: tuple[str, ...]) -> None:
-    for mode in modes:
-        if mode not in MODES:
-            raise InvalidRequestError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
-
-
 # One mode's share of one round: (mode, the round's scenario, the SLOs, round index) -> its result
 # and what the report should say of the mode.
-RunMode = Callable[[str, CoserveScenario, SLO, int], tuple[RoundResult, dict]]
+RunMode = Callable[[ModeSpec, CoserveScenario, SLO, int], tuple[RoundResult, dict]]
 
 
 def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: RunMode) -> dict[str, ModeResult]:
     """Each round's trace (seed + round, duration / rounds) through every mode in turn, the baseline
     first: online-only's first round sets the SLOs the others get, unless the scenario gives them.
-    Each mode's rounds are pooled into one result."""
-    check_modes(modes)
+    Each mode's rounds are pooled into one result, named by the mode's label."""
     slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
-    ordered = sorted(modes, key=lambda m: m != "online-only")
-    parts: dict[str, list[RoundResult]] = {mode: [] for mode in ordered}
+    ordered = sorted(parse_modes(modes), key=lambda spec: spec.label != BASELINE)
+    parts: dict[str, list[RoundResult]] = {spec.label: [] for spec in ordered}
     meta: dict[str, dict] = {}
     for k in range(scenario.rounds):
         round_scenario = replace(scenario, duration_s=scenario.duration_s / scenario.rounds, seed=scenario.seed + k)
-        for mode in ordered:
-            part, about = run_mode(mode, round_scenario, slo, k)
+        for spec in ordered:
+            mode = spec.label
+            part, about = run_mode(spec, round_scenario, slo, k)
             parts[mode].append(part)
-            meta[mode] = {"policy": mode, "slo": asdict(slo), "scenario": asdict(scenario), **about}
-            if mode == "online-only" and k == 0:
+            meta[mode] = {"policy": spec.policy, "overrides": dict(spec.overrides), "slo": asdict(slo),
+                          "scenario": asdict(scenario), **about}
+            if mode == BASELINE and k == 0:
                 m = pool_rounds(parts[mode], None).metrics.online
                 slo = SLO(scenario.ttft_slo_ms or m.ttft_ms.p99, scenario.tpot_slo_ms or m.tpot_ms.p99)
     results: dict[str, ModeResult] = {}
-    for mode in ordered:
-        pooled = pool_rounds(parts[mode], slo if mode != "online-only" else None)
+    for mode in parts:
+        pooled = pool_rounds(parts[mode], slo if mode != BASELINE else None)
         results[mode] = ModeResult(pooled.metrics, pooled.records, {**pooled.config, **meta[mode]})
         print_summary(mode, pooled.metrics)
     return results
@@ -253,7 +249,7 @@ def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: R
 def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
                       modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
                       progress: bool = True, log=print) -> dict[str, ModeResult]:
-    check_modes(modes)  # before the model loads
+    parse_modes(modes)  # before the model loads
     loaded, runner, latency = load_and_profile(serving)
     name, tokenizer = loaded.config.name, loaded.tokenizer
     if scenario.warmup_s > 0:
@@ -262,12 +258,12 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
                              tokenizer, name)
         asyncio.run(_run_round(engine, warmup_workload(scenario, tokenizer), progress=False))
 
-    def run_mode(mode: str, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
-        workload = make_workload(round_scenario, tokenizer, latency, with_offline=mode != "online-only")
-        cfg = replace(serving, policy=mode, slo=slo)
+    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+        workload = make_workload(round_scenario, tokenizer, latency, with_offline=spec.with_offline)
+        cfg = spec.serving(serving, slo=slo)
         engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name)
         label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
-        log(f"== {mode}{label}: {workload.name}, {len(workload.requests)} online requests, "
+        log(f"== {spec.label}{label}: {workload.name}, {len(workload.requests)} online requests, "
             f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
         part = asyncio.run(_run_round(engine, workload, progress))
         return part, {"model": name, "dtype": serving.resolved_dtype, "workload": dict(workload.meta)}
@@ -306,17 +302,18 @@ def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
 
 def headline(results: dict[str, ModeResult]) -> str:
     """A compact table: online latency next to the offline throughput each mode harvested."""
-    rows = ["mode          P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms"]
+    width = max([12, *map(len, results)])
+    rows = [f"{'mode':<{width}}  P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms"]
     for mode, r in results.items():
         m = r.metrics
         lat = m.preemption_latency_ms.p99
-        rows.append(f"{mode:<12} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
+        rows.append(f"{mode:<{width}} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
                     f"{m.online.tokens_per_s:>13.1f} {m.offline.tokens_per_s:>14.1f} "
                     f"{'-' if lat is None else f'{lat:.1f}':>15}")
-    ceiling = offline_ceiling(results)
-    if ceiling is not None and ceiling.ceiling_vs_priority is not None:
-        rows.append(f"offline ceiling (riders aside): {ceiling.ceiling_tokens_per_s:.1f} tok/s = "
-                    f"{ceiling.ceiling_vs_priority:.3f}x priority; coserve reached {ceiling.measured_vs_priority:.3f}x")
+    for mode, c in offline_ceilings(results).items():
+        if c.ceiling_vs_priority is not None:
+            rows.append(f"{mode}: offline ceiling (riders aside) {c.ceiling_tokens_per_s:.1f} tok/s = "
+                        f"{c.ceiling_vs_priority:.3f}x priority; reached {c.measured_vs_priority:.3f}x")
     return "\n".join(rows)
 
 

@@ -30,9 +30,11 @@ OPTION_TYPES: dict[str, type] = {
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
     "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
     "decode_attention": str, "cuda_graphs": bool, "release_suspended": bool,
+    "rider_cost_share": float,
 }
 _SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
-                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs", "release_suspended")
+                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs", "release_suspended",
+                 "rider_cost_share")
 
 
 def default_db_path(port: int) -> Path:
@@ -112,6 +114,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       "(default 0.05; inf: no cap)")
     p("--no-release-suspended", dest="release_suspended", action="store_false", default=None,
       help="coserve: co-serving steps never take requests of the offline step an arrival suspended")
+    p("--rider-cost-share", type=float, default=None,
+      help="coserve: an offline decode rides in a co-serving step only when it adds at most this share "
+      "of what an offline batch spends on a token (default 0.5)")
     p("--compile-decode", action="store_true", default=None,
       help="CPU: compile single-sequence decode steps with inductor (faster batch-1 decode)")
     p("--decode-attention", default=None, choices=["auto", "sdpa"],

@@ -63,6 +63,9 @@ class ServingConfig:
     online_reserve_fraction: float = 0.1
     # coserve: co-serving steps may take requests of the offline step an arrival suspended (policy/coserve.py).
     release_suspended: bool = CoServeConfig.release_suspended
+    # coserve: offline decodes ride in co-serving steps only when they add at most this share of what
+    # an offline batch spends on a token (policy/riders.py).
+    rider_cost_share: float = CoServeConfig.rider_cost_share
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile_path: str | None = None   # latency profile; measured and saved on first use
     threads: int | None = None
@@ -96,6 +99,8 @@ class ServingConfig:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
         if self.interference_slack is not None and not self.interference_slack >= 0:
             raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
+        if not self.rider_cost_share >= 0:
+            raise InvalidRequestError(f"rider_cost_share must be >= 0, got {self.rider_cost_share}")
         if self.decode_attention not in DECODE_ATTENTION_CHOICES:
             raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
                                       f"got {self.decode_attention!r}")
@@ -170,7 +175,7 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
     return CoServePolicy(latency, CoServeConfig(
         slo=cfg.slo, preempt_target_ms=cfg.preempt_target_ms, **limits,
         interference_slack=cfg.interference_slack, online_reserve_fraction=cfg.online_reserve_fraction,
-        release_suspended=cfg.release_suspended, num_layers=num_layers))
+        release_suspended=cfg.release_suspended, rider_cost_share=cfg.rider_cost_share, num_layers=num_layers))
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:

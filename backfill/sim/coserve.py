@@ -16,12 +16,13 @@ lognormal noise_cv gives each step.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from backfill.bench.coserve import MODES, CoserveScenario, RoundResult, engine_counters, make_workload, run_in_rounds
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
+from backfill.bench.modes import ModeSpec
 from backfill.bench.report import ModeResult, write_report
 from backfill.bench.workload import BenchRequest, Workload
 from backfill.engine.byte_tokenizer import ByteTokenizer
@@ -152,10 +153,10 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
     profile the policies plan with (what the machine's steps cost is `machine.cost`)."""
     tokenizer = ByteTokenizer()
 
-    def run_mode(mode: str, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
         # Load is a share of the simulated machine's capacity, as the benchmark's is of the real one's.
-        workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=mode != "online-only")
-        cfg = replace(serving, policy=mode, slo=slo, block_size=machine.block_size)
+        workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=spec.with_offline)
+        cfg = spec.serving(serving, slo=slo, block_size=machine.block_size)
 
         def make_scheduler(runner):
             return build_scheduler(runner, cfg, None, real_config.name, latency)

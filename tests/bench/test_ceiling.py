@@ -3,7 +3,7 @@ import json
 import pytest
 from bench_helpers import mode_result
 
-from backfill.bench.ceiling import offline_ceiling
+from backfill.bench.ceiling import offline_ceiling, offline_ceilings
 from backfill.bench.report import ModeResult, write_report
 
 
@@ -43,12 +43,22 @@ def test_no_ceiling_without_the_runs_or_counters_it_needs():
     assert without_priority is not None and without_priority.ceiling_vs_priority is None
 
 
+def test_every_mode_that_ran_offline_batches_gets_its_ceiling():
+    results = _three_modes()
+    results["coserve:rider_cost_share=1"] = _with_engine(mode_result(0.1, 50, []),
+                                                         {"co-serving": 1.5, "offline-batching": 2.0},
+                                                         {"co-serving": 20, "offline-batching": 30})
+    ceilings = offline_ceilings(results)
+    assert list(ceilings) == ["coserve", "coserve:rider_cost_share=1"]  # priority runs no such batches
+    assert ceilings["coserve:rider_cost_share=1"].batching_tokens_per_s == pytest.approx(15.0)
+
+
 def test_report_states_the_ceiling(tmp_path):
     files = write_report(_three_modes(), tmp_path)
     doc = json.loads(files.json.read_text())
-    assert doc["offline_ceiling"]["batching_tokens_per_s"] == pytest.approx(12.0)
+    assert doc["offline_ceiling"]["coserve"]["batching_tokens_per_s"] == pytest.approx(12.0)
     text = files.markdown.read_text()
-    assert "## Offline ceiling" in text and "x priority)" in text
+    assert "## Offline ceiling" in text and "| coserve | 1.0 |" in text and "x priority)" in text
     alone_only = write_report({"online-only": _three_modes()["online-only"]}, tmp_path / "one")
-    assert json.loads(alone_only.json.read_text())["offline_ceiling"] is None
+    assert json.loads(alone_only.json.read_text())["offline_ceiling"] == {}
     assert "## Offline ceiling" not in alone_only.markdown.read_text()

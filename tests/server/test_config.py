@@ -83,6 +83,8 @@ def test_missing_config_file(tmp_path):
     (["--kv-cache-gb", "0"], InvalidRequestError, "kv_cache_gb"),
     (["--preempt-target-ms", "0"], InvalidRequestError, "preempt_target_ms"),
     (["--interference-slack", "-0.5"], InvalidRequestError, "interference_slack"),
+    (["--rider-cost-share", "-1"], InvalidRequestError, "rider_cost_share"),
+    (["--rider-cost-share", "nan"], InvalidRequestError, "rider_cost_share"),
 ])
 def test_invalid_values(monkeypatch, argv, error, message):
     monkeypatch.delenv("BACKFILL_API_KEY", raising=False)
@@ -167,3 +169,18 @@ def test_release_suspended_reaches_the_coserve_policy():
     latency = LatencyModel((1, 64), (1.0, 2.0))
     assert make_policy(ServingConfig(), latency, 4).config.release_suspended is True
     assert make_policy(ServingConfig(release_suspended=False), latency, 4).config.release_suspended is False
+
+
+def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):
+    from backfill.policy.latency_model import LatencyModel
+    from backfill.serving.build import make_policy
+
+    assert parse().serving.rider_cost_share == 0.5
+    assert parse("--rider-cost-share", "1").serving.rider_cost_share == 1.0
+    toml = tmp_path / "c.toml"
+    toml.write_text("rider-cost-share = 0.8\n")
+    serving = parse("--config", str(toml)).serving
+    assert make_policy(serving, LatencyModel((1, 64), (1.0, 2.0)), 4).riders.cost_share == 0.8
+    toml.write_text('rider-cost-share = "half"\n')
+    with pytest.raises(ServerConfigError, match="rider-cost-share"):
+        parse("--config", str(toml))
