@@ -99,6 +99,8 @@ class ServingConfig:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
         if self.interference_slack is not None and not self.interference_slack >= 0:
             raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
+        if not 0.0 <= self.online_reserve_fraction < 1.0:
+            raise InvalidRequestError(f"online_reserve_fraction must be in [0, 1), got {self.online_reserve_fraction}")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError(f"rider_cost_share must be >= 0, got {self.rider_cost_share}")
         if self.decode_attention not in DECODE_ATTENTION_CHOICES:

@@ -46,6 +46,8 @@ def test_bad_modes_are_refused_with_what_is_wrong(label, message):
 def test_values_the_serving_config_refuses_and_repeated_modes_fail_before_anything_runs():
     with pytest.raises(InvalidRequestError, match="rider_cost_share"):
         parse_modes(("coserve:rider_cost_share=-1",))
+    with pytest.raises(InvalidRequestError, match="online_reserve_fraction"):
+        parse_modes(("coserve:online_reserve_fraction=2",))
     with pytest.raises(InvalidRequestError, match="named twice"):
         parse_modes(("coserve", "priority", "coserve"))
 
