@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
-from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
 from backfill.policy.state import SchedulerState, SeqView, StepPlan
@@ -143,14 +143,7 @@ class CoServePolicy:
     def _budget_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
         """Most tokens (<= limit) a chunk at start_pos can add to base within budget_ms, estimated
         with the correction of the resulting step's size."""
-        lo, hi = 0, limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_chunk(self._estimate_ms, base, budget_ms, start_pos, limit)
 
     def _offline_step_budget_ms(self) -> float:
         """Longest offline-batching step whose stretches between safepoints meet the preemption target."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +40,20 @@ class BatchShape:
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
         return BatchShape(self.num_tokens + num_new, self.decode_context_tokens,
                           self.prefill_attention_pairs + pairs)
+
+
+def largest_chunk(estimate_ms: Callable[[BatchShape], float], base: BatchShape, budget_ms: float, start_pos: int,
+                  limit: int) -> int:
+    """Largest n <= limit such that base plus an n-token chunk at start_pos is estimated within
+    budget_ms (a step's time grows with its tokens, so a binary search finds it)."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True)
@@ -83,14 +98,7 @@ class LatencyModel:
 
     def max_new_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
         """Largest n <= limit such that adding an n-token chunk at start_pos keeps the step within budget."""
-        lo, hi = 0, limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.estimate_ms(base.plus(mid, start_pos)) <= budget_ms:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_chunk(self.estimate_ms, base, budget_ms, start_pos, limit)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
