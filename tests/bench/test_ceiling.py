@@ -4,6 +4,7 @@ import pytest
 from bench_helpers import mode_result
 
 from backfill.bench.ceiling import offline_ceiling, offline_ceilings
+from backfill.bench.coserve import headline
 from backfill.bench.report import ModeResult, write_report
 
 
@@ -62,3 +63,13 @@ def test_report_states_the_ceiling(tmp_path):
     alone_only = write_report({"online-only": _three_modes()["online-only"]}, tmp_path / "one")
     assert json.loads(alone_only.json.read_text())["offline_ceiling"] == {}
     assert "## Offline ceiling" not in alone_only.markdown.read_text()
+
+
+def test_the_cli_table_names_the_ceiling_against_priority_or_alone():
+    results = _three_modes()
+    c = offline_ceiling(results)
+    line = headline(results).splitlines()[-1]
+    assert line.startswith("coserve: offline ceiling") and f"{c.ceiling_vs_priority:.3f}x priority" in line
+    without_priority = {k: v for k, v in results.items() if k != "priority"}
+    share = c.measured_tokens_per_s / c.ceiling_tokens_per_s
+    assert headline(without_priority).splitlines()[-1].endswith(f"reached {share:.0%} of it")
