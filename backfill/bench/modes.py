@@ -11,17 +11,22 @@ moves priority's offline throughput by up to 10% (docs/benchmarks.md), more than
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping
 
 from backfill.errors import InvalidRequestError
 from backfill.serving.build import ServingConfig
 
 POLICIES = ("online-only", "fcfs", "priority", "coserve")
 BASELINE = "online-only"
+TUNABLE = "coserve"  # the policy the knobs belong to
 
-# The ServingConfig fields a variant may set, with how to read each value.
+# The ServingConfig fields a variant may set, with the type of each value.
+KNOBS: Mapping[str, type] = MappingProxyType({
+    "interference_slack": float, "rider_cost_share": float, "preempt_target_ms": float,
+    "release_suspended": bool, "online_reserve_fraction": float,
+})
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 
@@ -29,12 +34,6 @@ def _read_bool(text: str) -> bool:
     if text.lower() in _TRUE + _FALSE:
         return text.lower() in _TRUE
     raise ValueError(f"not a bool: {text!r}")
-
-
-KNOBS: Mapping[str, type] = MappingProxyType({
-    "interference_slack": float, "rider_cost_share": float, "preempt_target_ms": float,
-    "release_suspended": bool, "online_reserve_fraction": float,
-})
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,8 @@ class ModeSpec:
                 overrides[key] = _read_bool(text) if KNOBS[key] is bool else float(text)
             except ValueError as e:
                 raise InvalidRequestError(f"mode {label!r}: {key}: {e}") from None
-        if policy == BASELINE and overrides:
-            raise InvalidRequestError(f"mode {label!r}: the online-only baseline takes no knobs")
+        if overrides and policy != TUNABLE:
+            raise InvalidRequestError(f"mode {label!r}: the knobs are {TUNABLE}'s; {policy} takes none")
         if colon and not overrides:
             raise InvalidRequestError(f"mode {label!r}: no knob=value after ':'")
         return cls(label, policy, MappingProxyType(overrides))
@@ -75,6 +74,7 @@ class ModeSpec:
 
 
 def parse_modes(labels: tuple[str, ...]) -> tuple[ModeSpec, ...]:
+    """Every mode of a run, checked before anything runs: typed errors name the bad one."""
     specs = tuple(ModeSpec.parse(label) for label in labels)
     if len({s.label for s in specs}) != len(specs):
         raise InvalidRequestError(f"a mode is named twice in {', '.join(labels)}")

@@ -36,7 +36,8 @@ def test_a_variant_sets_knobs_on_top_of_the_runs_options():
     ("coserve:threads=4", "knob=value"),
     ("coserve:rider_cost_share=lots", "rider_cost_share"),
     ("coserve:release_suspended=maybe", "not a bool"),
-    ("online-only:rider_cost_share=1", "baseline takes no knobs"),
+    ("online-only:rider_cost_share=1", "online-only takes none"),
+    ("priority:interference_slack=0.1", "priority takes none"),
 ])
 def test_bad_modes_are_refused_with_what_is_wrong(label, message):
     with pytest.raises(InvalidRequestError, match=message):
