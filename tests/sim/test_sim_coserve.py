@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from backfill.bench.ceiling import offline_ceilings
 from backfill.bench.coserve import CoserveScenario
 from backfill.cli import main
 from backfill.engine.config import ModelConfig
@@ -101,3 +102,17 @@ def test_cli_simulates_the_default_model_from_a_profile_and_writes_the_report(tm
     # A missing profile is a clear error, not a traceback.
     assert main(["sim", "coserve", "--profile", str(tmp_path / "none.json"), "--duration", "5"]) == 2
     assert "no latency profile" in capsys.readouterr().err
+
+
+def test_without_riders_coserve_stays_under_its_offline_ceiling_and_riders_lift_it():
+    # The ceiling (bench/ceiling.py) says offline batches can only use the time online work leaves;
+    # on this CPU-like machine, whose 20 ms floor makes a few riders nearly free, riders lift coserve
+    # above it, and a variant without riders stays on it.
+    results = simulate(modes=("online-only", "coserve", "coserve:rider_cost_share=0"))
+    ceilings = offline_ceilings(results)
+    without = ceilings["coserve:rider_cost_share=0"]
+    assert results["coserve:rider_cost_share=0"].config["engine"]["mode_offline_tokens"].get("co-serving", 0) == 0
+    assert 0.9 * without.ceiling_tokens_per_s <= without.measured_tokens_per_s <= 1.01 * without.ceiling_tokens_per_s
+    riding = ceilings["coserve"]
+    assert results["coserve"].config["engine"]["mode_offline_tokens"]["co-serving"] > 0
+    assert riding.measured_tokens_per_s > 1.05 * riding.ceiling_tokens_per_s
