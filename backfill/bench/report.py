@@ -237,13 +237,17 @@ def print_summary(name: str, metrics: BenchMetrics) -> None:
 def plot_throughput(results: Mapping[str, ModeResult], path: Path) -> Path:
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.4 * len(results) + 0.6), sharex=True,
                              sharey=True, squeeze=False)
+    # One scale for every mode, set from all of them: a limit set while drawing the first mode froze
+    # the shared axis at online-only's range, and offline throughput ran off the top.
+    top = max((max(values, default=0.0) for res in results.values()
+               for values in res.metrics.timeseries.tokens_per_s.values()), default=0.0)
     for ax, (name, res) in zip(axes[:, 0], results.items()):
         ts = res.metrics.timeseries
         edges = ts.t_s + [ts.t_s[-1] + ts.bucket_s]  # repeat the last value so its bucket is drawn too
         for cls, color in ((RequestClass.ONLINE.value, "tab:blue"), (RequestClass.OFFLINE.value, "tab:orange")):
             values = ts.tokens_per_s[cls]
             ax.step(edges, values + values[-1:], where="post", color=color, label=cls)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 1.05 * top or 1.0)
         ax.axvline(res.metrics.duration_s, color="grey", linestyle=":", linewidth=1)
         ax.set_title(name, fontsize=10)
         ax.set_ylabel("tokens/s")
@@ -267,7 +271,9 @@ def plot_latency(results: Mapping[str, ModeResult], path: Path) -> Path:
                 ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1, label="SLO")
                 ax.legend(loc="upper right", fontsize=8)
             ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
+            # One log scale per column: priority's TTFTs run 10-20x coserve's, and on a shared linear
+            # axis that froze at the first row's range they fell off the plot.
+            ax.set_yscale("log")
             ax.set_title(name, fontsize=10)
     for ax in axes[-1]:
         ax.set_xlabel("send time (s)")

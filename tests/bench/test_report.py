@@ -59,3 +59,20 @@ def test_ratios_and_summary_text():
     text = format_summary("coserve", co.metrics)
     assert "coserve" in text and "P99 TTFT (ms)" in text and "200.0" in text
     assert "Goodput req/s (TTFT<=200ms, TPOT<=100ms)" in text
+
+
+def test_plots_keep_every_modes_values_on_their_axes(tmp_path, monkeypatch):
+    import backfill.bench.report as report
+
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    # Online-only first, with far less throughput and latency than the modes after it: a limit set
+    # while drawing the first row froze the shared axes at its range.
+    results = {"online-only": mode_result(0.1, 0, []), "priority": mode_result(2.0, 400, [])}
+    report.plot_throughput(results, tmp_path / "t.png")
+    report.plot_latency(results, tmp_path / "l.png")
+    throughput, latency = figures
+    top = max(max(v) for res in results.values() for v in res.metrics.timeseries.tokens_per_s.values())
+    assert all(ax.get_ylim()[1] >= top for ax in throughput.axes)
+    ttft_axes = latency.axes[0::2]
+    assert all(ax.get_yscale() == "log" and ax.get_ylim()[1] >= 2000.0 for ax in ttft_axes)
