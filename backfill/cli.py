@@ -62,6 +62,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_MODES = ("online-only", "fcfs", "priority", "coserve")
 MODES_HELP = ("policies to run in turn (online-only, fcfs, priority, coserve); a variant adds knobs, e.g. "
               "coserve:rider_cost_share=1,interference_slack=0.1, and runs interleaved with the others")
 
@@ -271,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
     _add_scenario_args(p)
-    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"], help=MODES_HELP)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
     p.add_argument("--rounds", type=int, default=1,
                    help="interleave the modes in this many rounds of duration/rounds each and pool them "
                         "(ratios then compare modes run minutes apart less on a machine whose speed drifts)")
@@ -299,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
                                        "any machine a step-cost table describes)")
     _add_scenario_args(p)
-    p.add_argument("--modes", nargs="+", default=["online-only", "fcfs", "priority", "coserve"], help=MODES_HELP)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
     p.add_argument("--rounds", type=int, default=1, help="as bench coserve's: fresh traces, pooled")
     p.add_argument("--profile", default=None,
                    help="latency profile the policies plan with (default: the one `backfill profile` saved "

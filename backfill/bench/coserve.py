@@ -269,7 +269,7 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
         return part, {"model": name, "dtype": serving.resolved_dtype, "workload": dict(workload.meta)}
 
     results = run_in_rounds(scenario, modes, run_mode)
-    files = write_report(results, out_dir, baseline="online-only" if "online-only" in results else None)
+    files = write_report(results, out_dir)
     log(f"report: {files.markdown}")
     return results
 

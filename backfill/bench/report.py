@@ -106,11 +106,13 @@ def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
                               "ratios_to_baseline": ratios(res.metrics, base) if base is not None else None}
         if name in intervals:
             doc["modes"][name]["ratio_intervals_95"] = {label: asdict(iv) for label, iv in intervals[name].items()}
-    doc["offline_ceiling"] = {mode: c.to_dict() for mode, c in offline_ceilings(results).items()}
+    ceilings = offline_ceilings(results)
+    doc["offline_ceiling"] = {mode: c.to_dict() for mode, c in ceilings.items()}
     json_path = out / "report.json"
     json_path.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
     md_path = out / "report.md"
-    md_path.write_text(markdown_table(results, baseline if base is not None else None, intervals), encoding="utf-8")
+    md_path.write_text(markdown_table(results, baseline if base is not None else None, intervals, ceilings),
+                       encoding="utf-8")
     request_paths = []
     for name, res in results.items():
         p = out / f"requests-{_slug(name)}.jsonl"
@@ -123,8 +125,10 @@ def write_report(results: Mapping[str, ModeResult], out_dir: str | Path,
 
 
 def markdown_table(results: Mapping[str, ModeResult], baseline: str | None,
-                   intervals: Mapping[str, Mapping[str, RatioInterval]] | None = None) -> str:
-    """The report's Markdown; `intervals` (mode -> label -> interval) is computed when not given."""
+                   intervals: Mapping[str, Mapping[str, RatioInterval]] | None = None,
+                   ceilings: Mapping[str, OfflineCeiling] | None = None) -> str:
+    """The report's Markdown; `intervals` (mode -> label -> interval) and `ceilings` (mode -> offline
+    ceiling) are computed when not given."""
     base = results[baseline].metrics if baseline in results else None
     lines = ["# Co-serving benchmark", ""]
     lines.append(f"Ratios are to `{baseline}`." if base is not None else "No baseline mode: ratios omitted.")
@@ -168,7 +172,7 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None,
                 tokens = made.get(step_mode, 0)
                 rate = f"{tokens / seconds:.1f}" if seconds > 0 else "-"
                 lines.append(f"| {name} | {step_mode} | {seconds:.1f} | {tokens} | {rate} |")
-    ceilings = offline_ceilings(results)
+    ceilings = offline_ceilings(results) if ceilings is None else ceilings
     if ceilings:
         lines += _ceiling_section(ceilings)
     return "\n".join(lines) + "\n"

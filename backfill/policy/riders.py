@@ -42,9 +42,13 @@ class Riders:
         # 1.3 ms each where the profile said 0.3-0.6 (docs/benchmarks.md, co-serving, eighth session).
         self.correction = 1.0
         self._riding: _RidingStep | None = None  # the last plan that carried riders
+        # batch_ms_per_token of the plan being made: asked for by the riders and again by the release
+        # of a suspended step, and it walks the whole backlog.
+        self._priced: tuple[SchedulerState, float] | None = None
 
     def planned(self, online: BatchShape, shape: BatchShape, correction: float) -> None:
         """The plan just made: its online part, the whole step, and the drift it was planned with."""
+        self._priced = None  # the next plan prices its own snapshot, after the drift has moved
         self._riding = _RidingStep(online, shape, correction) if shape.num_tokens > online.num_tokens else None
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> bool:
@@ -114,10 +118,14 @@ class Riders:
         dozens of prompts waiting) a batch of a few decodes at a lone step's cost made riders look
         cheap, and four of them doubled a lone online decode on the CPU (10.5 -> 21 ms) for a dozen
         steps. inf when there is no offline work."""
+        if self._priced is not None and self._priced[0] is state:
+            return self._priced[1]
         batch, n = BatchShape(), 0
         for seq in state.offline[: self.batch_max_seqs]:
             batch, n = batch.plus(1, max(seq.num_tokens - 1, 1)), n + 1
-        return self._estimate_ms(batch) / n if n else float("inf")
+        per_token_ms = self._estimate_ms(batch) / n if n else float("inf")
+        self._priced = (state, per_token_ms)
+        return per_token_ms
 
     def release_suspended(self, state: SchedulerState, plan: PlanBuilder, held: list[SeqView], budget_ms: float,
                           correction: float, reserve: int) -> None:

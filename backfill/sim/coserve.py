@@ -166,7 +166,7 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
 
     results = run_in_rounds(scenario, modes, run_mode)
     if out_dir is not None:
-        files = write_report(results, out_dir, baseline="online-only" if "online-only" in results else None)
+        files = write_report(results, out_dir)
         log(f"report: {files.markdown}")
     return results
 

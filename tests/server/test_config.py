@@ -116,15 +116,26 @@ def test_auto_dtype_resolves_per_device(monkeypatch):
     assert parse("--dtype", "float16").serving.resolved_dtype == "float16"
 
 
-def test_compile_decode_from_flag_or_file(tmp_path):
-    assert parse().serving.compile_decode is False
-    assert parse("--compile-decode").serving.compile_decode is True
+@pytest.mark.parametrize("field, flag, default, bad", [
+    ("compile_decode", "--compile-decode", False, '"yes"'),
+    ("cuda_graphs", "--no-cuda-graphs", True, '"off"'),
+    ("release_suspended", "--no-release-suspended", True, '"no"'),
+])
+def test_switch_from_flag_or_file(tmp_path, field, flag, default, bad):
+    key = field.replace("_", "-")
+    assert getattr(parse().serving, field) is default
+    assert getattr(parse(flag).serving, field) is (not default)
     toml = tmp_path / "c.toml"
-    toml.write_text("compile-decode = true\n")
-    assert parse("--config", str(toml)).serving.compile_decode is True
-    toml.write_text('compile-decode = "yes"\n')
-    with pytest.raises(ServerConfigError, match="compile-decode must be a bool"):
+    toml.write_text(f"{key} = {str(not default).lower()}\n")
+    assert getattr(parse("--config", str(toml)).serving, field) is (not default)
+    toml.write_text(f"{key} = {bad}\n")
+    with pytest.raises(ServerConfigError, match=f"{key} must be a bool"):
         parse("--config", str(toml))
+
+
+def test_cuda_graphs_change_nothing_on_a_cpu():
+    # Graphs are a CUDA mechanism: on a CPU the setting changes nothing.
+    assert not parse("--device", "cpu").serving.uses_cuda_graphs
 
 
 def test_decode_attention_from_flag_or_file(tmp_path):
@@ -135,30 +146,6 @@ def test_decode_attention_from_flag_or_file(tmp_path):
     assert parse("--config", str(toml)).serving.decode_attention == "sdpa"
     toml.write_text('decode-attention = "flash"\n')
     with pytest.raises(InvalidRequestError, match="decode_attention must be one of auto, sdpa"):
-        parse("--config", str(toml))
-
-
-def test_cuda_graphs_from_flag_or_file(tmp_path):
-    assert parse().serving.cuda_graphs is True
-    assert parse("--no-cuda-graphs").serving.cuda_graphs is False
-    toml = tmp_path / "c.toml"
-    toml.write_text("cuda-graphs = false\n")
-    assert parse("--config", str(toml)).serving.cuda_graphs is False
-    toml.write_text('cuda-graphs = "off"\n')
-    with pytest.raises(ServerConfigError, match="cuda-graphs must be a bool"):
-        parse("--config", str(toml))
-    # Graphs are a CUDA mechanism: on a CPU the setting changes nothing.
-    assert not parse("--device", "cpu").serving.uses_cuda_graphs
-
-
-def test_release_suspended_from_flag_or_file(tmp_path):
-    assert parse().serving.release_suspended is True
-    assert parse("--no-release-suspended").serving.release_suspended is False
-    toml = tmp_path / "c.toml"
-    toml.write_text("release-suspended = false\n")
-    assert parse("--config", str(toml)).serving.release_suspended is False
-    toml.write_text('release-suspended = "no"\n')
-    with pytest.raises(ServerConfigError, match="release-suspended must be a bool"):
         parse("--config", str(toml))
 
 
