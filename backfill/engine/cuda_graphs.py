@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted, apply_rope
+from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted
 
 if TYPE_CHECKING:
     from backfill.engine.runner import SeqChunk
@@ -211,13 +211,12 @@ class DecodeGraphs:
     def _layer(self, li: int, s: _StaticBatch) -> None:
         m, cfg = self.model, self.model.config
         layer = m.layers[li]
-        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n_q, hd = cfg.num_heads, cfg.head_dim
         rows = s.batch
         x = F.rms_norm(s.hidden, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
-        qkv = layer["qkv"](x)
-        qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(rows, n_q + n_kv, hd), s.cos, s.sin)
-        m._write_kv(li, qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(rows, n_kv, hd), s.meta, self.kv)
-        attn = m._decode_attention(qk[:, :n_q], li, s.meta, self.kv).reshape(rows, n_q * hd)
+        q, k, v = m.split_qkv(layer, layer["qkv"](x), s.cos, s.sin)
+        m._write_kv(li, k, v, s.meta, self.kv)
+        attn = m._decode_attention(q, li, s.meta, self.kv).reshape(rows, n_q * hd)
         h = layer["o"].add_to(s.hidden, attn)
         x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
         gate, up = layer["gate_up"](x).chunk(2, dim=-1)
