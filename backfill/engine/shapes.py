@@ -82,3 +82,26 @@ def load_random_shape(shape: str, seed: int = 0):
     config = shape_config(shape)
     return LoadedModel(config, random_model(config, seed), default_tokenizer(),
                        f"random weights, {shape} shape ({random_model_name(shape)})")
+
+
+def add_shape_args(parser) -> None:
+    """--random-weights and --shape on a command that takes --model."""
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random weights instead of --model (speed does not depend on the values), with the "
+                             "default model's tokenizer")
+    parser.add_argument("--shape", default=None, choices=SHAPES,
+                        help=f"with --random-weights: the model shape (default {DEFAULT_SHAPE}); docs/models.md")
+
+
+def model_from_args(args) -> str | None:
+    """The model path a command's --model / --random-weights / --shape name (random:SHAPE for random weights)."""
+    from backfill.engine.weights import random_model_name
+    from backfill.errors import InvalidRequestError
+
+    if not getattr(args, "random_weights", False):
+        if getattr(args, "shape", None) is not None:
+            raise InvalidRequestError("--shape needs --random-weights")
+        return args.model
+    if args.model is not None:
+        raise InvalidRequestError("--random-weights replaces --model: give one of them")
+    return random_model_name(args.shape or DEFAULT_SHAPE)
