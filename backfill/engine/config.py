@@ -135,8 +135,8 @@ class ModelConfig:
                 raise CorruptModelError(
                     f"model config: hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise CorruptModelError(f"model config: head_dim must be positive and even, got {self.head_dim}")
+        if self.head_dim <= 0:
+            raise CorruptModelError(f"model config: head_dim must be positive, got {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise CorruptModelError(
                 f"model config: num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")

@@ -25,7 +25,7 @@ from backfill.engine.tokenizer import Tokenizer
 from backfill.errors import CorruptModelError, ModelLoadError, UnsupportedModelError
 
 # Bump when the cached layout or the GGUF conversion changes, so stale caches are not reused.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 1
 _CACHE_KEY_HEAD_BYTES = 1 << 20
 
 

@@ -57,15 +57,22 @@ def build_tokenizer(pre: str):
     return tokenizer
 
 
+def hf_config(family: str, vocab_size: int):
+    """The family's transformers config at a tiny size."""
+    import transformers
+
+    cls_name, extra, _, _ = FAMILIES[family]
+    return getattr(transformers, cls_name)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=3, eos_token_id=4,
+        **extra)
+
+
 def hf_model(family: str, vocab_size: int, seed: int = 0):
     """A tiny transformers model of the family with every weight random (biases and norms too)."""
     import transformers
 
-    cls_name, extra, _, _ = FAMILIES[family]
-    config = getattr(transformers, cls_name)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=3, eos_token_id=4,
-        **extra)
+    config = hf_config(family, vocab_size)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
