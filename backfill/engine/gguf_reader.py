@@ -111,7 +111,7 @@ def _config(reader, path: Path, name: str) -> ModelConfig:
     tokens = _field(reader, "tokenizer.ggml.tokens", required=False)
     vocab_size = key("vocab_size", default=len(tokens) if tokens else None)
     tensors = {t.name: t for t in reader.tensors}
-    heads = int(key("attention.head_count"))
+    heads = key("attention.head_count")
     head_dim = key("attention.key_length", required=False)
     value_dim = key("attention.value_length", required=False)
     if head_dim is not None and value_dim is not None and int(value_dim) != int(head_dim):
@@ -124,7 +124,7 @@ def _config(reader, path: Path, name: str) -> ModelConfig:
             hidden_size=int(key("embedding_length")),
             intermediate_size=int(key("feed_forward_length")),
             num_layers=int(key("block_count")),
-            num_heads=heads,
+            num_heads=int(heads),
             num_kv_heads=int(key("attention.head_count_kv", default=heads)),
             max_position_embeddings=int(key("context_length")),
             rope_theta=float(key("rope.freq_base", default=10000.0)),
