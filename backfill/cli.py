@@ -25,11 +25,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "use, ~30 s); sdpa: gather each sequence's blocks and run SDPA")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: launch every decode kernel from Python instead of replaying captured graphs")
+    from backfill.engine.shapes import add_shape_args
+    add_shape_args(p)
 
 
 def _model_options(args: argparse.Namespace) -> dict:
     """ServingConfig's fields that _add_model_args adds to a command."""
-    return {"model": args.model, "dtype": args.dtype, "device": args.device, "compile_decode": args.compile_decode,
+    from backfill.engine.shapes import model_from_args
+    return {"model": model_from_args(args), "dtype": args.dtype, "device": args.device, "compile_decode": args.compile_decode,
             "decode_attention": args.decode_attention, "cuda_graphs": not args.no_cuda_graphs}
 
 
@@ -51,9 +54,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from backfill.bench.engine_bench import run_engine_bench
 
-    result = run_engine_bench(args.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
-                              args.new_tokens, args.device, with_hf=not args.no_hf,
-                              random_weights=args.random_weights, compile_decode=args.compile_decode,
+    result = run_engine_bench(_model_options(args)["model"], tuple(args.dtypes), tuple(args.batches),
+                              args.prompt_tokens, args.new_tokens, args.device, with_hf=not args.no_hf,
+                              compile_decode=args.compile_decode,
                               decode_attention=args.decode_attention, cuda_graphs=not args.no_cuda_graphs)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +179,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from backfill.serving.profiler import profile_latency
 
     cfg = ServingConfig(**_model_options(args))
-    loaded = load_model(args.model)
+    loaded = load_model(cfg.model)
     latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)
     latency.save(path)
@@ -265,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights of the default model's shape (speed does not depend on the values)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.set_defaults(func=cmd_bench_engine)
 

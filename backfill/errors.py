@@ -79,3 +79,8 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model is well-formed but uses an architecture or option backfill does not run; the
+    message names it."""

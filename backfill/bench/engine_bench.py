@@ -17,7 +17,6 @@ from dataclasses import replace
 
 import torch
 
-from backfill.engine.config import ModelConfig
 from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.runner import SeqChunk
 from backfill.serving.api import GenerationRequest, RequestClass
@@ -114,14 +113,12 @@ def bench_hf(loaded, batch: int, prompt_len: int, new_tokens: int, dtype: torch.
     """HF transformers `generate` (greedy) on the same weights: the same-run baseline."""
     import transformers
 
+    from backfill.engine.hf_export import hf_config_dict
+
     cfg = loaded.config
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id)
-    model = transformers.LlamaForCausalLM(hf_cfg)
+    fields = hf_config_dict(loaded)  # the family's transformers config (Llama, Mistral, Qwen2, Qwen3)
+    hf_cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     model.load_state_dict(loaded.weights, strict=False)
     model = model.to(device=device, dtype=dtype).eval()
     ids = torch.tensor([_prompt(prompt_len, i, cfg.vocab_size) for i in range(batch)], device=device)
@@ -159,13 +156,11 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
                      compile_decode: bool = False, decode_attention: str = "auto", cuda_graphs: bool = True,
                      log=print) -> dict:
-    from backfill.engine.weights import LoadedModel, load_model, random_model
+    from backfill.engine.shapes import DEFAULT_SHAPE
+    from backfill.engine.weights import load_model, random_model_name
 
-    if random_weights:
-        cfg = ModelConfig.smollm2_135m()
-        loaded = LoadedModel(cfg, random_model(cfg), None, "random weights, SmolLM2-135M shape")
-    else:
-        loaded = load_model(model)
+    # model may be random:SHAPE (engine/shapes.py); random_weights alone is the default model's shape.
+    loaded = load_model(random_model_name(DEFAULT_SHAPE) if random_weights else model)
     device = ServingConfig(device=device).resolved_device()
     result: dict = {"model": loaded.config.name, "source": loaded.source, "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -202,6 +197,18 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
             log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
                 f"({eager['tpot_over_floor']:.2f}x floor, {eager['tpot_over_paired_floor']:.2f}x paired)")
         if run["cuda_graphs"]:
+            # The steps above replay one graph per step (no safepoint); offline steps replay per-layer ones.
+            run["decode_per_layer_graphs"] = []
+            runner.decode_graphs.whole_step = False
+            try:
+                for batch in batches:
+                    d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
+                    d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+                    run["decode_per_layer_graphs"].append(d)
+                    log(f"[{dtype_name}] batch {batch:3d} with per-layer graphs: TPOT {d['tpot_ms']:.2f} ms, "
+                        f"{d['tokens_per_s']:.0f} tok/s")
+            finally:
+                runner.decode_graphs.whole_step = True
             run["decode_without_cuda_graphs"] = []
             for batch in batches:
                 d = _bench_without(runner, "decode_graphs", runner, batch, prompt_len, new_tokens, floor_ms, probe)

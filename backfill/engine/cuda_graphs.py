@@ -7,6 +7,11 @@ The graphs are per layer, not per step, so the scheduler's safepoint still runs 
 (ConServe §4.3: an offline step yields at the next layer) and an abort leaves the KV pool as the
 eager path leaves it: the uncommitted positions written so far are overwritten when the step is redone.
 
+A step that no safepoint may stop (an online or co-serving step: ConServe §4.3 preempts only
+offline work) has no use for the layer boundaries, so each bucket also holds one graph of the
+whole step, replayed in one call where the per-layer graphs take num_layers + 1; steps with a
+safepoint replay the per-layer ones.
+
 A graph replays fixed shapes at fixed addresses. A step of b sequences runs in the smallest batch
 bucket >= b; the extra rows decode token 0 at position 0 into a scratch block taken from the pool
 once, so they never touch a live sequence's KV. Block tables are padded to a power-of-two bucket
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted, apply_rope
+from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted
 
 if TYPE_CHECKING:
     from backfill.engine.runner import SeqChunk
@@ -103,6 +108,7 @@ class _StaticBatch:
 class _Bucket:
     batch: _StaticBatch
     runs: list[Callable[[], None]]  # graph replays, or the parts themselves where nothing is captured
+    whole: Callable[[], None]  # the whole step in one replay (or all parts in turn), for steps without a safepoint
 
 
 class DecodeGraphs:
@@ -112,8 +118,11 @@ class DecodeGraphs:
     padding and bucketing that the graphs replay.
     """
 
-    def __init__(self, model: LlamaModel, kv: KVBlockPool, capture: bool | None = None) -> None:
+    def __init__(self, model: LlamaModel, kv: KVBlockPool, capture: bool | None = None,
+                 whole_step: bool = True) -> None:
         self.capture = model.device.type == "cuda" if capture is None else capture
+        self.whole_step = whole_step  # False: steps without a safepoint also replay the per-layer graphs
+        self.whole_step_runs = 0  # steps run as one graph (tests and benchmarks read it)
         if self.capture and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
         self.model, self.kv = model, kv
@@ -154,6 +163,10 @@ class DecodeGraphs:
         bucket = self._bucket(batch_bucket(len(chunks)), blocks_bucket(max(positions) // bs + 1))
         bucket.batch.stage([c.token_ids[0] for c in chunks], positions, [c.block_table for c in chunks],
                            self.scratch_block)
+        if safepoint is None and self.whole_step:
+            bucket.whole()
+            self.whole_step_runs += 1
+            return bucket.batch.logits[:len(chunks)].clone()
         for i, run in enumerate(bucket.runs):
             # Run i is layer i; the last run (i == num_layers) is the LM head, as in the eager forward.
             if i > 0 and safepoint is not None and safepoint(i):
@@ -177,7 +190,7 @@ class DecodeGraphs:
                  + [lambda li=li: self._layer(li, static) for li in range(1, num_layers)]
                  + [lambda: self._head(static)])
         if not self.capture:
-            return _Bucket(static, parts)
+            return _Bucket(static, parts, lambda: [part() for part in parts])
         static.stage([], [], [], self.scratch_block)  # all padding: warm-up and capture touch only scratch
         # Warm up on a side stream first (cuBLAS workspaces, allocator), as capture requires.
         side = torch.cuda.Stream(self.model.device)
@@ -193,8 +206,16 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self._pool):
                     part()
                 graphs.append(graph)
+            whole = None
+            if self.whole_step:
+                # The same parts once more in one graph; it shares the pool and the static tensors.
+                whole = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(whole, pool=self._pool):
+                    for part in parts:
+                        part()
         log.info("captured decode graphs for batch %d, %d blocks", batch, blocks)
-        return _Bucket(static, [graph.replay for graph in graphs])
+        return _Bucket(static, [graph.replay for graph in graphs],
+                       whole.replay if whole is not None else lambda: [graph.replay() for graph in graphs])
 
     # The parts: the eager forward's decode math on fixed tensors (backfill/engine/model.py).
     @torch.inference_mode()
@@ -211,13 +232,12 @@ class DecodeGraphs:
     def _layer(self, li: int, s: _StaticBatch) -> None:
         m, cfg = self.model, self.model.config
         layer = m.layers[li]
-        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        n_q, hd = cfg.num_heads, cfg.head_dim
         rows = s.batch
         x = F.rms_norm(s.hidden, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
-        qkv = layer["qkv"](x)
-        qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(rows, n_q + n_kv, hd), s.cos, s.sin)
-        m._write_kv(li, qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(rows, n_kv, hd), s.meta, self.kv)
-        attn = m._decode_attention(qk[:, :n_q], li, s.meta, self.kv).reshape(rows, n_q * hd)
+        q, k, v = m.split_qkv(layer, layer["qkv"](x), s.cos, s.sin)
+        m._write_kv(li, k, v, s.meta, self.kv)
+        attn = m._decode_attention(q, li, s.meta, self.kv).reshape(rows, n_q * hd)
         h = layer["o"].add_to(s.hidden, attn)
         x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
         gate, up = layer["gate_up"](x).chunk(2, dim=-1)

@@ -1,25 +1,33 @@
-"""Read a llama-architecture GGUF file into HF-named fp32 weights, a ModelConfig and a tokenizer.
+"""Read a GGUF file (architecture llama, qwen2 or qwen3) into HF-named fp32 weights, a ModelConfig
+and a tokenizer.
 
-llama.cpp's converter stores Q and K projections with the rows of each head permuted: HF
-checkpoints rotate the two *halves* of a head (rotate_half RoPE), llama.cpp rotates adjacent
-*pairs*, so the converter interleaves the halves. We undo that here, so the weights dict has the
-HF layout and the model can use rotate_half RoPE.
+For the `llama` architecture (Llama, Mistral, SmolLM) llama.cpp's converter stores Q and K
+projections with the rows of each head permuted: HF checkpoints rotate the two *halves* of a head
+(rotate_half RoPE), llama.cpp rotates adjacent *pairs*, so the converter interleaves the halves.
+We undo that here, so the weights dict has the HF layout and the model can use rotate_half RoPE.
+Qwen2/Qwen3 use the half-rotation ("NEOX") RoPE in llama.cpp too: their rows are stored as in HF.
+
+Llama 3.1's RoPE scaling reaches a GGUF as a `rope_freqs` tensor (what each frequency is divided
+by), not as parameters; we recover the parameters from it (Llama3RopeScaling.fit) and refuse a
+tensor that no Llama-3 scaling produces.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from backfill.engine.config import ModelConfig
+from backfill.engine.config import Llama3RopeScaling, ModelConfig
 from backfill.engine.tokenizer import Tokenizer
-from backfill.errors import CorruptModelError, ModelLoadError
+from backfill.errors import CorruptModelError, UnsupportedModelError
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURE = "llama"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -36,20 +44,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
 def hf_name(gguf_name: str) -> str:
-    """The HF Llama name of a GGUF tensor; CorruptModelError for a tensor a Llama has no use for."""
+    """The HF name of a GGUF tensor; CorruptModelError for a tensor the decoder has no use for."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.match(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise ModelLoadError("GGUF uses scaled RoPE (rope_freqs tensor), which backfill does not support")
-    raise CorruptModelError(f"GGUF has an unexpected tensor {gguf_name!r} for a llama model")
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    raise CorruptModelError(f"GGUF has an unexpected tensor {gguf_name!r}")
 
 
 def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -93,34 +101,74 @@ def _field(reader, key: str, default=None, required: bool = True):
 
 def _config(reader, path: Path, name: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch != SUPPORTED_ARCHITECTURE:
-        raise CorruptModelError(f"{path}: unsupported architecture {arch!r} (backfill runs {SUPPORTED_ARCHITECTURE!r})")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"{path}: unsupported architecture {arch!r} "
+                                    f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(suffix: str, default=None, required: bool = True):
+        return _field(reader, f"{arch}.{suffix}", default=default, required=required)
+
     tokens = _field(reader, "tokenizer.ggml.tokens", required=False)
-    vocab_size = _field(reader, "llama.vocab_size", default=len(tokens) if tokens else None)
-    tensor_names = {t.name for t in reader.tensors}
-    config = ModelConfig(
-        vocab_size=int(vocab_size),
-        hidden_size=int(_field(reader, "llama.embedding_length")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=int(_field(reader, "llama.attention.head_count")),
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv",
-                                default=_field(reader, "llama.attention.head_count"))),
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", default=10000.0)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", default=1e-5)),
-        # llama.cpp's converter drops output.weight when the checkpoint ties it to the embedding.
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", required=False)),
-        eos_token_id=_optional_int(_field(reader, "tokenizer.ggml.eos_token_id", required=False)),
-        name=name,
-    )
-    rope_dims = _field(reader, "llama.rope.dimension_count", required=False)
+    vocab_size = key("vocab_size", default=len(tokens) if tokens else None)
+    tensors = {t.name: t for t in reader.tensors}
+    heads = key("attention.head_count")
+    head_dim = key("attention.key_length", required=False)
+    value_dim = key("attention.value_length", required=False)
+    if head_dim is not None and value_dim is not None and int(value_dim) != int(head_dim):
+        raise UnsupportedModelError(f"{path}: keys of {head_dim} and values of {value_dim} dims per head "
+                                    "are not supported (they must be equal)")
+    sliding_window = key("attention.sliding_window", required=False)
+    try:
+        config = ModelConfig(
+            vocab_size=int(vocab_size),
+            hidden_size=int(key("embedding_length")),
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=int(heads),
+            num_kv_heads=int(key("attention.head_count_kv", default=heads)),
+            max_position_embeddings=int(key("context_length")),
+            rope_theta=float(key("rope.freq_base", default=10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", default=1e-5)),
+            # llama.cpp's converter drops output.weight when the checkpoint ties it to the embedding.
+            tie_word_embeddings="output.weight" not in tensors,
+            bos_token_id=_optional_int(_field(reader, "tokenizer.ggml.bos_token_id", required=False)),
+            eos_token_id=_optional_int(_field(reader, "tokenizer.ggml.eos_token_id", required=False)),
+            name=name,
+            architecture=arch,
+            head_dim=None if head_dim is None else int(head_dim),
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+        )
+    except (TypeError, ValueError) as exc:
+        raise CorruptModelError(f"{path}: malformed model metadata: {exc}") from exc
+    if "blk.0.attn_output.bias" in tensors:
+        raise UnsupportedModelError(f"{path}: a bias on the attention output projection is not supported")
+    rope_dims = key("rope.dimension_count", required=False)
     if rope_dims is not None and int(rope_dims) != config.head_dim:
-        raise ModelLoadError(f"{path}: partial RoPE ({rope_dims} of {config.head_dim} dims) is not supported")
-    if _field(reader, "llama.rope.scaling.type", required=False) not in (None, "none"):
-        raise ModelLoadError(f"{path}: RoPE scaling is not supported")
+        raise UnsupportedModelError(f"{path}: partial RoPE ({rope_dims} of {config.head_dim} dims) "
+                                    "is not supported")
+    scaling = key("rope.scaling.type", required=False)
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {scaling!r} is not supported "
+                                    "(Llama 3's scaling, stored as a rope_freqs tensor, is)")
+    if ROPE_FREQS_TENSOR in tensors:
+        config = replace(config, rope_scaling=_llama3_scaling(tensors[ROPE_FREQS_TENSOR], config, path))
     return config
+
+
+def _llama3_scaling(tensor, config: ModelConfig, path: Path) -> Llama3RopeScaling | None:
+    from gguf.quants import dequantize
+
+    divisors = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1))
+    if divisors.numel() != config.head_dim // 2:
+        raise CorruptModelError(f"{path}: {ROPE_FREQS_TENSOR} has {divisors.numel()} entries, "
+                                f"expected head_dim / 2 = {config.head_dim // 2}")
+    try:
+        return Llama3RopeScaling.fit(divisors, config.rope_inv_freq())
+    except (ValueError, CorruptModelError) as exc:
+        raise UnsupportedModelError(f"{path}: its {ROPE_FREQS_TENSOR} tensor is not a Llama-3 RoPE scaling, "
+                                    f"the only one backfill runs ({exc})") from exc
 
 
 def _optional_int(value) -> int | None:
@@ -132,7 +180,10 @@ def _weights(reader, path: Path, config: ModelConfig) -> dict[str, torch.Tensor]
 
     file_bytes = path.stat().st_size
     weights: dict[str, torch.Tensor] = {}
+    permuted = config.architecture == "llama"  # llama.cpp permutes Q/K rows only for this architecture
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue  # read into the config's rope_scaling
         name = hf_name(tensor.name)
         if tensor.data_offset + tensor.n_bytes > file_bytes:
             raise CorruptModelError(f"{path}: tensor {tensor.name} runs past the end of the file (truncated?)")
@@ -142,9 +193,9 @@ def _weights(reader, path: Path, config: ModelConfig) -> dict[str, torch.Tensor]
             raise CorruptModelError(f"{path}: cannot dequantize {tensor.name} "
                                     f"({tensor.tensor_type.name}): {exc}") from exc
         weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-        if name.endswith("q_proj.weight"):
+        if permuted and name.endswith("q_proj.weight"):
             weight = _unpermute_checked(weight, config.num_heads, tensor.name, path)
-        elif name.endswith("k_proj.weight"):
+        elif permuted and name.endswith("k_proj.weight"):
             weight = _unpermute_checked(weight, config.num_kv_heads, tensor.name, path)
         weights[name] = weight.contiguous()
     return weights
@@ -163,7 +214,7 @@ def _tokenizer(reader, path: Path) -> Tokenizer | None:
         return None
     kind = _field(reader, "tokenizer.ggml.model", required=False)
     if kind != "gpt2":
-        raise ModelLoadError(f"{path}: tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        raise UnsupportedModelError(f"{path}: tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2')")
     return Tokenizer.from_gguf_vocab(
         tokens=list(tokens),
         merges=list(_field(reader, "tokenizer.ggml.merges", required=False) or []),
@@ -186,3 +237,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
     reader = _open(path)
     config = _config(reader, path, name=path.name.removesuffix(".gguf"))
     return config, _weights(reader, path, config), _tokenizer(reader, path)
+
+
+def read_gguf_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer a GGUF stores, without reading its tensors."""
+    return _tokenizer(_open(path), path)

@@ -1,6 +1,6 @@
 """Write a loaded model as an HF directory, so transformers and vLLM can serve the same weights.
 
-The layout is LlamaForCausalLM's: config.json, model.safetensors (fp32, HF names and HF Q/K
+The layout is that of the family's transformers class (LlamaForCausalLM, Qwen2ForCausalLM, ...): config.json, model.safetensors (fp32, HF names and HF Q/K
 layout), tokenizer.json, tokenizer_config.json (with the chat template) and
 generation_config.json. backfill also uses it as its own dequantized-GGUF cache.
 """
@@ -8,16 +8,24 @@ generation_config.json. backfill also uses it as its own dequantized-GGUF cache.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from backfill.engine.weights import LoadedModel, validate_weights
 
 
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
+
+
 def hf_config_dict(loaded: LoadedModel) -> dict:
     c = loaded.config
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    rope_scaling = None
+    if c.rope_scaling is not None:
+        rope_scaling = {"rope_type": "llama3", **asdict(c.rope_scaling)}
+    out = {
+        "architectures": [HF_CLASSES[c.architecture]],
+        "model_type": c.architecture,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -27,16 +35,21 @@ def hf_config_dict(loaded: LoadedModel) -> dict:
         "head_dim": c.head_dim,
         "max_position_embeddings": c.max_position_embeddings,
         "rope_theta": c.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "rms_norm_eps": c.rms_norm_eps,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": c.qkv_bias,  # Qwen2 ignores it (its q/k/v always have biases)
         "mlp_bias": False,
+        "sliding_window": c.sliding_window,
         "tie_word_embeddings": c.tie_word_embeddings,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "torch_dtype": "float32",
     }
+    if c.architecture in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = c.sliding_window is not None
+        out["max_window_layers"] = 0 if c.sliding_window is not None else c.num_layers
+    return out
 
 
 def export_hf_dir(loaded: LoadedModel, out_dir: Path) -> Path:

@@ -139,13 +139,12 @@ class LlamaModel:
                 down=w(p + "mlp.down_proj.weight"))
             self.layers.append(dict(attn_norm=w(p + "input_layernorm.weight"),
                                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                                    **{name: linear(weight) for name, weight in plain.items()}))
+                                    **{name: linear(weight) for name, weight in plain.items()},
+                                    **self._attention_extras(p, w)))
             if compile_decode:
                 plain_layers.append(plain)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64)
-                                                / config.head_dim))
         t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, config.rope_inv_freq())  # Llama 3's scaling, where the model has it
         emb = torch.cat([freqs, freqs], dim=-1)
         self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
@@ -159,6 +158,32 @@ class LlamaModel:
 
             self.paged_decode_attention = load_paged_decode_attention()
 
+    def _attention_extras(self, prefix: str, w: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Qwen2's q/k/v biases as one [q + k + v] vector; Qwen3's q and k norm weights as one
+        [n_q + n_kv, head_dim] table, so the fused q/k/v output takes each in one op."""
+        cfg, extras = self.config, {}
+        if cfg.qkv_bias:
+            extras["qkv_bias"] = torch.cat([w(prefix + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        if cfg.qk_norm:
+            extras["qk_norm"] = torch.cat([w(prefix + "self_attn.q_norm.weight").expand(cfg.num_heads, -1),
+                                           w(prefix + "self_attn.k_norm.weight").expand(cfg.num_kv_heads, -1)])
+        return extras
+
+    def split_qkv(self, layer: dict, qkv: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output [T, (n_q + 2 n_kv) hd] as q [T, n_q, hd] and k, v [T, n_kv, hd],
+        with the bias, the q/k norm and RoPE applied (the eager forward and the CUDA-graph parts share it)."""
+        cfg = self.config
+        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        qk = qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd)
+        if "qk_norm" in layer:
+            qk = F.rms_norm(qk, (hd,), None, cfg.rms_norm_eps) * layer["qk_norm"]
+        # RoPE on q and k together: one rotation over n_q + n_kv heads.
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
+
     def _build_compiled_decode(self, plain_layers: list[dict[str, torch.Tensor]],
                                lm_head: torch.Tensor) -> CompiledDecode | None:
         if self.device.type != "cpu":
@@ -167,6 +192,11 @@ class LlamaModel:
         from backfill.engine.compiled_decode import CompiledDecode, DecodeLayer  # it imports apply_rope from here
 
         cfg = self.config
+        if cfg.qkv_bias or cfg.qk_norm:
+            # The compiled q/k/v piece has neither; such models decode through the eager path.
+            log.warning("compiled decode does not take q/k/v biases or q/k norms (%s); decode stays eager",
+                        cfg.architecture)
+            return None
         compiled = CompiledDecode([DecodeLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return compiled if compiled.ready else None
@@ -202,9 +232,6 @@ class LlamaModel:
         if pieces is not None:
             return self._forward_compiled_decode(pieces, input_ids, meta, kv, safepoint)
         cfg = self.config
-        n_q, n_kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = n_q * hd, n_kv * hd
-        num_tokens = input_ids.shape[0]
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
         if resume is None:
@@ -224,10 +251,7 @@ class LlamaModel:
                     check(li, 0)
                 x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
                 qkv = layer["qkv"](x)
-                # RoPE on q and k together: one rotation over n_q + n_kv heads.
-                qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, n_q + n_kv, hd), cos, sin)
-                q, k = qk[:, :n_q], qk[:, n_q:]
-                v = qkv[:, q_size + kv_size:].view(num_tokens, n_kv, hd)
+                q, k, v = self.split_qkv(layer, qkv, cos, sin)
                 self._write_kv(li, k, v, meta, kv)
                 attn = self._attention(q, li, meta, kv)
                 h = layer["o"].add_to(h, attn)

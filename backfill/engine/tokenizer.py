@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from backfill.errors import CorruptModelError, InvalidRequestError, ModelLoadError
+from backfill.errors import CorruptModelError, InvalidRequestError, UnsupportedModelError
 
 # llama.cpp's token_type values (gguf.TokenType).
 _TOKEN_TYPE_CONTROL = 3
@@ -29,6 +29,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<
 # punctuation runs, newlines, whitespace.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's split ("qwen2", also Qwen2.5 and Qwen3): Llama 3's with every digit on its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
@@ -43,8 +45,12 @@ def _pre_tokenizer(pre_type: str | None) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise ModelLoadError(f"tokenizer pre-type {pre_type!r} is not supported "
-                         "(supported: default/gpt2, smollm, llama-bpe)")
+    if pre_type == "qwen2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise UnsupportedModelError(f"tokenizer pre-type {pre_type!r} is not supported "
+                                "(supported: default/gpt2, smollm, llama-bpe, qwen2)")
 
 
 def _render_error(message: str) -> None:

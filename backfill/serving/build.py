@@ -150,6 +150,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = cfg.resolved_device()
+    model_config.check_context(cfg.max_model_len)  # a sliding window must not be reached
     model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
                        compile_decode=cfg.compile_decode,
                        paged_attention_kernel=cfg.uses_paged_attention_kernel)

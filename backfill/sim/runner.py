@@ -121,7 +121,7 @@ class SimulatedRunner:
         layers_w = self._layer_weights * num_tokens
         head_w = self._head_weights * num_logits
         per_layer_ms = step_ms * layers_w / (layers_w + head_w) / self.real_config.num_layers
-        head_ms = step_ms - per_layer_ms * self.real_config.num_layers
+        head_ms = max(0.0, step_ms - per_layer_ms * self.real_config.num_layers)  # no logits: 0, not -1e-14
         checks: list[int] = []
         ms: list[float] = []
         for li in range(self.real_config.num_layers):

@@ -192,3 +192,24 @@ def test_captured_graphs_decode_like_the_eager_path(tiny_config, lengths):
 def test_graphs_captured_at_load_decode_like_the_eager_path(tiny_config):
     model = LlamaModel(tiny_config, random_weights(tiny_config), device="cuda")
     _capture_all_then_decode(model, tiny_config, "cuda", capture=True)
+
+
+def test_steps_without_a_safepoint_run_as_one_whole_step(model, tiny_config, device):
+    """A step no safepoint may stop replays the bucket's whole-step graph; one with a safepoint the
+    per-layer graphs, checking between them; both give the same logits (run eagerly on CPU)."""
+    _, runner = _runners(model, tiny_config, device, capture=device == "cuda")
+    graphs, kv = runner.decode_graphs, runner.kv
+    ids = _prompts([20])[0]
+    table = kv.allocate(3)
+    runner.execute([SeqChunk("x", ids, 0, table, want_logits=False)])
+    whole = runner.execute([SeqChunk("x", [7], 20, table)]).logits
+    assert graphs.whole_step_runs == 1
+    seen = []
+    layered = runner.execute([SeqChunk("x", [7], 20, table)],
+                             safepoint=lambda layer: seen.append(layer) or False).logits
+    assert graphs.whole_step_runs == 1 and seen == list(range(1, tiny_config.num_layers + 1))
+    graphs.whole_step = False
+    per_layer = runner.execute([SeqChunk("x", [7], 20, table)]).logits
+    assert graphs.whole_step_runs == 1
+    _close(whole, layered)
+    _close(whole, per_layer)

@@ -14,7 +14,7 @@ from backfill.engine.default_model import DEFAULT_MODEL_FILE, default_model_path
 from backfill.engine.gguf_reader import permute_qk, unpermute_qk
 from backfill.engine.weights import (LoadedModel, expected_weight_shapes, gguf_cache_key, load_model,
                                      random_model)
-from backfill.errors import CorruptModelError, ModelLoadError
+from backfill.errors import CorruptModelError, ModelLoadError, UnsupportedModelError
 
 
 def byte_alphabet() -> list[str]:
@@ -271,11 +271,11 @@ def test_untied_gguf_has_lm_head(tmp_path):
     assert torch.equal(loaded.weights["lm_head.weight"], weights["lm_head.weight"])
 
 
-def test_unsupported_architecture_is_corrupt(tmp_path):
+def test_unsupported_architecture_is_named(tmp_path):
     config = tiny_gguf_config()
     path = tmp_path / "arch.gguf"
     write_tiny_gguf(path, config, random_model(config), arch="gpt2")
-    with pytest.raises(CorruptModelError, match="architecture"):
+    with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'"):
         load_model(path, cache_dir=tmp_path / "cache")
 
 
@@ -286,7 +286,7 @@ def test_hf_dir_errors(tmp_path):
     with pytest.raises(CorruptModelError):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(CorruptModelError, match="model_type"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'"):
         load_model(tmp_path)
 
 
