@@ -79,3 +79,19 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class ClusterError(BackfillError):
+    """An error of the cluster layer (scheduler, placer, fleet simulator, Ray cluster)."""
+
+
+class ClusterInputError(ClusterError, ValueError):
+    """A cluster job, profile, snapshot, placement problem or config is malformed."""
+
+
+class JobRejectedError(ClusterError):
+    """No node of the cluster can give an offline job the throughput its SLA asks for."""
+
+
+class NodeConfigError(ClusterError, ValueError):
+    """A node config file (backfill serve --config) is malformed; the message names the field."""
