@@ -87,6 +87,12 @@ class PlacementSession:
         bounds = np.flatnonzero(np.diff(nodes[order])) + 1
         self._node_devices = np.split(order, bounds)   # device indices per machine
         self._scores: dict[int, np.ndarray] = {}
+        self._free_groups: dict[JobProfile, list] = {}     # see _groups
+        self._whole: dict[JobProfile, list] = {}
+        self._dirty: dict[JobProfile, set[int]] = {}
+        self._group_of_device = np.empty(snapshot.num_devices, dtype=np.int64)
+        for group, devices in enumerate(self._node_devices):
+            self._group_of_device[devices] = group
 
     # --- per-device predictions ------------------------------------------------------------------
 
@@ -120,7 +126,10 @@ class PlacementSession:
             found = self._place_group(job, need, allowed)
         if isinstance(found, Placement):
             for device_id in found.device_ids:
-                self.free[self._index[device_id]] = False
+                index = self._index[device_id]
+                self.free[index] = False
+                for dirty in self._dirty.values():
+                    dirty.add(int(self._group_of_device[index]))
         return found
 
     def _pick(self, values: np.ndarray) -> int:
@@ -164,27 +173,41 @@ class PlacementSession:
                 best = (picked, prediction)
         return best
 
+    def _machine_of(self, device_ids: set[str]) -> set[int]:
+        return {int(self._group_of_device[self._index[d]]) for d in device_ids if d in self._index}
+
+    def _groups(self, profile: JobProfile, whole: bool) -> list[tuple[np.ndarray, Prediction] | None]:
+        """Each machine's best group for the profile: over its free devices, or (whole) all of them.
+        Cached per profile; a placement marks only its machine for recomputation."""
+        cache = (self._whole if whole else self._free_groups).get(profile)
+        if cache is None:
+            cache = [None] * len(self._node_devices)
+            dirty = set(range(len(self._node_devices)))
+            (self._whole if whole else self._free_groups)[profile] = cache
+        else:
+            dirty = set() if whole else self._dirty.setdefault(profile, set())
+        usable = np.ones_like(self.free) if whole else self.free
+        for group in dirty:
+            cache[group] = self._best_group(profile, group, usable)
+        if not whole:
+            self._dirty[profile] = set()
+        return cache
+
     def _place_group(self, job: OfflineJob, need: float, allowed: np.ndarray) -> Placement | Rejection:
-        feasible: list[tuple[np.ndarray, Prediction]] = []
-        best_any = 0.0
-        fits_if_free = False
-        for group in range(len(self._node_devices)):
-            found = self._best_group(job.profile, group, self.free & allowed)
-            if found is not None:
-                best_any = max(best_any, found[1].tokens_per_s)
-                if found[1].tokens_per_s >= need:
-                    feasible.append(found)
-                    continue
-            if not fits_if_free:
-                # Would this machine serve the job if its other jobs were gone?
-                whole = self._best_group(job.profile, group, allowed)
-                if whole is not None:
-                    best_any = max(best_any, whole[1].tokens_per_s)
-                    fits_if_free = whole[1].tokens_per_s >= need
-        if feasible:
-            chosen = feasible[self._pick(np.array([p.tokens_per_s for _, p in feasible]))]
-            return Placement(job.job_id, tuple(self.snapshot.device_ids[i] for i in chosen[0]), chosen[1])
-        return self._reject(job, best_any, fits_if_free)
+        profile = job.profile
+        free_groups = list(self._groups(profile, whole=False))
+        whole_groups = list(self._groups(profile, whole=True))
+        for group in self._machine_of(set(self._exclude.get(job.job_id, ()))):   # rare: an evicted job
+            free_groups[group] = self._best_group(profile, group, self.free & allowed)
+            whole_groups[group] = self._best_group(profile, group, allowed)
+        tps = np.array([found[1].tokens_per_s if found else -1.0 for found in free_groups])
+        feasible = np.flatnonzero(tps >= need)
+        if feasible.size:
+            group = int(feasible[self._pick(tps[feasible])])
+            devices, prediction = free_groups[group]
+            return Placement(job.job_id, tuple(self.snapshot.device_ids[i] for i in devices), prediction)
+        whole_tps = np.array([found[1].tokens_per_s if found else 0.0 for found in whole_groups])
+        return self._reject(job, float(whole_tps.max(initial=0.0)), bool((whole_tps >= need).any()))
 
     def _reject(self, job: OfflineJob, best: float, fits_if_free: bool) -> Rejection:
         k = job.profile.devices
