@@ -50,7 +50,7 @@ def test_alignment_scores_and_lockstep_factor():
 
 def test_scheduler_best_fit_meets_sla_and_rejects_with_reason():
     snap = snapshot([0.2, 0.5, 0.9])
-    sched = ClusterScheduler()
+    sched = ClusterScheduler(SchedulerConfig(choice="best-fit"))
     job = OfflineJob("j", JobProfile(100.0), sla_tokens_per_s=40.0)
     placed = sched.place(job, snap)
     assert isinstance(placed, Placement) and placed.device_ids == ("d1",)   # 50 >= 40, the tightest fit
@@ -83,7 +83,8 @@ def test_monitor_evicts_only_persistent_misses():
 
 
 def test_controller_evicts_and_places_elsewhere_and_rejects_for_good():
-    ctl = ClusterController(monitor=SLAMonitor(MonitorConfig(misses_to_evict=2)))
+    ctl = ClusterController(ClusterScheduler(SchedulerConfig(choice="best-fit")),
+                            SLAMonitor(MonitorConfig(misses_to_evict=2)))
     ctl.submit(OfflineJob("a", JobProfile(100.0), 40.0))
     ctl.submit(OfflineJob("never", JobProfile(100.0), 500.0))
     snap = snapshot([0.5, 0.8])
