@@ -34,7 +34,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @dataclass(frozen=True)
 class ScenarioConfig:
     nodes: int = 3
-    model: str = "default"
+    model: str = "tiny"                    # "default" (SmolLM2-135M) where 3 copies fit the cores
     lines_per_job: int = 24
     max_tokens: int = 16
     online_rate_per_s: float = 1.0         # Poisson, per node
@@ -86,7 +86,18 @@ class OnlineTraffic:
         self._stop.set()
 
 
-def run_scenario(cfg: ScenarioConfig = ScenarioConfig()) -> dict:
+def replay_on_ray(service, jobs: list[OfflineJob], rounds: list) -> list[list[tuple]]:
+    """The fleet simulator's rounds (fleet_sim.RoundRecord) decided again by a ClusterService actor."""
+    import ray
+
+    for job in jobs:
+        ray.get(service.submit.remote(job, [json.dumps({"custom_id": job.job_id})]))
+    return [[tuple(tuple(x) if isinstance(x, list) else x for x in d)
+             for d in ray.get(service.decide.remote(r.snapshot, r.measured, r.finished))] for r in rounds]
+
+
+def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, list] | None = None) -> dict:
+    """The live scenario; with replay=(jobs, fleet rounds), also those rounds decided on a Ray actor."""
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -106,6 +117,9 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig()) -> dict:
                    .remote(NodeSpec(f"node{i}", model=cfg.model)) for i, node in enumerate(ray_nodes[:cfg.nodes])}
         infos = {n: ray.get(h.info.remote(), timeout=240) for n, h in handles.items()}
         ready_s = time.perf_counter() - started
+        replayed = None
+        if replay is not None:
+            replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
 
         # Valve §6: T_mono profiled once at submission, here on every node at once without online load
         profile_lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(8)]
@@ -174,7 +188,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig()) -> dict:
                                 for j in job_lines),
             "lines": {j: len(job_lines[j]) for j in job_lines},
             "events": ray.get(service.events.remote()), "prediction": accuracy,
-            "online_sent": dict(traffic.sent), "wall_s": time.perf_counter() - started,
+            "online_sent": dict(traffic.sent), "replayed_decisions": replayed, "wall_s": time.perf_counter() - started,
         }
     finally:
         if traffic is not None:
