@@ -48,6 +48,7 @@ class ClusterService:
         self.accuracy: list[dict] = []                  # predicted T_eff of a round vs the next round's measure
         self._last_round_s: float | None = None
         self._predicted: dict[str, tuple[str, float]] = {}
+        self._just_placed: set[str] = set()
 
     # --- jobs ---------------------------------------------------------------------------------------
 
@@ -136,7 +137,9 @@ class ClusterService:
                 state.node = None
             elif elapsed is not None and job_id in self.controller.running:
                 measured[job_id] = state.tokens_since_round / elapsed
-                if job_id in self._predicted and self._predicted[job_id][0] == state.node:
+                # the round it started in includes the batch's start-up: compare whole rounds only
+                if job_id in self._predicted and self._predicted[job_id][0] == state.node \
+                        and job_id not in self._just_placed:
                     self.accuracy.append({"job_id": job_id, "node": state.node, "predicted": self._predicted[job_id][1],
                                           "measured": measured[job_id]})
             state.tokens_since_round = 0
@@ -160,6 +163,7 @@ class ClusterService:
             if pending and self._call(node, "start_job", placement.job_id, pending) is not None:
                 state.node = node
                 self.log.append({"event": "place", **placement.as_dict(), "lines": len(pending)})
+        self._just_placed = {p.job_id for p in result.placed}
         index = {n: i for i, n in enumerate(ids)}
         self._predicted = {j: (p.device_ids[0], predict(self.jobs[j].job.profile, snapshot,
                                                         [index[p.device_ids[0]]]).tokens_per_s)

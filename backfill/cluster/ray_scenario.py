@@ -35,15 +35,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 class ScenarioConfig:
     nodes: int = 3
     model: str = "tiny"                    # "default" (SmolLM2-135M) where 3 copies fit the cores
-    lines_per_job: int = 24
+    lines_per_job: int = 96
     max_tokens: int = 16
     online_rate_per_s: float = 1.0         # Poisson, per node
-    raised_rate_per_s: float = 12.0        # the node whose job must miss its SLA
-    sla_share: float = 0.3                 # SLA = share x T_mono
+    raised_rate_per_s: float = 40.0        # the node whose job must miss its SLA
+    sla_share: float = 0.5                 # SLA = share x T_mono
     round_s: float = 2.0
     raise_after_rounds: int = 2
-    kill_after_rounds: int = 8
-    timeout_s: float = 150.0
+    kill_after_rounds: int = 6
+    timeout_s: float = 300.0
     object_store_mb: int = 80
 
 
