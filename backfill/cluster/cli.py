@@ -65,7 +65,7 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     prediction = result["prediction"]
     print(f"model {result['model']}, T_mono {result['t_mono_tokens_per_s']:.1f} tokens/s; raised {result['raised_node']}, "
           f"killed {result['killed_node']}; every custom_id exactly once: {result['exactly_once']}; "
-          f"prediction median |error| {prediction['median_abs_error']} over {prediction['pairs']} rounds; "
+          f"prediction median |error| {prediction['median_abs_error']} over {len(prediction['errors'])} job stays; "
           f"{time.perf_counter() - started:.0f} s")
     _write(args.json, result)
     return 0

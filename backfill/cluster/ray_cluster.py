@@ -45,10 +45,10 @@ class ClusterService:
         self.controller = ClusterController(ClusterScheduler(scheduler), SLAMonitor(monitor))
         self.jobs: dict[str, _JobState] = {}
         self.log: list[dict] = []                       # every decision and event, in order
-        self.accuracy: list[dict] = []                  # predicted T_eff of a round vs the next round's measure
         self._last_round_s: float | None = None
         self._predicted: dict[str, tuple[str, float]] = {}
         self._just_placed: set[str] = set()
+        self._stays: dict[tuple, dict] = {}             # (job, node, move count) -> its whole rounds there
 
     # --- jobs ---------------------------------------------------------------------------------------
 
@@ -140,8 +140,11 @@ class ClusterService:
                 # the round it started in includes the batch's start-up: compare whole rounds only
                 if job_id in self._predicted and self._predicted[job_id][0] == state.node \
                         and job_id not in self._just_placed:
-                    self.accuracy.append({"job_id": job_id, "node": state.node, "predicted": self._predicted[job_id][1],
-                                          "measured": measured[job_id]})
+                    stay = self._stays.setdefault((job_id, state.node, state.moves), {
+                        "job_id": job_id, "node": state.node, "predicted": [], "tokens": 0, "seconds": 0.0})
+                    stay["predicted"].append(self._predicted[job_id][1])
+                    stay["tokens"] += state.tokens_since_round
+                    stay["seconds"] += elapsed
             state.tokens_since_round = 0
         if not observed:
             return {"placed": [], "evicted": [], "rejected": [], "waiting": []}
@@ -173,7 +176,13 @@ class ClusterService:
         return {"placed": [p.as_dict() for p in result.placed], "evicted": [e.as_dict() for e in result.evicted],
                 "rejected": [r.as_dict() for r in result.rejected], "waiting": [w.as_dict() for w in result.waiting]}
 
-    def prediction_error(self) -> dict:
-        errors = [abs(a["predicted"] - a["measured"]) / a["measured"] for a in self.accuracy if a["measured"] > 0]
-        return {"pairs": len(errors), "median_abs_error": float(np.median(errors)) if errors else None,
-                "samples": self.accuracy}
+    def prediction_error(self, min_rounds: int = 3) -> dict:
+        """Predicted T_eff (mean over a job's whole rounds on a node) against the throughput it got
+        there (tokens / seconds over the same rounds): results arrive a batch of lines at a time,
+        so single rounds are noisy. Stays shorter than min_rounds are left out."""
+        stays = [{**st, "predicted": float(np.mean(st["predicted"])), "rounds": len(st["predicted"]),
+                  "measured": st["tokens"] / st["seconds"]}
+                 for st in self._stays.values() if len(st["predicted"]) >= min_rounds and st["seconds"] > 0]
+        errors = [abs(st["predicted"] - st["measured"]) / st["measured"] for st in stays if st["measured"] > 0]
+        return {"stays": stays, "median_abs_error": float(np.median(errors)) if errors else None,
+                "errors": errors}

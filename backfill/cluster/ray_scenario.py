@@ -37,6 +37,7 @@ class ScenarioConfig:
     model: str = "tiny"                    # "default" (SmolLM2-135M) where 3 copies fit the cores
     lines_per_job: int = 96
     max_tokens: int = 16
+    profile_lines: int = 32               # T_mono's profile, per node
     online_rate_per_s: float = 1.0         # Poisson, per node
     raised_rate_per_s: float = 40.0        # the node whose job must miss its SLA
     sla_share: float = 0.5                 # SLA = share x T_mono
@@ -122,24 +123,30 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
 
         # Valve §6: T_mono profiled once at submission, here on every node at once without online load
-        profile_lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(8)]
-        t0 = time.monotonic()
+        profile_lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(cfg.profile_lines)]
         for n, h in handles.items():
             ray.get(h.start_job.remote("profile", profile_lines))
+        # rate from the first results to the last, so the batch's start-up is not counted
+        first = {n: None for n in handles}
+        last = {n: None for n in handles}
         tokens = {n: 0 for n in handles}
         done = {n: False for n in handles}
-        elapsed = {n: 0.0 for n in handles}
         while not all(done.values()):
             time.sleep(0.2)
             for n, h in handles.items():
-                if not done[n]:
-                    p = ray.get(h.progress.remote("profile"))
-                    tokens[n] += sum(r["response"]["body"]["usage"]["completion_tokens"] for r in p["records"])
-                    if p["ended"]:
-                        done[n], elapsed[n] = True, time.monotonic() - t0
+                if done[n]:
+                    continue
+                p = ray.get(h.progress.remote("profile"))
+                got = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in p["records"])
+                if got and first[n] is None:
+                    first[n] = time.monotonic()
+                elif got:
+                    tokens[n] += got
+                    last[n] = time.monotonic()
+                done[n] = p["ended"]
         for h in handles.values():
             ray.get(h.stop_job.remote("profile"))
-        t_mono = sum(tokens[n] / elapsed[n] for n in handles) / len(handles)
+        t_mono = sum(tokens[n] / (last[n] - first[n]) for n in handles) / len(handles)
 
         traffic = OnlineTraffic({n: i["url"] for n, i in infos.items()}, cfg.online_rate_per_s)
         traffic.start()

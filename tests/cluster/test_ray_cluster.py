@@ -30,3 +30,5 @@ def test_ray_cluster_moves_jobs_and_loses_nothing():
                for e in events[events.index(evicted[0]):])
     assert result["killed_node"] is not None
     assert any(e["event"] == "node-lost" and e["node"] == result["killed_node"] for e in events)
+    # the throughput model against what the jobs got (its error is reported, see docs/cluster.md)
+    assert result["prediction"]["stays"] and result["prediction"]["median_abs_error"] is not None
