@@ -62,7 +62,8 @@ class ClusterService:
         self.controller.submit(job)
         self.jobs[job.job_id] = _JobState(job, by_id)
         if self.nodes:
-            result = self.round()
+            # decide at once, but without a monitor check: a check needs a whole round of progress
+            result = self.round(check_slas=False)
             rejected = [r for r in result["rejected"] if r["job_id"] == job.job_id]
             if rejected:
                 del self.jobs[job.job_id]
@@ -117,10 +118,11 @@ class ClusterService:
                 state.results[custom_id] = record
                 state.tokens_since_round += record["response"]["body"]["usage"]["completion_tokens"]
 
-    def round(self) -> dict:
+    def round(self, check_slas: bool = True) -> dict:
         now = time.monotonic()
-        elapsed = None if self._last_round_s is None else now - self._last_round_s
-        self._last_round_s = now
+        elapsed = None if self._last_round_s is None or not check_slas else now - self._last_round_s
+        if check_slas:
+            self._last_round_s = now
         observed = {n: self._call(n, "observe") for n in list(self.nodes)}
         observed = {n: o for n, o in observed.items() if o is not None and n in self.nodes}
         finished, measured = [], {}
@@ -145,7 +147,8 @@ class ClusterService:
                     stay["predicted"].append(self._predicted[job_id][1])
                     stay["tokens"] += state.tokens_since_round
                     stay["seconds"] += elapsed
-            state.tokens_since_round = 0
+            if check_slas:
+                state.tokens_since_round = 0
         if not observed:
             return {"placed": [], "evicted": [], "rejected": [], "waiting": []}
         ids = sorted(observed)
