@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--model", default=None)
     p.set_defaults(func=cmd_export_hf)
+
+    from backfill.cluster.cli import add_commands as add_cluster_commands
+    add_cluster_commands(sub, bench, sim)
     return parser
 
 

@@ -84,3 +84,19 @@ class TargetError(BackfillError):
 class UnsupportedModelError(ModelLoadError):
     """The model is well-formed but uses an architecture or option backfill does not run; the
     message names it."""
+
+
+class ClusterError(BackfillError):
+    """An error of the cluster layer (scheduler, placer, fleet simulator, Ray cluster)."""
+
+
+class ClusterInputError(ClusterError, ValueError):
+    """A cluster job, profile, snapshot, placement problem or config is malformed."""
+
+
+class JobRejectedError(ClusterError):
+    """No node of the cluster can give an offline job the throughput its SLA asks for."""
+
+
+class NodeConfigError(ClusterError, ValueError):
+    """A node config file (backfill serve --config) is malformed; the message names the field."""

@@ -1,0 +1,98 @@
+"""The cluster layer's commands, registered into `backfill` by build_parser:
+
+    backfill bench placer [--servers 16 --gpus 8 --time-limit-s 5 --json F]   AQUA-PLACER on 128 devices
+    backfill sim fleet [--devices 8054 --duration-s 3600 --placers valve most-idle --json F]
+    backfill bench cluster [--model tiny|default --json F]          the 3-node Ray cluster scenario
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+
+def _write(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1, default=float))
+
+
+def cmd_bench_placer(args: argparse.Namespace) -> int:
+    from backfill.cluster.placer import random_problem, solve
+
+    rows = []
+    for seed in range(args.instances):
+        problem = random_problem(np.random.default_rng(seed), args.servers, args.gpus, args.models,
+                                 n_kinds=args.kinds)
+        result = solve(problem, time_limit_s=args.time_limit_s)
+        rows.append({"seed": seed, "models": len(problem.models), "shards": sum(m.shards for m in problem.models),
+                     "objective": result.objective, "proven_optimal": result.proven_optimal, "gap": result.gap,
+                     "solve_s": result.solve_s, "pairings": len(result.pairings)})
+        print(f"seed {seed}: {rows[-1]['shards']} shards of {len(problem.models)} models on {args.servers}x{args.gpus} "
+              f"GPUs: objective {result.objective:.1f}, {'optimal' if result.proven_optimal else f'gap {result.gap:.1%}'}"
+              f", {result.solve_s:.2f} s, {len(result.pairings)} producer-consumer pairs")
+    _write(args.json, {"servers": args.servers, "gpus_per_server": args.gpus, "kinds": args.kinds,
+                       "time_limit_s": args.time_limit_s, "rows": rows})
+    return 0
+
+
+def cmd_sim_fleet(args: argparse.Namespace) -> int:
+    from backfill.cluster.fleet_sim import FleetConfig, simulate
+
+    cfg = FleetConfig(devices=args.devices, duration_s=args.duration_s, seed=args.seed)
+    reports = []
+    print(f"{'placer':>10} {'util gain pp':>12} {'online busy':>11} {'delivered/SLA':>13} {'checks>=SLA':>11} "
+          f"{'evictions':>9} {'rejected':>8} {'devices saved':>13} {'wall s':>7}")
+    for placer in args.placers:
+        r = simulate(cfg, placer)
+        reports.append(asdict(r))
+        print(f"{placer:>10} {r.utilisation_gain_pct:12.1f} {r.online_busy_share:11.3f} {r.delivered_vs_sla:13.3f} "
+              f"{r.checks_meeting_sla:11.3f} {r.evictions:9d} {r.jobs_rejected:8d} {r.devices_saved:13.0f} {r.wall_s:7.1f}")
+    _write(args.json, {"config": asdict(cfg), "reports": reports})
+    return 0
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from backfill.cluster.ray_scenario import ScenarioConfig, run_scenario
+
+    started = time.perf_counter()
+    result = run_scenario(ScenarioConfig(model=args.model))
+    prediction = result["prediction"]
+    print(f"model {result['model']}, T_mono {result['t_mono_tokens_per_s']:.1f} tokens/s; raised {result['raised_node']}, "
+          f"killed {result['killed_node']}; every custom_id exactly once: {result['exactly_once']}; "
+          f"prediction median |error| {prediction['median_abs_error']} over {len(prediction['errors'])} job stays; "
+          f"{time.perf_counter() - started:.0f} s")
+    _write(args.json, result)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
+                 sim: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("placer", help="AQUA-PLACER (AQUA §5): the integer program on a cluster of servers")
+    p.add_argument("--servers", type=int, default=16)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per server")
+    p.add_argument("--models", type=int, default=100, help="models drawn (until the GPUs are full)")
+    p.add_argument("--kinds", type=int, default=8, help="distinct model kinds the models are replicas of")
+    p.add_argument("--instances", type=int, default=5)
+    p.add_argument("--time-limit-s", type=float, default=5.0)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_bench_placer)
+
+    p = sim.add_parser("fleet", help="Valve §6: the cluster scheduler on a simulated fleet, against naive placers")
+    p.add_argument("--devices", type=int, default=8054)
+    p.add_argument("--duration-s", type=int, default=3600)
+    p.add_argument("--placers", nargs="+", default=["valve", "most-idle"], choices=["valve", "most-idle", "random"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_sim_fleet)
+
+    p = bench.add_parser("cluster", help="3 Ray nodes on 127.0.0.1: online traffic, 3 batch jobs, an SLA "
+                                         "eviction and a killed node")
+    p.add_argument("--model", default="tiny", choices=["tiny", "default"])
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=cmd_bench_cluster)

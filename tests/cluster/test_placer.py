@@ -1,0 +1,74 @@
+"""AQUA-PLACER (AQUA §5): the integer program against brute force, and the in-server stable matching."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from backfill.cluster.placer import (InfeasiblePlacementError, ModelSpec, PlacementProblem, brute_force, random_problem, solve,
+                                     stable_match)
+from backfill.errors import ClusterInputError
+
+
+def small_instances(count=40, seed=7):
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        servers, gpus = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        n_models = int(rng.integers(1, min(6, servers * gpus) + 1))
+        yield random_problem(rng, servers, gpus, n_models, max_shards=gpus,
+                             n_kinds=None if i % 2 else int(rng.integers(1, 4)))
+
+
+def test_milp_is_optimal_on_every_small_instance():
+    rows = []
+    for problem in small_instances():
+        try:
+            best, _ = brute_force(problem)
+        except InfeasiblePlacementError:   # shards that fit in total but not server by server
+            with pytest.raises(InfeasiblePlacementError):
+                solve(problem)
+            continue
+        result = solve(problem)
+        assert result.proven_optimal
+        assert result.objective == pytest.approx(best, abs=1e-6)
+        assert problem.feasible([result.server_of[m.name] for m in problem.models])
+        rows.append((problem.servers, len(problem.models), best))
+    assert len(rows) >= 30
+
+
+def test_shards_stay_together_and_gpu_limit_holds():
+    problem = PlacementProblem(2, 4, 80.0, (ModelSpec("big", 4, -30.0), ModelSpec("p1", 1, 40.0),
+                                            ModelSpec("p2", 1, 40.0), ModelSpec("p3", 1, 35.0)))
+    result = solve(problem)
+    big = result.server_of["big"]
+    assert sum(1 for m in problem.models for _ in range(m.shards) if result.server_of[m.name] == big) <= 4
+    # the TP-4 consumer fills its server: its shards pair with no producer, the producers sit apart
+    assert all(result.server_of[p] != big for p in ("p1", "p2", "p3"))
+
+
+def test_stable_matching_has_no_blocking_pair():
+    models = [ModelSpec("c2", 2, -30.0), ModelSpec("c1", 1, -10.0), ModelSpec("pa", 1, 35.0),
+              ModelSpec("pb", 1, 12.0), ModelSpec("pc", 1, 50.0)]
+    pairs = stable_match(0, models)
+    assert len(pairs) == 3 and len({p.producer for p in pairs}) == 3
+    spare = {("pa", 0): 35.0, ("pb", 0): 12.0, ("pc", 0): 50.0}
+    need = {("c2", 0): 30.0, ("c2", 1): 30.0, ("c1", 0): 10.0}
+    partner_of_c = {p.consumer: p.producer for p in pairs}
+    partner_of_p = {p.producer: p.consumer for p in pairs}
+
+    def producer_rank(p, c):
+        return (0, -need[c]) if need[c] <= spare[p] else (1, need[c])
+
+    for c, p in itertools.product(need, spare):
+        consumer_prefers = spare[p] > spare[partner_of_c[c]]
+        producer_prefers = p not in partner_of_p or producer_rank(p, c) < producer_rank(p, partner_of_p[p])
+        assert not (consumer_prefers and producer_prefers), (c, p)
+
+
+def test_bad_problems_are_typed_errors():
+    with pytest.raises(ClusterInputError):
+        PlacementProblem(1, 2, 80.0, (ModelSpec("wide", 4, -10.0),))
+    with pytest.raises(ClusterInputError):
+        PlacementProblem(1, 2, 80.0, (ModelSpec("a", 2, -10.0), ModelSpec("b", 1, 5.0)))
+    with pytest.raises(ClusterInputError):
+        ModelSpec("x", 0, 1.0)
