@@ -79,3 +79,19 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class OffloadError(BackfillError):
+    """An elastic tensor or the offload coordinator (AQUA §6) refused an operation."""
+
+
+class UnknownTensorError(OffloadError, KeyError):
+    """An elastic tensor key that the store does not hold (never put, or freed)."""
+
+
+class CoordinatorError(OffloadError):
+    """The offload coordinator answered with an error, or could not be reached."""
+
+
+class LeaseExpiredError(CoordinatorError):
+    """A lease or offer named in a coordinator call has expired or does not exist."""
