@@ -20,28 +20,17 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
 from backfill.errors import OffloadError, UnknownTensorError
-
-ALIGN_BYTES = 64  # every region and every tensor inside one starts on a cache line
-
+from backfill.offload.regions import LentRegion, align, first_fit
 
 class Location(str, enum.Enum):
     DEVICE = "device"   # the owner's own memory
     LENT = "lent"       # memory a producer engine lent (shared memory here)
     HOST = "host"       # host memory (pinned on CUDA)
-
-
-class LentRegion(NamedTuple):
-    """A range of a producer's segment granted to this consumer."""
-
-    region_id: str
-    segment: str     # path of the shared-memory file
-    offset: int
-    nbytes: int
 
 
 class Lender(Protocol):
@@ -56,20 +45,6 @@ class Lender(Protocol):
         ...
 
     def can_lend(self) -> bool: ...
-
-
-def align(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
-
-
-def first_fit(taken: list[tuple[int, int]], capacity: int, nbytes: int) -> int | None:
-    """The lowest aligned offset where nbytes fit between the (offset, nbytes) ranges taken."""
-    cursor = 0
-    for offset, size in sorted(taken):
-        if offset - cursor >= nbytes:
-            return cursor
-        cursor = max(cursor, align(offset + size))
-    return cursor if capacity - cursor >= nbytes else None
 
 
 def shm_dir() -> str:

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backfill.errors import OffloadError, UnknownTensorError
-from backfill.offload.elastic import ElasticStore, LocalLender, Location, ShmSegment, first_fit
+from backfill.offload.elastic import ElasticStore, LocalLender, Location, ShmSegment
+from backfill.offload.regions import first_fit
 
 
 @pytest.fixture
