@@ -131,3 +131,15 @@ class KVPager:
         return SwapReport(Location.LENT if lent else Location.HOST,
                           self.stats.tokens_out + self.stats.tokens_in, self.stats.paging_s * 1e3,
                           self.resident_bytes)
+
+
+def make_pager(device: str | torch.device, coordinator_url: str | None = None, *, consumer: str = "",
+               poll_every: int = 5, ttl_s: float = 10.0) -> KVPager:
+    """Swap space in memory lent through the coordinator at coordinator_url (falling back to host
+    memory whenever none is lent), or host memory alone when no coordinator is named."""
+    if coordinator_url is None:
+        return KVPager(ElasticStore(device=torch.device(device), prefer=Location.HOST))
+    from backfill.offload.client import ConsumerLender, CoordinatorClient
+
+    lender = ConsumerLender(CoordinatorClient(coordinator_url), consumer, ttl_s=ttl_s, poll_every=poll_every)
+    return KVPager(ElasticStore(device=torch.device(device), lender=lender, prefer=Location.LENT))
