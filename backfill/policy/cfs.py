@@ -106,6 +106,15 @@ class CFSPolicy:
                 plan.preempt(seq)   # paged out: not in this slice
         for seq_id in self._resident:
             plan.add(by_id[seq_id])
+        # Work conserving: a prompt that arrived mid-slice starts now if memory is free for it
+        # (and its k tokens of growth), without preempting anybody.
+        for seq in sorted((s for s in state.seqs if s.seq_id not in resident and not s.running and is_prefill(s)),
+                          key=lambda s: (s.num_computed_tokens, s.arrival_s)):
+            chunk = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
+            if chunk <= 0 or state.blocks_for(seq, chunk + self.config.slice_iterations) > plan.free_blocks:
+                break
+            if plan.add(seq):
+                self._resident.append(seq.seq_id)
         return plan.plan(mode="cfs", slice_left=self._iterations_left)
 
     def _choose(self, state: SchedulerState) -> list[SeqView]:

@@ -135,3 +135,17 @@ def test_cfs_pages_prompts_out_and_in_and_tokens_match_fcfs(tiny_config, tiny_ru
             assert lender.bytes_lent == 0
     finally:
         segment.unlink()
+
+
+def test_a_prompt_arriving_mid_slice_starts_at_once_when_memory_is_free():
+    policy = CFSPolicy(CFSConfig(limits=LIMITS))
+    running = [view("a", arrival=0, output=2, computed=17, running=True)]
+    policy.schedule(state(running, total_blocks=40))
+    plan = policy.schedule(state(running + [view("late", arrival=5)], total_blocks=40))
+    assert {s.seq_id for s in plan.scheduled} == {"a", "late"} and not plan.preempt and policy.slices == 1
+    # No memory for it: it waits for the next slice rather than evicting mid-slice.
+    crowded = [view(f"c{i}", arrival=i, output=2, computed=17, running=True) for i in range(5)]
+    policy = CFSPolicy(CFSConfig(limits=LIMITS))
+    policy.schedule(state(crowded, total_blocks=30))
+    plan = policy.schedule(state(crowded + [view("late", arrival=9)], total_blocks=30))
+    assert "late" not in {s.seq_id for s in plan.scheduled} and not plan.preempt
