@@ -60,6 +60,8 @@ class BurstScenario:
     producer: bool = True           # run the producer engine process (cfs-lent needs it)
     producer_tiny: bool = False     # the producer on a tiny random model instead of the default model
     warmup_s: float = 8.0
+    decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
+    threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
 
     def __post_init__(self) -> None:
         for name in ("steady_rate_per_s", "burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
@@ -219,7 +221,8 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
     loaded = load_model(None)
     tokenizer = loaded.tokenizer
     runner = run_on_torch_thread(build_runner, loaded.config, loaded.weights,
-                                 ServingConfig(policy="fcfs", kv_cache_gb=scenario.kv_cache_gb, device="cpu"))
+                                 ServingConfig(policy="fcfs", kv_cache_gb=scenario.kv_cache_gb, device="cpu",
+                                               decode_attention=scenario.decode_attention, threads=scenario.threads))
     log(f"model {loaded.config.name}: KV pool {runner.kv.num_blocks} blocks of {runner.kv.block_size} tokens "
         f"({runner.kv.nbytes / 2**20:.0f} MB)")
     processes = Processes(scenario, log)

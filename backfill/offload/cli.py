@@ -27,6 +27,8 @@ def add_commands(sub, bench) -> None:
     p.add_argument("--no-producer", action="store_true", help="no producer engine process (no cfs-lent)")
     p.add_argument("--producer-tiny", action="store_true", help="the producer on a tiny random model")
     p.add_argument("--warmup-s", type=float, default=d.warmup_s)
+    p.add_argument("--decode-attention", default=d.decode_attention, choices=("auto", "sdpa"))
+    p.add_argument("--threads", type=int, default=None, help="consumer torch threads (1 on a crowded machine)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", default="runs/burst.json")
     p.set_defaults(func=cmd_bench_burst)
@@ -56,7 +58,8 @@ def cmd_bench_burst(args: argparse.Namespace) -> None:
 
     scenario = BurstScenario(args.rate, args.burst_factor, args.steady_s, args.burst_s, args.after_s, args.prompt_len,
                              args.output_len, args.kv_cache_gb, args.slice_iterations, args.rounds, args.seed,
-                             args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s)
+                             args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s,
+                             args.decode_attention, args.threads)
     result = run_burst_bench(scenario, tuple(args.modes))
     print(format_table(result))
     save(result, args.json)
