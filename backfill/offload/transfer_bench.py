@@ -28,7 +28,7 @@ class TransferFigure:
     direction: str            # out (pool -> swap) | in (swap -> pool)
     blocks: int
     bytes: int
-    copies: int               # copy calls per transfer
+    copies: int               # copy calls per transfer (gathered: one indexed copy for K, one for V)
     median_ms: float
     gb_per_s: float
 
@@ -85,7 +85,7 @@ def measure_transfers(config: ModelConfig, *, blocks: tuple[int, ...] = (4, 16, 
                             times.setdefault((method, direction), []).append(time.perf_counter() - started)
                 for (method, direction), samples in times.items():
                     median = statistics.median(samples)
-                    copies = 2 * config.num_layers * n if method == "per-block" else 1
+                    copies = 2 * config.num_layers * n if method == "per-block" else 2  # K, V
                     figures.append(TransferFigure(dest_name, method, direction, n, nbytes, copies,
                                                   median * 1e3, nbytes / median / 1e9))
     finally:
