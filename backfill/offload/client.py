@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import httpx
 
 from backfill.errors import CoordinatorError, LeaseExpiredError
 from backfill.offload.elastic import ShmSegment
-from backfill.offload.regions import LentRegion
+from backfill.offload.regions import LentRegion, first_fit
 
 
 class CoordinatorClient:
@@ -81,6 +82,16 @@ class CoordinatorClient:
         return self._call("GET", "/v1/state")
 
 
+@dataclass
+class _Chunk:
+    """One coordinator allocation, carved locally into the regions elastic tensors use."""
+
+    segment: str
+    offset: int
+    nbytes: int
+    taken: dict[str, tuple[int, int]] = field(default_factory=dict)   # region id -> (offset, nbytes) inside
+
+
 class ConsumerLender:
     """A consumer's lent memory through the coordinator (the Lender of an ElasticStore).
 
@@ -88,20 +99,27 @@ class ConsumerLender:
     coordinator cannot be reached or the lease is gone, every lent region is to be vacated and
     no new one is asked for until a poll succeeds again: the consumer falls back to host memory
     before its lease can expire (poll_every x step time must stay well under ttl_s).
+
+    chunk_bytes > 0: memory is taken from the coordinator in chunks of that size and carved
+    locally (swap space allocated once, as AQUA's engines do), so paging makes no HTTP call;
+    empty chunks are kept until their producer reclaims them or the lease ends. 0: one
+    coordinator allocation per region, returned when the region is freed.
     """
 
     def __init__(self, client: CoordinatorClient, consumer: str = "", *, ttl_s: float = 10.0,
-                 poll_every: int = 5) -> None:
+                 poll_every: int = 5, chunk_bytes: int = 0) -> None:
         self.client = client
         self.consumer = consumer or f"consumer-{uuid.uuid4().hex[:8]}"
         self.ttl_s = ttl_s
         self.poll_every = max(1, poll_every)
+        self.chunk_bytes = chunk_bytes
         self.lease_id: str | None = None
         self.healthy = False
         self.lendable_bytes = 0
         self.polls = 0
-        self._held: set[str] = set()
-        self._vacate: set[str] = set()
+        self._chunks: dict[str, _Chunk] = {}
+        self._region_chunk: dict[str, str] = {}
+        self._vacate: set[str] = set()          # chunk ids to move out of
         self._boundaries = 0
         self._poll()
 
@@ -115,38 +133,63 @@ class ConsumerLender:
                 lease = self.client.renew(self.lease_id)
         except LeaseExpiredError:
             self.lease_id, self.healthy, self.lendable_bytes = None, False, 0
-            self._vacate = set(self._held)
+            self._vacate = set(self._chunks)
             return
         except CoordinatorError:
             self.healthy, self.lendable_bytes = False, 0
-            self._vacate = set(self._held)
+            self._vacate = set(self._chunks)
             return
         self.healthy = True
         self.lendable_bytes = lease["lendable_bytes"]
         known = {a["allocation_id"] for a in lease["allocations"]}
         # Vacate what the producer reclaims, and anything the coordinator no longer knows of.
-        self._vacate = {a["allocation_id"] for a in lease["allocations"] if a["vacate"]} | (self._held - known)
+        self._vacate = {a["allocation_id"] for a in lease["allocations"] if a["vacate"]} | (set(self._chunks) - known)
 
     def allocate(self, nbytes: int) -> LentRegion | None:
         if not self.healthy or self.lease_id is None:
             return None
+        for chunk_id, chunk in self._chunks.items():
+            if chunk_id not in self._vacate:
+                offset = first_fit(list(chunk.taken.values()), chunk.nbytes, nbytes)
+                if offset is not None:
+                    return self._carve(chunk_id, offset, nbytes)
+        if self.lendable_bytes <= 0:
+            return None
         try:
-            got = self.client.allocate(self.lease_id, nbytes)
+            got = self.client.allocate(self.lease_id, max(nbytes, self.chunk_bytes))
+            if got is None and self.chunk_bytes > nbytes:
+                got = self.client.allocate(self.lease_id, nbytes)
         except CoordinatorError:
             self.healthy = False
             return None
         if got is None:
             self.lendable_bytes = 0  # full: not again before the next poll
             return None
-        self._held.add(got["allocation_id"])
-        return LentRegion(got["allocation_id"], got["segment"], got["offset"], got["nbytes"])
+        self._chunks[got["allocation_id"]] = _Chunk(got["segment"], got["offset"], got["nbytes"])
+        return self._carve(got["allocation_id"], 0, nbytes)
+
+    def _carve(self, chunk_id: str, offset: int, nbytes: int) -> LentRegion:
+        chunk = self._chunks[chunk_id]
+        region_id = uuid.uuid4().hex
+        chunk.taken[region_id] = (offset, nbytes)
+        self._region_chunk[region_id] = chunk_id
+        return LentRegion(region_id, chunk.segment, chunk.offset + offset, nbytes)
 
     def free(self, region: LentRegion) -> None:
-        self._held.discard(region.region_id)
-        self._vacate.discard(region.region_id)
+        chunk_id = self._region_chunk.pop(region.region_id, None)
+        if chunk_id is None:
+            return
+        chunk = self._chunks[chunk_id]
+        chunk.taken.pop(region.region_id, None)
+        if not chunk.taken and (self.chunk_bytes == 0 or chunk_id in self._vacate or not self.healthy):
+            self._release(chunk_id)
+
+    def _release(self, chunk_id: str) -> None:
+        self._chunks.pop(chunk_id, None)
+        self._vacate.discard(chunk_id)
         if self.healthy:
             try:
-                self.client.free(region.region_id)
+                self.client.free(chunk_id)
             except CoordinatorError:
                 pass  # gone with its lease, or the coordinator is down: expiry frees it
 
@@ -154,10 +197,16 @@ class ConsumerLender:
         self._boundaries += 1
         if self._boundaries % self.poll_every == 0:
             self._poll()
-        return set(self._vacate)
+            for chunk_id in [c for c in self._vacate if c in self._chunks and not self._chunks[c].taken]:
+                self._release(chunk_id)
+        return {region_id for region_id, chunk_id in self._region_chunk.items() if chunk_id in self._vacate}
 
     def can_lend(self) -> bool:
-        return self.healthy and self.lendable_bytes > 0
+        return self.healthy and (self.lendable_bytes > 0 or any(c not in self._vacate for c in self._chunks))
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(c.nbytes for c in self._chunks.values())
 
     def close(self) -> None:
         if self.lease_id is not None:
@@ -166,6 +215,8 @@ class ConsumerLender:
             except CoordinatorError:
                 pass
             self.lease_id = None
+        self._chunks.clear()
+        self._region_chunk.clear()
 
 
 class ProducerAgent:

@@ -134,12 +134,13 @@ class KVPager:
 
 
 def make_pager(device: str | torch.device, coordinator_url: str | None = None, *, consumer: str = "",
-               poll_every: int = 5, ttl_s: float = 10.0) -> KVPager:
+               poll_every: int = 5, ttl_s: float = 10.0, chunk_mb: float = 64.0) -> KVPager:
     """Swap space in memory lent through the coordinator at coordinator_url (falling back to host
     memory whenever none is lent), or host memory alone when no coordinator is named."""
     if coordinator_url is None:
         return KVPager(ElasticStore(device=torch.device(device), prefer=Location.HOST))
     from backfill.offload.client import ConsumerLender, CoordinatorClient
 
-    lender = ConsumerLender(CoordinatorClient(coordinator_url), consumer, ttl_s=ttl_s, poll_every=poll_every)
+    lender = ConsumerLender(CoordinatorClient(coordinator_url), consumer, ttl_s=ttl_s, poll_every=poll_every,
+                            chunk_bytes=int(chunk_mb * 2**20))
     return KVPager(ElasticStore(device=torch.device(device), lender=lender, prefer=Location.LENT))

@@ -224,3 +224,25 @@ def test_http_errors(coordinator):
     client.close()
     with pytest.raises(CoordinatorError):
         CoordinatorClient("http://127.0.0.1:9", timeout_s=0.2).state()
+
+
+def test_chunked_lending_makes_no_call_per_page_and_still_vacates(coordinator):
+    client = CoordinatorClient(coordinator.url)
+    producer = ProducerAgent(client, 4 << 20, "producer-chunks", ttl_s=5)
+    lender = ConsumerLender(client, "consumer-chunks", ttl_s=5, poll_every=2, chunk_bytes=1 << 20)
+    store = ElasticStore(lender=lender)
+    try:
+        expected = fill(store, "kv", 12, seed=5)          # up to 16 KB each: one 1 MB chunk
+        assert client.state()["allocations"] == 1 and store.bytes_in(Location.HOST) == 0
+        store.free("kv0")
+        del expected["kv0"]
+        assert client.state()["allocations"] == 1         # the chunk stays: swap space is kept
+        producer.reclaim()
+        for _ in range(2):
+            store.at_step_boundary()
+        assert store.bytes_in(Location.LENT) == 0 and producer.wait_reclaimed(2.0)
+        assert_same(store, expected)
+    finally:
+        lender.close()
+        producer.close()
+        client.close()
