@@ -31,6 +31,9 @@ from backfill.bench.workload import build_workload
 from backfill.errors import WorkloadError
 
 
+MIN_PROBE_REQUESTS = 4
+
+
 @dataclass(frozen=True)
 class Probe:
     rate_per_s: float
@@ -136,7 +139,9 @@ def run_profile(config: ProfileConfig = ProfileConfig(), log=print) -> Profile:
         return asyncio.run(go())
 
     def measure(rate: float) -> Probe:
-        result = run(poisson_arrivals(rate, config.seed, duration_s=config.probe_s), Scheduler(runner, FCFSPolicy()),
+        # At least a few requests even at a low rate, or its percentiles mean nothing.
+        duration_s = max(config.probe_s, MIN_PROBE_REQUESTS / rate)
+        result = run(poisson_arrivals(rate, config.seed, duration_s=duration_s), Scheduler(runner, FCFSPolicy()),
                      f"probe-{rate:g}")
         metrics = compute_metrics(result.records, duration_s=result.duration_s)
         ttft, tpot = metrics.online.ttft_ms.p99 or 0.0, metrics.online.tpot_ms.p99 or 0.0
@@ -159,7 +164,8 @@ def run_profile(config: ProfileConfig = ProfileConfig(), log=print) -> Profile:
     log(f"max rate {best.rate_per_s:.2f} req/s; KV free there {free / 2**20:.0f} of {pool / 2**20:.0f} MB -> {role}")
     for factor in config.burst_factors:
         rate = best.rate_per_s
-        arrivals = step_arrivals([(0.0, rate * factor)], config.burst_s, config.seed)
+        arrivals = step_arrivals([(0.0, rate * factor)], max(config.burst_s, MIN_PROBE_REQUESTS / (rate * factor)),
+                                 config.seed)
         scheduler = Scheduler(runner, CFSPolicy())
         scheduler.pager = make_pager(runner.kv.device)
         run(arrivals, scheduler, f"burst-{factor:g}x")
