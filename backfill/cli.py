@@ -326,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from backfill.cluster.cli import add_commands as add_cluster_commands
     add_cluster_commands(sub, bench, sim)
+    from backfill.offload.cli import add_commands as add_offload_commands
+    add_offload_commands(sub, bench)
     return parser
 
 

@@ -100,3 +100,19 @@ class JobRejectedError(ClusterError):
 
 class NodeConfigError(ClusterError, ValueError):
     """A node config file (backfill serve --config) is malformed; the message names the field."""
+
+
+class OffloadError(BackfillError):
+    """An elastic tensor or the offload coordinator (AQUA §6) refused an operation."""
+
+
+class UnknownTensorError(OffloadError, KeyError):
+    """An elastic tensor key that the store does not hold (never put, or freed)."""
+
+
+class CoordinatorError(OffloadError):
+    """The offload coordinator answered with an error, or could not be reached."""
+
+
+class LeaseExpiredError(CoordinatorError):
+    """A lease or offer named in a coordinator call has expired or does not exist."""

@@ -33,7 +33,7 @@ from backfill.serving.torch_thread import run_on_torch_thread
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("coserve", "priority", "fcfs", "online-only")
+POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
@@ -81,6 +81,9 @@ class ServingConfig:
     # (batch, context) bucket up to max_model_len (engine/cuda_graphs.py); takes one KV block as the
     # padding rows' scratch.
     cuda_graphs: bool = True
+    # cfs: page preempted prompts' KV into memory lent through this offload coordinator (AQUA §6),
+    # host memory whenever none is lent; None: host memory only.
+    offload_coordinator_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -173,6 +176,9 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
         return FCFSPolicy(**limits)
     if cfg.policy == "priority":
         return PriorityPolicy(**limits)
+    if cfg.policy == "cfs":
+        from backfill.policy.cfs import CFSConfig, CFSPolicy
+        return CFSPolicy(CFSConfig(**limits))
     if latency is None:
         raise InvalidRequestError("the coserve policy needs a latency profile")
     return CoServePolicy(latency, CoServeConfig(
@@ -209,8 +215,12 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
             detok = lambda: IncrementalDetokenizer(tokenizer)  # noqa: E731
         eos = tuple(tokenizer.stop_token_ids)
     checkpoint = AdaptiveCheckpointPolicy(cfg.checkpoint) if cfg.checkpoint.enabled else None
-    return Scheduler(runner, policy, checkpoint_policy=checkpoint, detokenizer_factory=detok,
-                     eos_token_ids=eos, max_model_len=cfg.max_model_len)
+    scheduler = Scheduler(runner, policy, checkpoint_policy=checkpoint, detokenizer_factory=detok,
+                          eos_token_ids=eos, max_model_len=cfg.max_model_len)
+    if cfg.policy == "cfs":
+        from backfill.offload.pager import make_pager
+        scheduler.pager = make_pager(runner.kv.device, cfg.offload_coordinator_url)
+    return scheduler
 
 
 def build_engine(cfg: ServingConfig) -> AsyncEngine:

@@ -21,6 +21,7 @@ from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.runner import ModelRunner, SeqChunk, SuspendedStep
 from backfill.engine.sampler import sample
 from backfill.errors import ContextLengthError, InvalidRequestError
+from backfill.offload.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.coserve import RunningStep
 from backfill.policy.latency_model import BatchShape
@@ -132,6 +133,8 @@ class Scheduler:
         self._current: RunningStep | None = None
         self._layer_reached = 0  # the running step's last safepoint (its progress, for Algorithm 2)
         self._suspended: Suspension | None = None
+        # AQUA §7: swap space that preempted requests' KV is paged to and back (offload/pager.py).
+        self.pager: KVPager | None = None
 
     # --- called from any thread ---------------------------------------------------------------
 
@@ -230,6 +233,11 @@ class Scheduler:
             self._drop_suspension()
         if not self.seqs:
             return events
+        if self.pager is not None:  # a step boundary: elastic tensors may move now
+            observe_swap = getattr(self.policy, "observe_swap", None)
+            report = self.pager.at_step_boundary()
+            if observe_swap is not None:
+                observe_swap(report)
         plan = self.policy.schedule(self.snapshot())
         self.stats.last_step_mode = plan.mode
         online_tokens = sum(item.num_tokens for item in plan.scheduled
@@ -394,6 +402,8 @@ class Scheduler:
             self.kv.free(seq.block_table)
             seq.block_table = []
         seq.checkpoint = HostCheckpoint()
+        if self.pager is not None:
+            self.pager.discard(seq.seq_id)
         del self.seqs[seq.seq_id]
         if reason is not FinishReason.CANCELLED:
             self.stats.finished[seq.request_class.value] += 1
@@ -410,10 +420,16 @@ class Scheduler:
         along gets its partial last block copied now (one block, while its KV is still valid:
         not after a reclamation took its blocks), so it resumes without recomputing anything.
         """
+        if self.pager is not None and save_tail and seq.block_table and seq.num_computed > 0:
+            # Paged out whole: nothing to recompute when it comes back.
+            self.pager.page_out(seq.seq_id, self.kv, seq.block_table[:self.kv.blocks_needed(seq.num_computed)],
+                                seq.num_computed)
+            seq.checkpoint = HostCheckpoint()
         ckpt = seq.checkpoint
         if save_tail and seq.block_table and self._whole_block_tokens(seq) <= ckpt.num_tokens < seq.num_computed:
             self._copy_to_checkpoint(seq, seq.num_computed)
-        keep = min(seq.num_computed, ckpt.num_tokens)
+        keep = seq.num_computed if self.pager is not None and self.pager.holds(seq.seq_id) \
+            else min(seq.num_computed, ckpt.num_tokens)
         lost = seq.num_computed - keep
         seq.num_recomputed_tokens += lost
         self.stats.recomputed_tokens += lost
@@ -427,6 +443,12 @@ class Scheduler:
     def _restore(self, seq: Sequence) -> None:
         """Bring a preempted sequence's checkpointed KV back into fresh device blocks."""
         if seq.block_table or seq.num_computed == 0:
+            return
+        if self.pager is not None and self.pager.holds(seq.seq_id):
+            seq.block_table = self.kv.allocate(self.pager.num_blocks(seq.seq_id))
+            tokens = self.pager.page_in(seq.seq_id, self.kv, seq.block_table)
+            seq.num_restored_tokens += tokens
+            self.stats.restored_tokens += tokens
             return
         blocks = seq.checkpoint.blocks[: self.kv.blocks_needed(seq.num_computed)]
         seq.block_table = self.kv.allocate(len(blocks))

@@ -1,0 +1,1 @@
+"""AQUA (seeds/aqua.txt): elastic tensors, the offload coordinator, the producer/consumer profiler."""

@@ -1,0 +1,314 @@
+"""The AQUA burst benchmark (AQUA §9.3): a steady online load, then its rate multiplied for a
+burst window, then steady again, on an engine whose KV memory holds only a few requests; FCFS
+against CFS paging to host memory and CFS paging to memory a producer engine lent.
+
+The producer is a real second engine process serving its own closed-loop load and lending a
+shared-memory segment through a real coordinator process; its throughput while each mode runs
+gives the producer's loss (CFS with lent memory against CFS with host memory: the same
+consumer work, only where the pages go differs). Modes run in turn, in rounds, on one loaded
+model, so they meet the same machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from backfill.bench.arrivals import step_arrivals
+from backfill.bench.driver import run_workload
+from backfill.bench.inprocess_target import InProcessTarget
+from backfill.bench.lengths import parse_length_spec
+from backfill.bench.metrics import RequestRecord, Summary, compute_metrics
+from backfill.bench.prompts import PromptSource
+from backfill.bench.workload import Workload, build_workload
+from backfill.errors import OffloadError, WorkloadError
+from backfill.offload.pager import KVPager, make_pager
+from backfill.policy.baselines import FCFSPolicy
+from backfill.policy.cfs import CFSConfig, CFSPolicy
+from backfill.serving.engine import AsyncEngine
+from backfill.serving.scheduler import Scheduler
+from backfill.serving.torch_thread import run_on_torch_thread
+
+MODES = ("fcfs", "cfs-host", "cfs-lent")
+
+
+@dataclass(frozen=True)
+class BurstScenario:
+    steady_rate_per_s: float = 0.8
+    burst_factor: float = 2.0
+    steady_s: float = 15.0          # before the burst
+    burst_s: float = 30.0           # AQUA: one minute; shorter on a 2-core CPU
+    after_s: float = 15.0           # steady again (the queue drains)
+    prompt_len: str = "uniform:64:192"
+    output_len: str = "fixed:96"
+    kv_cache_gb: float = 0.08       # a few requests' KV: the memory contention AQUA addresses
+    slice_iterations: int = 5       # CFS's k
+    rounds: int = 1
+    seed: int = 0
+    lend_mb: float = 512.0          # what the producer offers
+    producer: bool = True           # run the producer engine process (cfs-lent needs it)
+    producer_tiny: bool = False     # the producer on a tiny random model instead of the default model
+    warmup_s: float = 8.0
+    decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
+    threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
+
+    def __post_init__(self) -> None:
+        for name in ("steady_rate_per_s", "burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
+            if not getattr(self, name) > 0:
+                raise WorkloadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.rounds < 1 or self.slice_iterations < 1:
+            raise WorkloadError("rounds and slice_iterations must be >= 1")
+        parse_length_spec(self.prompt_len)
+        parse_length_spec(self.output_len)
+
+    @property
+    def duration_s(self) -> float:
+        return self.steady_s + self.burst_s + self.after_s
+
+    def arrivals(self, seed: int) -> np.ndarray:
+        rate = self.steady_rate_per_s
+        return step_arrivals([(0.0, rate), (self.steady_s, rate * self.burst_factor),
+                              (self.steady_s + self.burst_s, rate)], self.duration_s, seed)
+
+
+@dataclass
+class ModeRound:
+    records: list[RequestRecord]
+    duration_s: float
+    window: tuple[float, float]       # monotonic start and end, for the producer's throughput
+    engine: dict = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """The coordinator and producer processes of a run, always stopped at its end."""
+
+    def __init__(self, scenario: BurstScenario, log) -> None:
+        self.scenario = scenario
+        self.log = log
+        self.procs: list[subprocess.Popen] = []
+        self.url: str | None = None
+        self.producer_tokens: list[tuple[float, int]] = []
+        self.tmp = tempfile.TemporaryDirectory(prefix="backfill-burst-")
+
+    def start(self) -> None:
+        import httpx
+
+        env = dict(os.environ)
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "backfill.offload.coordinator", "--port", str(port),
+                                            "--db", os.path.join(self.tmp.name, "coordinator.sqlite")], env=env))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise OffloadError("the offload coordinator did not start") from None
+                time.sleep(0.1)
+        if not self.scenario.producer:
+            return
+        cmd = [sys.executable, "-m", "backfill.offload.producer", "--coordinator", self.url,
+               "--lend-mb", str(self.scenario.lend_mb)] + (["--tiny"] if self.scenario.producer_tiny else [])
+        producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.procs.append(producer)
+        ready = json.loads(producer.stdout.readline() or "{}")
+        if not ready.get("ready"):
+            raise OffloadError("the producer engine did not start")
+        self.log(f"producer engine: pid {producer.pid}, lends {self.scenario.lend_mb:.0f} MB ({ready['segment']})")
+        threading.Thread(target=self._read_producer, args=(producer,), daemon=True).start()
+
+    def _read_producer(self, producer: subprocess.Popen) -> None:
+        for line in producer.stdout:
+            row = json.loads(line)
+            if "tokens" in row:
+                self.producer_tokens.append((row["t"], row["tokens"]))
+
+    def producer_rate(self, window: tuple[float, float]) -> float | None:
+        """The producer's output tokens per second inside a monotonic time window."""
+        rows = [r for r in self.producer_tokens if window[0] <= r[0] <= window[1]]
+        if len(rows) < 2:
+            return None
+        return (rows[-1][1] - rows[0][1]) / (rows[-1][0] - rows[0][0])
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.tmp.cleanup()
+
+
+def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, tokenizer) -> Scheduler:
+    from backfill.engine.tokenizer import IncrementalDetokenizer
+
+    eos = tuple(tokenizer.stop_token_ids)
+    if mode == "fcfs":
+        return Scheduler(runner, FCFSPolicy(), eos_token_ids=eos,
+                         detokenizer_factory=lambda: IncrementalDetokenizer(tokenizer))
+    scheduler = Scheduler(runner, CFSPolicy(CFSConfig(slice_iterations=scenario.slice_iterations)),
+                          eos_token_ids=eos, detokenizer_factory=lambda: IncrementalDetokenizer(tokenizer))
+    scheduler.pager = make_pager(runner.kv.device, url if mode == "cfs-lent" else None,
+                                 consumer="burst-consumer", poll_every=scenario.slice_iterations)
+    return scheduler
+
+
+async def _run(engine: AsyncEngine, workload: Workload) -> tuple[list[RequestRecord], float, tuple[float, float]]:
+    await engine.start()
+    started = time.monotonic()
+    try:
+        run = await run_workload(InProcessTarget(engine), workload, progress=False, drain_offline=True)
+    finally:
+        await engine.stop()
+    return run.records, run.duration_s, (started, time.monotonic())
+
+
+def _pager_counters(pager: KVPager | None) -> dict:
+    if pager is None:
+        return {}
+    s, store = pager.stats, pager.store.stats
+    out = {"pages_out": s.pages_out, "pages_in": s.pages_in, "tokens_paged_out": s.tokens_out,
+           "bytes_paged_out": s.bytes_out, "paging_s": s.paging_s, "peak_swap_bytes": s.peak_bytes,
+           "fell_back_to_host": store.fell_back, "vacated": store.vacated}
+    lender = pager.store.lender
+    if lender is not None and hasattr(lender, "close"):
+        lender.close()
+    return out
+
+
+def summarize(records: list[RequestRecord], duration_s: float, burst: tuple[float, float]) -> dict:
+    metrics = compute_metrics(records, duration_s=duration_s)
+    in_burst = [r for r in records if r.scheduled_s is not None and burst[0] <= r.scheduled_s < burst[1]]
+    on = metrics.online
+    return {"requests": on.requests, "completed": on.completed, "ttft_ms": asdict(on.ttft_ms),
+            "tpot_ms": asdict(on.tpot_ms), "e2e_ms": asdict(on.e2e_ms),
+            "burst_ttft_ms": asdict(Summary.of(r.ttft_ms for r in in_burst)),
+            "output_tokens_per_s": on.tokens_per_s, "duration_s": duration_s}
+
+
+def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str, ...] = MODES,
+                    log=print) -> dict:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise WorkloadError(f"unknown burst modes {unknown}; choose from {', '.join(MODES)}")
+    if "cfs-lent" in modes and not scenario.producer:
+        raise WorkloadError("cfs-lent needs the producer engine (drop --no-producer)")
+    from backfill.engine.weights import load_model
+    from backfill.serving.build import ServingConfig, build_runner
+
+    loaded = load_model(None)
+    tokenizer = loaded.tokenizer
+    runner = run_on_torch_thread(build_runner, loaded.config, loaded.weights,
+                                 ServingConfig(policy="fcfs", kv_cache_gb=scenario.kv_cache_gb, device="cpu",
+                                               decode_attention=scenario.decode_attention, threads=scenario.threads))
+    log(f"model {loaded.config.name}: KV pool {runner.kv.num_blocks} blocks of {runner.kv.block_size} tokens "
+        f"({runner.kv.nbytes / 2**20:.0f} MB)")
+    processes = Processes(scenario, log)
+    processes.start()
+    prompts = PromptSource(tokenizer, seed=scenario.seed)
+    plen, olen = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+    try:
+        if scenario.warmup_s > 0:
+            warm = build_workload(prompts, np.arange(0, scenario.warmup_s, 1 / scenario.steady_rate_per_s), plen, olen,
+                                  scenario.seed + 1000, name="warm-up")
+            asyncio.run(_run(AsyncEngine(_scheduler(runner, "cfs-host", scenario, None, tokenizer), tokenizer),
+                             warm))
+        parts: dict[str, list[ModeRound]] = {m: [] for m in modes}
+        for k in range(scenario.rounds):
+            seed = scenario.seed + k
+            workload = build_workload(prompts, scenario.arrivals(seed), plen, olen, seed, name=f"burst-{k}")
+            for mode in modes:
+                scheduler = run_on_torch_thread(_scheduler, runner, mode, scenario, processes.url, tokenizer)
+                log(f"== {mode} (round {k + 1}/{scenario.rounds}): {len(workload.requests)} requests")
+                records, duration_s, window = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload))
+                stats = scheduler.stats
+                engine = {"preempted_requests": stats.preempted_requests, "recomputed_tokens": stats.recomputed_tokens,
+                          "restored_tokens": stats.restored_tokens, "steps": stats.steps, "busy_s": stats.busy_s,
+                          **_pager_counters(scheduler.pager)}
+                rate = processes.producer_rate(window)
+                engine["producer_tokens_per_s"] = rate
+                parts[mode].append(ModeRound(records, duration_s, window, engine))
+                log(f"   p99 TTFT {summarize(records, duration_s, _burst(scenario))['ttft_ms']['p99']:.0f} ms, "
+                    f"producer {rate if rate is None else round(rate, 1)} tok/s")
+    finally:
+        processes.stop()
+    return report(scenario, parts)
+
+
+def _burst(scenario: BurstScenario) -> tuple[float, float]:
+    return scenario.steady_s, scenario.steady_s + scenario.burst_s
+
+
+def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
+    modes = {}
+    for mode, rounds in parts.items():
+        records = [r for part in rounds for r in part.records]
+        # Rounds pooled: every round replays the same scenario, so request times stay comparable.
+        summary = summarize(records, max(p.duration_s for p in rounds), _burst(scenario))
+        rates = [p.engine["producer_tokens_per_s"] for p in rounds if p.engine["producer_tokens_per_s"]]
+        summary["producer_tokens_per_s"] = float(np.median(rates)) if rates else None
+        summary["engine"] = [p.engine for p in rounds]
+        modes[mode] = summary
+    out = {"scenario": asdict(scenario), "modes": modes}
+    if "fcfs" in modes:
+        for mode in ("cfs-host", "cfs-lent"):
+            if mode in modes and modes[mode]["ttft_ms"]["p99"]:
+                modes[mode]["p99_ttft_vs_fcfs"] = modes[mode]["ttft_ms"]["p99"] / modes["fcfs"]["ttft_ms"]["p99"]
+                modes[mode]["p99_tpot_vs_fcfs"] = modes[mode]["tpot_ms"]["p99"] / modes["fcfs"]["tpot_ms"]["p99"]
+                modes[mode]["p50_e2e_vs_fcfs"] = modes[mode]["e2e_ms"]["p50"] / modes["fcfs"]["e2e_ms"]["p50"]
+    lent, host = modes.get("cfs-lent", {}), modes.get("cfs-host", {})
+    if lent.get("producer_tokens_per_s") and host.get("producer_tokens_per_s"):
+        out["producer_throughput_loss"] = 1 - lent["producer_tokens_per_s"] / host["producer_tokens_per_s"]
+    if lent.get("producer_tokens_per_s") and modes.get("fcfs", {}).get("producer_tokens_per_s"):
+        out["producer_throughput_loss_vs_fcfs"] = 1 - lent["producer_tokens_per_s"] / modes["fcfs"]["producer_tokens_per_s"]
+    return out
+
+
+def format_table(result: dict) -> str:
+    rows = ["mode       p50/p99 TTFT ms   burst p99 TTFT  p50/p99 TPOT ms   p50/p99 E2E s   "
+            "paged out  producer tok/s"]
+    for mode, m in result["modes"].items():
+        paged = sum(e.get("pages_out", 0) for e in m["engine"])
+        prod = m["producer_tokens_per_s"]
+        rows.append(f"{mode:<10} {m['ttft_ms']['p50']:>7.0f}/{m['ttft_ms']['p99']:<8.0f} "
+                    f"{m['burst_ttft_ms']['p99'] or 0:>10.0f}     {m['tpot_ms']['p50']:>6.1f}/{m['tpot_ms']['p99']:<8.1f} "
+                    f"{m['e2e_ms']['p50'] / 1e3:>6.1f}/{m['e2e_ms']['p99'] / 1e3:<7.1f} {paged:>8}   "
+                    f"{'-' if prod is None else f'{prod:.1f}'}")
+    for mode in ("cfs-host", "cfs-lent"):
+        m = result["modes"].get(mode, {})
+        if "p99_ttft_vs_fcfs" in m:
+            rows.append(f"{mode}: P99 TTFT {m['p99_ttft_vs_fcfs']:.3f}x FCFS's (1/{1 / m['p99_ttft_vs_fcfs']:.1f}), "
+                        f"P99 TPOT {m['p99_tpot_vs_fcfs']:.2f}x, P50 completion {m['p50_e2e_vs_fcfs']:.2f}x")
+    if "producer_throughput_loss" in result:
+        rows.append(f"producer throughput loss (cfs-lent vs cfs-host): {100 * result['producer_throughput_loss']:.1f}%")
+    if "producer_throughput_loss_vs_fcfs" in result:
+        rows.append(f"producer throughput loss (cfs-lent vs fcfs): "
+                    f"{100 * result['producer_throughput_loss_vs_fcfs']:.1f}%")
+    return "\n".join(rows)
+
+
+def save(result: dict, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1, default=str))
