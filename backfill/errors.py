@@ -79,3 +79,15 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class AdapterLoadError(BackfillError, ValueError):
+    """A LoRA adapter directory is missing, malformed, or does not fit the served model."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter (or fine-tuned model) the engine has not loaded."""
+
+
+class FineTuningJobError(BackfillError, ValueError):
+    """A fine-tuning job request is invalid (training file, hyperparameters, state for the action)."""
