@@ -12,34 +12,11 @@ from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.errors import AdapterLoadError, UnknownAdapterError
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def hf_model(cfg: ModelConfig):
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=True)
-    torch.manual_seed(1)
-    return transformers.LlamaForCausalLM(hf_cfg).eval()
-
-
-def make_peft_adapter(base, out_dir, rank: int, alpha: float, targets: list[str], seed: int, **extra):
-    """A real PEFT adapter with random non-zero A and B (B is zero at PEFT's init), saved to out_dir."""
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none",
-                             task_type="CAUSAL_LM", **extra)
-    model = peft.get_peft_model(base, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    model.save_pretrained(out_dir)
-    return model.eval()
+from lora_helpers import ALL_TARGETS, make_peft_adapter  # noqa: E402
+from lora_helpers import hf_llama as hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
