@@ -81,6 +81,22 @@ class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
 
 
+class FinetuneError(BackfillError):
+    """A finetuning job (HARLI) cannot be created, resumed or run."""
+
+
+class FinetuneConfigError(FinetuneError, ValueError):
+    """A finetuning hyperparameter is out of range (e.g. a LoRA rank of 0)."""
+
+
+class TrainingFileError(FinetuneError, ValueError):
+    """A fine-tuning training file is malformed; the message names the line."""
+
+
+class CheckpointError(FinetuneError):
+    """A finetuning checkpoint is missing, unreadable or does not match the job."""
+
+
 class AdapterLoadError(BackfillError, ValueError):
     """A LoRA adapter directory is missing, malformed, or does not fit the served model."""
 
