@@ -103,7 +103,3 @@ class AdapterLoadError(BackfillError, ValueError):
 
 class UnknownAdapterError(InvalidRequestError):
     """A request names a LoRA adapter (or fine-tuned model) the engine has not loaded."""
-
-
-class FineTuningJobError(BackfillError, ValueError):
-    """A fine-tuning job request is invalid (training file, hyperparameters, state for the action)."""

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from backfill.server.adapters import add_adapter_routes
 from backfill.server.batches import BatchWorker
 from backfill.server.completions import CompletionService, Kind
 from backfill.server.config import ServerConfig
@@ -272,8 +273,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         worker.wake()
         return await existing_batch(batch_id)
 
-    add_fine_tuning_routes(v1, fine_tuning.jobs, store, fine_tuning, (served_model, engine.model_name), limit_bytes,
-                           lambda: state.draining)
+    base_models = (served_model, engine.model_name)
+    add_fine_tuning_routes(v1, fine_tuning.jobs, store, fine_tuning, base_models, limit_bytes, lambda: state.draining)
+    add_adapter_routes(v1, engine, base_models)
     app.include_router(v1)
     return app
 
