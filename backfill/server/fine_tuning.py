@@ -143,8 +143,9 @@ def finetune_config(body: FineTuningJobCreateBody, seed: int, base_model: str) -
     try:
         config = FinetuneConfig(**fields)
     except FinetuneConfigError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), param=_PARAM_OF.get(field), code="invalid_hyperparameters") from None
+        message = str(exc)
+        field = "target_modules" if "target modules" in message else message.split(" ", 1)[0]
+        raise bad_request(message, param=_PARAM_OF.get(field), code="invalid_hyperparameters") from None
     shown = {"n_epochs": config.epochs, "batch_size": config.batch_size, "learning_rate_multiplier": multiplier,
              "max_steps": config.max_steps, "checkpoint_every_steps": config.checkpoint_every_steps,
              "micro_batch_size": config.micro_batch_size, "max_seq_len": config.max_seq_len}
@@ -276,7 +277,7 @@ class FineTuningWorker:
             await self._fail(job_id, "job_setup_failed", str(exc))
             return
         resumed = row["status"] == "running"
-        if not await asyncio.to_thread(self.jobs.set_status, job_id, "running", only_from=("queued", "running")):
+        if self._stopped or not await asyncio.to_thread(self.jobs.set_status, job_id, "running", only_from=("queued", "running")):
             return  # cancelled meanwhile
         # Steps after the checkpoint it resumed from are redone; their old metrics go with them.
         await asyncio.to_thread(self.jobs.forget_steps_after, job_id, job.steps_done)
@@ -288,6 +289,8 @@ class FineTuningWorker:
         self.running = RunningJob(job_id, handle, job)
         try:
             while not handle.done:
+                if self._stopped:
+                    handle.cancel()
                 try:
                     await asyncio.wait_for(asyncio.shield(handle.wait()), self.poll_interval_s)
                 except asyncio.TimeoutError:

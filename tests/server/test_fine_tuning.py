@@ -139,7 +139,7 @@ def test_bad_input_is_4xx_and_disturbs_nothing(server):
     bad_file = upload_training(client, b'{"messages": [{"role": "user", "content": "q"}]}\n{"messages": oops}\n')
     error = assert_error(create(training_file=bad_file.id), 400, code="invalid_training_file", param="training_file")
     assert "line 1" in error["message"] and "assistant" in error["message"]
-    assert "line 2" in assert_error(create(training_file=upload_training(client, training_jsonl() + b"{oops\n").id),
+    assert "line 5" in assert_error(create(training_file=upload_training(client, training_jsonl() + b"{oops\n").id),
                                     400, param="training_file")["message"]
     assert "rank" in assert_error(create(lora={"rank": 0}), 400, param="lora.rank")["message"]
     assert_error(create(lora={"target_modules": ["lm_head"]}), 400, param="lora.target_modules")
