@@ -1,8 +1,9 @@
-"""`backfill finetune`: a fine-tuning job on a running `backfill serve`, from the command line.
+"""`backfill fine-tuning`: a job of the fine-tuning API on a running `backfill serve`, from the command line
+(`backfill finetune` runs a job standalone, without a server).
 
-    backfill finetune train.jsonl --epochs 2 --rank 8        # upload, create, follow the events
-    backfill finetune train.jsonl --detach                   # print the job id and return
-    backfill finetune --list | --status ftjob-... | --cancel ftjob-...
+    backfill fine-tuning train.jsonl --epochs 2 --rank 8       # upload, create, follow the events
+    backfill fine-tuning train.jsonl --detach                  # print the job id and return
+    backfill fine-tuning --list | --status ftjob-... | --cancel ftjob-...
 
 It speaks the server's OpenAI fine-tuning API (docs/finetune-api.md) over plain HTTP, so a job
 started here is the same durable job the API shows: it survives a server restart, and Ctrl+C
@@ -24,7 +25,7 @@ FINAL = ("succeeded", "failed", "cancelled")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("finetune", help="LoRA fine-tuning job on a running server (OpenAI's fine-tuning API)")
+    p = sub.add_parser("fine-tuning", help="a fine-tuning job on a running server (OpenAI's fine-tuning API)")
     p.add_argument("training_file", nargs="?", type=Path, help="chat-format JSONL, one {\"messages\": [...]} a line")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("BACKFILL_API_KEY"), help="its key (or BACKFILL_API_KEY)")
@@ -69,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
                 raise CommandError("give a training file (or --list, --status, --cancel)")
             return create_and_follow(client, args)
         except CommandError as exc:
-            print(f"backfill finetune: error: {exc}", file=sys.stderr)
+            print(f"backfill fine-tuning: error: {exc}", file=sys.stderr)
             return 2
         except httpx.HTTPError as exc:
-            print(f"backfill finetune: error: cannot reach {args.url}: {exc}", file=sys.stderr)
+            print(f"backfill fine-tuning: error: cannot reach {args.url}: {exc}", file=sys.stderr)
             return 2
 
 
@@ -110,7 +111,7 @@ def create_and_follow(client: httpx.Client, args: argparse.Namespace) -> int:
     try:
         return follow(client, job["id"])
     except KeyboardInterrupt:
-        print(f"\nstopped following; the job goes on (backfill finetune --cancel {job['id']} stops it)")
+        print(f"\nstopped following; the job goes on (backfill fine-tuning --cancel {job['id']} stops it)")
         return 130
 
 
