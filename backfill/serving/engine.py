@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 from concurrent.futures import Future
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from backfill.errors import EngineStoppedError
 from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
@@ -31,6 +31,9 @@ class AsyncEngine:
         self._loop_future: Future | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # Best-effort work run on the loop's thread between two steps and while idle (e.g. finetuning
+        # units, backfill/finetune/colocate.py); returns whether it did anything.
+        self.background: Callable[[], bool] | None = None
 
     @property
     def running(self) -> bool:
@@ -103,8 +106,9 @@ class AsyncEngine:
         scheduler = self.scheduler
         while not self._stopping.is_set():
             if not scheduler.has_work():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                if self.background is None or not self.background():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
                 continue
             try:
                 events = scheduler.step()
@@ -117,6 +121,8 @@ class AsyncEngine:
                 scheduler.step()
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
+            if self.background is not None:
+                self.background()
         # Stopping: tell every open stream it ended.
         leftovers = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.CANCELLED)
                      for seq_id in list(self._queues)]
