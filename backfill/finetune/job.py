@@ -55,6 +55,7 @@ class FinetuneJob:
         # Recent durations of each kind of piece (forward / head / backward / update), for estimates.
         self.piece_ms: dict[str, list[float]] = {}
         self._next_kind = "forward"
+        self._pieces_in_step = 0
         self._step: Iterator[None] | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -83,6 +84,7 @@ class FinetuneJob:
         for _ in range(self.config.layers_per_unit):
             kind, piece_started = self._next_kind, time.perf_counter()
             done = next(self._step, StopIteration) is StopIteration
+            self._pieces_in_step = 0 if done else self._pieces_in_step + 1
             recent = self.piece_ms.setdefault(kind, [])
             recent.append((time.perf_counter() - piece_started) * 1e3)
             del recent[:-16]
@@ -100,6 +102,18 @@ class FinetuneJob:
         piece = sorted(recent)[len(recent) // 2] if recent else default_ms
         return piece * (self.config.layers_per_unit if self._next_kind in ("forward", "backward") else 1)
 
+    @property
+    def pieces_per_step(self) -> int:
+        """Layer-sized pieces of one step: per micro-batch every layer forward and backward and the
+        head, then the optimizer update."""
+        micro_batches = -(-self.config.batch_size // self.config.micro_batch_size)
+        return micro_batches * (2 * self.model.config.num_layers + 1) + 1
+
+    @property
+    def progress_steps(self) -> float:
+        """Steps done, with the step in flight counted by the share of its pieces that ran."""
+        return self.steps_done + self._pieces_in_step / self.pieces_per_step
+
     def run(self) -> None:
         """Run to the end undisturbed (the standalone job)."""
         while self.run_unit():
@@ -110,7 +124,7 @@ class FinetuneJob:
         It is redone from its start later, with the same data, so nothing is lost or doubled."""
         if self._step is not None:
             self._step.close()
-            self._step, self._next_kind = None, "forward"
+            self._step, self._next_kind, self._pieces_in_step = None, "forward", 0
             self.optimizer.zero_grad(set_to_none=True)
 
     def memory_bytes(self) -> int:
