@@ -321,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_profile)
 
+    from backfill.finetune.cli import add_commands as add_finetune_commands
+
+    add_finetune_commands(sub, bench)
+
     p = sub.add_parser("export-hf", help="write the model as an HF directory (for transformers / vLLM)")
     p.add_argument("out_dir")
     p.add_argument("--model", default=None)

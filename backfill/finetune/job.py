@@ -52,6 +52,10 @@ class FinetuneJob:
         self.events: list[dict] = []
         self.units_run = 0
         self.unit_ms: list[float] = []   # durations of recent units (for the QoS policy)
+        # Recent durations of each kind of piece (forward / head / backward / update), for estimates.
+        self.piece_ms: dict[str, list[float]] = {}
+        self._next_kind = "forward"
+        self._pieces_in_step = 0
         self._step: Iterator[None] | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -78,13 +82,37 @@ class FinetuneJob:
         if self._step is None:
             self._step = self._train_step()
         for _ in range(self.config.layers_per_unit):
-            if next(self._step, StopIteration) is StopIteration:
-                self._step = None
+            kind, piece_started = self._next_kind, time.perf_counter()
+            done = next(self._step, StopIteration) is StopIteration
+            self._pieces_in_step = 0 if done else self._pieces_in_step + 1
+            recent = self.piece_ms.setdefault(kind, [])
+            recent.append((time.perf_counter() - piece_started) * 1e3)
+            del recent[:-16]
+            if done:
+                self._step, self._next_kind = None, "forward"
                 break
         self.units_run += 1
         self.unit_ms.append((time.perf_counter() - started) * 1e3)
         del self.unit_ms[:-64]
         return True
+
+    def next_unit_estimate_ms(self, default_ms: float = 10.0) -> float:
+        """The expected duration of the next unit: the median of recent pieces of its kind."""
+        recent = self.piece_ms.get(self._next_kind) or self.piece_ms.get("backward") or []
+        piece = sorted(recent)[len(recent) // 2] if recent else default_ms
+        return piece * (self.config.layers_per_unit if self._next_kind in ("forward", "backward") else 1)
+
+    @property
+    def pieces_per_step(self) -> int:
+        """Layer-sized pieces of one step: per micro-batch every layer forward and backward and the
+        head, then the optimizer update."""
+        micro_batches = -(-self.config.batch_size // self.config.micro_batch_size)
+        return micro_batches * (2 * self.model.config.num_layers + 1) + 1
+
+    @property
+    def progress_steps(self) -> float:
+        """Steps done, with the step in flight counted by the share of its pieces that ran."""
+        return self.steps_done + self._pieces_in_step / self.pieces_per_step
 
     def run(self) -> None:
         """Run to the end undisturbed (the standalone job)."""
@@ -96,19 +124,19 @@ class FinetuneJob:
         It is redone from its start later, with the same data, so nothing is lost or doubled."""
         if self._step is not None:
             self._step.close()
-            self._step = None
+            self._step, self._next_kind, self._pieces_in_step = None, "forward", 0
             self.optimizer.zero_grad(set_to_none=True)
 
     def memory_bytes(self) -> int:
         """An upper bound of the memory the job holds while a step is in flight (HARLI §4.1):
         adapter, its gradients and AdamW's two moments, the saved layer inputs, one layer's
-        recomputed activations and the logits of the targets."""
+        recomputed activations with their gradients, and the targets' logits (with gradients)."""
         c, m = self.config, self.model.config
         tokens = c.micro_batch_size * c.max_seq_len
         item = self.model.dtype.itemsize
         state = 4 * self.adapter.nbytes
         saved = (m.num_layers + 1) * tokens * m.hidden_size * item
-        layer = 3 * tokens * (m.hidden_size * 6 + m.intermediate_size * 4) * max(item, 4)
+        layer = 2 * tokens * (m.hidden_size * 8 + m.intermediate_size * 4) * max(item, 4)
         logits = 2 * tokens * m.vocab_size * 4
         return state + saved + layer + logits
 
@@ -120,6 +148,7 @@ class FinetuneJob:
         batch = [self.samples[i] for i in indices]
         num_targets = sum(s.num_targets for s in batch)
         self.optimizer.zero_grad(set_to_none=True)
+        layers = model.config.num_layers
         loss_sum = 0.0
         tokens = 0
         for start in range(0, len(batch), c.micro_batch_size):
@@ -127,21 +156,25 @@ class FinetuneJob:
             tokens += int(ids.numel())
             saved = [embed(model, ids)]
             with torch.no_grad():
-                for li in range(model.config.num_layers):
+                for li in range(layers):
                     saved.append(layer_forward(model, self.adapter, li, saved[-1]))
+                    self._next_kind = "forward" if li < layers - 1 else "head"
                     yield
             top = saved.pop().requires_grad_()
             loss = head_loss_sum(model, top, ids, mask) / num_targets
             loss.backward()
             loss_sum += float(loss.detach())
             grad = top.grad
+            self._next_kind = "backward"
             yield
-            for li in reversed(range(model.config.num_layers)):
+            for li in reversed(range(layers)):
                 x = saved.pop().requires_grad_()
                 out = layer_forward(model, self.adapter, li, x)
                 torch.autograd.backward(out, grad)  # HARLI §6.1: the layer's output gradient, explicitly
                 grad = x.grad
                 del out, x
+                last = li == 0 and start + c.micro_batch_size >= len(batch)
+                self._next_kind = "backward" if li > 0 else ("update" if last else "forward")
                 yield
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

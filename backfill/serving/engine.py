@@ -36,6 +36,9 @@ class AsyncEngine:
         self._loop_future: Future | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # Best-effort work run on the loop's thread between two steps and while idle (e.g. finetuning
+        # units, backfill/finetune/colocate.py); returns whether it did anything.
+        self.background: Callable[[], bool] | None = None
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
 
     @property
@@ -138,8 +141,9 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._run_calls()
             if not scheduler.has_work():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                if self.background is None or not self.background():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
                 continue
             try:
                 events = scheduler.step()
@@ -152,6 +156,8 @@ class AsyncEngine:
                 scheduler.step()
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
+            if self.background is not None:
+                self.background()
         self._run_calls()
         # Stopping: tell every open stream it ended.
         leftovers = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.CANCELLED)
