@@ -256,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_demo)
 
-    from backfill.server.finetune_cli import add_commands as add_finetune_commands
-    add_finetune_commands(sub)
+    from backfill.server.finetune_cli import add_commands as add_fine_tuning_commands
+    add_fine_tuning_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
