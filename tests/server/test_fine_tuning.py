@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -286,3 +287,31 @@ def test_fine_tuning_command_follows_a_job(server, tmp_path, capsys):
     assert job_id in capsys.readouterr().out
     assert main(["fine-tuning", "--cancel", job_id, "--url", server.url]) == 2
     assert "already succeeded" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_model_learns_the_training_answer(tmp_path):
+    """On the real default model: a few steps on one conversation change its answer to that prompt."""
+    from server_helpers import LiveServer
+
+    from backfill.server.app import create_app
+    from backfill.server.config import ServerConfig
+    from backfill.server.store import Store
+    from backfill.serving.build import ServingConfig, build_engine
+
+    serving = ServingConfig(policy="priority", kv_cache_gb=0.25, max_model_len=512)
+    db = tmp_path / "real.db"
+    app = create_app(build_engine(serving), ServerConfig(serving=serving, db=str(db), drain_timeout_s=2.0), Store(db))
+    with LiveServer(app) as server:
+        client = openai_client(server.url)
+        base = client.models.list().data[0].id
+        prompt, answer = "What is the secret word?", "The secret word is BANANAPHONE."
+        file = upload_training(client, training_jsonl([(prompt, answer)]))
+        job = client.fine_tuning.jobs.create(
+            model=base, training_file=file.id, seed=1,
+            extra_body={"hyperparameters": {"batch_size": 1, "max_steps": 6, "learning_rate_multiplier": 30.0},
+                        "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}})
+        done = wait_status(client, job.id, timeout_s=float(os.environ.get("BACKFILL_TEST_FT_TIMEOUT_S", 300)))
+        assert done.status == "succeeded", done.error
+        tuned, plain = chat(client, done.fine_tuned_model, prompt), chat(client, base, prompt)
+        assert "BANANAPHONE" in tuned.upper() and "BANANAPHONE" not in plain.upper(), (tuned, plain)
