@@ -186,6 +186,7 @@ def adapter_tensors(db: Path, job_id: str) -> dict[str, torch.Tensor]:
     return load_file(str(db.with_name(db.name + ".fine_tuning") / job_id / "adapter" / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow
 def test_kill_9_mid_job_then_restart_resumes_without_losing_a_step(tmp_path, server_processes):
     db = tmp_path / "ft.db"
     first = server_processes(db)
