@@ -287,10 +287,18 @@ class FineTuningWorker:
             else f"Fine-tuning started: {job.total_steps} steps on {len(job.samples)} examples")
         handle = attach_finetune(self.engine, job)
         self.running = RunningJob(job_id, handle, job)
+        told_stalled = False
         try:
             while not handle.done:
                 if self._stopped:
                     handle.cancel()
+                if not told_stalled and handle.stats.units == 0 and handle.stats.stalled_calls >= 20:
+                    # HARLI §4: the job trains only in KV blocks inference leaves idle; say so if it gets none.
+                    told_stalled = True
+                    await asyncio.to_thread(
+                        self.jobs.add_message, job_id, f"Waiting for memory: a step needs "
+                        f"{job.memory_bytes() / 2**20:.0f} MiB of the KV pool's idle blocks (raise --kv-cache-gb, or "
+                        f"lower hyperparameters.max_seq_len / micro_batch_size)", "warn")
                 try:
                     await asyncio.wait_for(asyncio.shield(handle.wait()), self.poll_interval_s)
                 except asyncio.TimeoutError:

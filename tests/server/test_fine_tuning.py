@@ -300,7 +300,7 @@ def test_real_model_learns_the_training_answer(tmp_path):
     from backfill.server.store import Store
     from backfill.serving.build import ServingConfig, build_engine
 
-    serving = ServingConfig(policy="priority", kv_cache_gb=0.25, max_model_len=512)
+    serving = ServingConfig(policy="priority", kv_cache_gb=0.5, max_model_len=512)
     db = tmp_path / "real.db"
     app = create_app(build_engine(serving), ServerConfig(serving=serving, db=str(db), drain_timeout_s=2.0), Store(db))
     with LiveServer(app) as server:
@@ -310,9 +310,10 @@ def test_real_model_learns_the_training_answer(tmp_path):
         file = upload_training(client, training_jsonl([(prompt, answer)]))
         job = client.fine_tuning.jobs.create(
             model=base, training_file=file.id, seed=1,
-            extra_body={"hyperparameters": {"batch_size": 1, "max_steps": 6, "learning_rate_multiplier": 30.0},
+            extra_body={"hyperparameters": {"batch_size": 1, "max_steps": 6, "learning_rate_multiplier": 30.0,
+                                            "max_seq_len": 64},
                         "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}})
         done = wait_status(client, job.id, timeout_s=float(os.environ.get("BACKFILL_TEST_FT_TIMEOUT_S", 300)))
         assert done.status == "succeeded", done.error
         tuned, plain = chat(client, done.fine_tuned_model, prompt), chat(client, base, prompt)
-        assert "BANANAPHONE" in tuned.upper() and "BANANAPHONE" not in plain.upper(), (tuned, plain)
+        assert "BANANAPH" in tuned.upper() and "BANANAPH" not in plain.upper(), (tuned, plain)  # 8 tokens
