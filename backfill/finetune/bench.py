@@ -42,6 +42,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--ft-threads", type=int, default=1, help="separate: the finetuning process's threads")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default="runs/bench-finetune", help="folder for the JSON result")
+    p.add_argument("--sim", action="store_true", help="run the modes in the simulator (finetune/sim.py) on the "
+                                                      "fitted predictor instead of the real engine")
+    p.add_argument("--sim-noise-cv", type=float, default=0.05)
     p.set_defaults(func=cmd_bench_finetune)
 
 
@@ -69,6 +72,8 @@ def cmd_bench_finetune(args) -> int:
     latency = load_saved_latency(loaded.config.name)
     if "harli" in modes and latency is None:
         raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+    if args.sim:
+        return _run_sim(args, modes, loaded, step_latency, latency)
     tmp = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
     config = _ft_config(args)
@@ -193,7 +198,7 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
     for mode, rounds in results.items():
         table[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in rounds),
                        "p99_tpot_ms": statistics.median(r["p99_tpot_ms"] for r in rounds),
-                       "p99_itl_ms": statistics.median(r["p99_itl_ms"] for r in rounds),
+                       "p99_itl_ms": statistics.median(r.get("p99_itl_ms", 0.0) for r in rounds),
                        "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
         table[mode]["meets_qos"] = table[mode]["p99_tpot_ms"] <= target_ms
@@ -214,3 +219,38 @@ def _markdown(table: dict, args) -> str:
         ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table["harli"].items() if k.startswith("x_"))
         lines.append(f"\nharli's finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
     return "\n".join(lines)
+
+
+def _run_sim(args, modes, loaded, step_latency, latency) -> int:
+    from backfill.bench.coserve import CoserveScenario, make_workload
+    from backfill.finetune.sim import SimCosts, SimRequest, simulate
+    from backfill.policy.harli import make_colo_policy
+    from backfill.policy.latency_model import BatchShape
+
+    config = _ft_config(args)
+    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * loaded.config.num_layers + 1) + 1
+    unit_ms = statistics.mean(latency.unit_ms.values()) if latency.unit_ms else 20.0
+    costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size,
+                     lambda n: step_latency.estimate_ms(BatchShape().plus(n, 0)), args.sim_noise_cv)
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for k in range(args.rounds):
+        scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
+        workload = make_workload(scenario, loaded.tokenizer, step_latency, with_offline=False)
+        requests = [SimRequest(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in workload.requests]
+        for mode in modes:
+            if mode == "separate":
+                r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,
+                             separate_share_infer=args.static_share_infer)
+            else:
+                policy = make_colo_policy(mode, latency, args.static_share_infer)
+                r = simulate(policy, requests, costs, args.duration, args.tpot_target_ms, seed=k)
+            results[mode].append(r)
+    table = _table(results, args.tpot_target_ms)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim-result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                                                     "unit_ms": unit_ms, "rounds": results, "table": table}, indent=1))
+    print("simulated (policy objects on a simulated clock, costs from the fitted predictor):")
+    print(_markdown(table, args))
+    print(f"wrote {out / 'sim-result.json'}")
+    return 0

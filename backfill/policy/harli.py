@@ -47,6 +47,7 @@ class HarliLatencyModel:
     model_name: str = ""
     device: str = "cpu"
     errors: dict = field(default_factory=dict)  # {"grid": {"mean": .., "max": ..}, "held_out": {...}}
+    unit_ms: dict = field(default_factory=dict)  # profiled finetuning piece times by kind (for the simulator)
 
     def __post_init__(self) -> None:
         self.solo = tuple(sorted(self.solo, key=lambda f: f.share))
@@ -105,7 +106,8 @@ class HarliLatencyModel:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
-                "model_name": self.model_name, "device": self.device, "errors": self.errors}
+                "model_name": self.model_name, "device": self.device, "errors": self.errors,
+                "unit_ms": self.unit_ms}
         path.write_text(json.dumps(data, indent=1))
         return path
 
@@ -113,7 +115,7 @@ class HarliLatencyModel:
     def load(cls, path: Path) -> "HarliLatencyModel":
         data = json.loads(Path(path).read_text())
         return cls(tuple(SoloFit(**f) for f in data["solo"]), data["b1"], data["k1"], data.get("model_name", ""),
-                   data.get("device", "cpu"), data.get("errors", {}))
+                   data.get("device", "cpu"), data.get("errors", {}), data.get("unit_ms", {}))
 
 
 @dataclass(frozen=True)
