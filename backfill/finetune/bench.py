@@ -68,12 +68,18 @@ def cmd_bench_finetune(args) -> int:
     if unknown := [m for m in modes if m not in MODES]:
         raise InvalidRequestError(f"unknown modes {unknown}; choose among {', '.join(MODES)}")
     serving = ServingConfig(**_model_options(args), policy="fcfs")
+    if args.sim:  # the model's tokenizer and saved profiles only: nothing runs on the model
+        from backfill.engine.weights import load_model
+
+        loaded = load_model(args.model)
+        latency = load_saved_latency(loaded.config.name)
+        if latency is None:
+            raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+        return _run_sim(args, modes, loaded, latency)
     loaded, runner, step_latency = load_and_profile(serving)
     latency = load_saved_latency(loaded.config.name)
     if "harli" in modes and latency is None:
         raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
-    if args.sim:
-        return _run_sim(args, modes, loaded, step_latency, latency)
     tmp = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
     config = _ft_config(args)
@@ -221,22 +227,39 @@ def _markdown(table: dict, args) -> str:
     return "\n".join(lines)
 
 
-def _run_sim(args, modes, loaded, step_latency, latency) -> int:
-    from backfill.bench.coserve import CoserveScenario, make_workload
+def _run_sim(args, modes, loaded, latency) -> int:
+    """The coserve benchmark's online trace (its gamma arrivals and length distributions) with its rate
+    set from the fitted costs, through every mode's policy object on a simulated clock."""
+    import numpy as np
+
+    from backfill.bench.arrivals import gamma_arrivals
+    from backfill.bench.coserve import CoserveScenario
+    from backfill.bench.lengths import parse_length_spec
     from backfill.finetune.sim import SimCosts, SimRequest, simulate
     from backfill.policy.harli import make_colo_policy
-    from backfill.policy.latency_model import BatchShape
 
     config = _ft_config(args)
-    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * loaded.config.num_layers + 1) + 1
-    unit_ms = statistics.mean(latency.unit_ms.values()) if latency.unit_ms else 20.0
-    costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size,
-                     lambda n: step_latency.estimate_ms(BatchShape().plus(n, 0)), args.sim_noise_cv)
+    layers = loaded.config.num_layers
+    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * layers + 1) + 1
+    t = latency.unit_ms or {"forward": 20.0, "head": 20.0, "backward": 20.0, "update": 20.0}
+    micro_batches = -(-config.batch_size // config.micro_batch_size)
+    # The mean unit over a step's pieces: each layer forward and backward, the head per micro-batch, the update.
+    unit_ms = (micro_batches * (layers * (t["forward"] + t["backward"]) + t["head"]) + t["update"]) / pieces
+    forward_ms = t["forward"]
+    # A prefill of n tokens costs about a forward of the model over them (profiled pieces: a layer of
+    # max_seq_len tokens, at most 128 in the profile).
+    prefill = lambda n: forward_ms * layers * n / 128  # noqa: E731
+    costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for k in range(args.rounds):
         scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
-        workload = make_workload(scenario, loaded.tokenizer, step_latency, with_offline=False)
-        requests = [SimRequest(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in workload.requests]
+        rng = np.random.default_rng(k)
+        prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+        mean_prompt, mean_output = float(np.mean(prompt_len.sample(rng, 2000))), float(np.mean(output_len.sample(rng, 2000)))
+        service_s = (prefill(mean_prompt) + mean_output * latency.solo_ms(1, mean_prompt + mean_output / 2, 1.0)) / 1e3
+        arrivals = gamma_arrivals(args.online_load / service_s, scenario.cv, k, duration_s=args.duration)
+        prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
+        requests = [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
         for mode in modes:
             if mode == "separate":
                 r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,

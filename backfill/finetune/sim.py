@@ -54,16 +54,15 @@ def simulate(policy, requests: list[SimRequest], costs: SimCosts, duration_s: fl
         while i < len(pending) and pending[i].arrival_s * 1e3 <= t_ms:
             arrived.append(pending[i])
             i += 1
+        n = 0
+        if separate_share_infer is None:  # the policy sees the arrivals before their prefill runs
+            seqlen = float(np.mean([s["ctx"] for s in running])) if running else 0.0
+            state = ColoState(t_ms / 1e3, len(running), len(arrived), seqlen, tpot_target_ms, t_ms < end_ms,
+                              costs.unit_ms)
+            n = policy.plan(state).units
         for r in arrived:  # prefill, one request a step
             t_ms += noisy(costs.prefill_ms(r.prompt_tokens))
             running.append({"ctx": r.prompt_tokens + 1, "left": r.output_tokens - 1, "times": [t_ms]})
-        if separate_share_infer is None:
-            seqlen = float(np.mean([s["ctx"] for s in running])) if running else 0.0
-            state = ColoState(t_ms / 1e3, len(running), 0, seqlen, tpot_target_ms, t_ms < end_ms, costs.unit_ms)
-            plan = policy.plan(state)
-            n = plan.units
-        else:
-            n = 0
         if not running:
             if n:
                 t_ms += noisy(n * costs.unit_ms)

@@ -148,9 +148,14 @@ class HarliPolicy:
 
     name = "harli"
 
-    def __init__(self, latency: HarliLatencyModel, max_units_per_step: int = 8) -> None:
+    def __init__(self, latency: HarliLatencyModel, max_units_per_step: int = 8, headroom: float = 0.05) -> None:
+        if not 0 <= headroom < 1:
+            raise PolicyInputError(f"headroom must be in [0, 1), got {headroom}")
         self.latency = latency
         self.max_units_per_step = max_units_per_step
+        # Plan against the target less this share: predictions carry a few percent of error and
+        # step times noise, and the QoS is a P99 (HARLI §5 reports ~5% prediction error).
+        self.headroom = headroom
 
     def plan(self, state: ColoState) -> ColoPlan:
         if not state.finetune_ready:
@@ -158,10 +163,13 @@ class HarliPolicy:
         batch = state.decode_batch + state.waiting
         if batch == 0:
             return ColoPlan(IDLE_UNITS, 1.0, math.inf, "no decode: finetune gets everything")
+        if state.waiting:  # their prefill lands in this token interval, beyond what stage 1 models
+            return ColoPlan(0, 0.0, math.inf, "pause: arrivals' prefill first")
         seqlen = max(state.seqlen, 1.0)
+        target = state.tpot_target_ms * (1 - self.headroom)
         solo_step = self.latency.solo_ms(batch, seqlen, 1.0)
         best = ColoPlan(0, 0.0, self.latency.colo_ms(batch, seqlen, 1.0, 0.0), "pause: a unit would break QoS")
-        if best.predicted_ms > state.tpot_target_ms:
+        if best.predicted_ms > target:
             return ColoPlan(0, 0.0, best.predicted_ms, "pause: decode alone is predicted over the target")
         unit = max(state.unit_ms, 1e-3)
         # The splits whole units can realise in this token interval, fewest units first: the
@@ -169,7 +177,7 @@ class HarliPolicy:
         for n in range(1, self.max_units_per_step + 1):
             share_ft = n * unit / (n * unit + solo_step)
             predicted = self.latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft)
-            if predicted > state.tpot_target_ms:
+            if predicted > target:
                 break
             best = ColoPlan(n, share_ft, predicted, "split closest below the target")
         return best
@@ -202,7 +210,8 @@ class StaticSplitPolicy:
 
     def plan(self, state: ColoState) -> ColoPlan:
         if self._last_s is not None:
-            self._credit_ms = min(self.max_credit_ms, self._credit_ms + (state.now_s - self._last_s) * 1e3 * self.share_ft)
+            cap = max(self.max_credit_ms, 2 * state.unit_ms)  # a unit longer than the cap must still fit
+            self._credit_ms = min(cap, self._credit_ms + (state.now_s - self._last_s) * 1e3 * self.share_ft)
         self._last_s = state.now_s
         if not state.finetune_ready or self._credit_ms < state.unit_ms:
             return ColoPlan(0, self.share_ft, math.inf, "static: no credit")
