@@ -42,6 +42,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--ft-threads", type=int, default=1, help="separate: the finetuning process's threads")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default="runs/bench-finetune", help="folder for the JSON result")
+    p.add_argument("--sim", action="store_true", help="run the modes in the simulator (finetune/sim.py) on the "
+                                                      "fitted predictor instead of the real engine")
+    p.add_argument("--sim-noise-cv", type=float, default=0.05)
     p.set_defaults(func=cmd_bench_finetune)
 
 
@@ -65,6 +68,14 @@ def cmd_bench_finetune(args) -> int:
     if unknown := [m for m in modes if m not in MODES]:
         raise InvalidRequestError(f"unknown modes {unknown}; choose among {', '.join(MODES)}")
     serving = ServingConfig(**_model_options(args), policy="fcfs")
+    if args.sim:  # the model's tokenizer and saved profiles only: nothing runs on the model
+        from backfill.engine.weights import load_model
+
+        loaded = load_model(args.model)
+        latency = load_saved_latency(loaded.config.name)
+        if latency is None:
+            raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+        return _run_sim(args, modes, loaded, latency)
     loaded, runner, step_latency = load_and_profile(serving)
     latency = load_saved_latency(loaded.config.name)
     if "harli" in modes and latency is None:
@@ -193,7 +204,7 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
     for mode, rounds in results.items():
         table[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in rounds),
                        "p99_tpot_ms": statistics.median(r["p99_tpot_ms"] for r in rounds),
-                       "p99_itl_ms": statistics.median(r["p99_itl_ms"] for r in rounds),
+                       "p99_itl_ms": statistics.median(r.get("p99_itl_ms", 0.0) for r in rounds),
                        "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
         table[mode]["meets_qos"] = table[mode]["p99_tpot_ms"] <= target_ms
@@ -214,3 +225,55 @@ def _markdown(table: dict, args) -> str:
         ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table["harli"].items() if k.startswith("x_"))
         lines.append(f"\nharli's finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
     return "\n".join(lines)
+
+
+def _run_sim(args, modes, loaded, latency) -> int:
+    """The coserve benchmark's online trace (its gamma arrivals and length distributions) with its rate
+    set from the fitted costs, through every mode's policy object on a simulated clock."""
+    import numpy as np
+
+    from backfill.bench.arrivals import gamma_arrivals
+    from backfill.bench.coserve import CoserveScenario
+    from backfill.bench.lengths import parse_length_spec
+    from backfill.finetune.sim import SimCosts, SimRequest, simulate
+    from backfill.policy.harli import make_colo_policy
+
+    config = _ft_config(args)
+    layers = loaded.config.num_layers
+    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * layers + 1) + 1
+    t = latency.unit_ms or {"forward": 20.0, "head": 20.0, "backward": 20.0, "update": 20.0}
+    micro_batches = -(-config.batch_size // config.micro_batch_size)
+    # The mean unit over a step's pieces: each layer forward and backward, the head per micro-batch, the update.
+    unit_ms = (micro_batches * (layers * (t["forward"] + t["backward"]) + t["head"]) + t["update"]) / pieces
+    forward_ms = t["forward"]
+    # A prefill of n tokens costs about a forward of the model over them (profiled pieces: a layer of
+    # max_seq_len tokens, at most 128 in the profile).
+    prefill = lambda n: forward_ms * layers * n / 128  # noqa: E731
+    costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for k in range(args.rounds):
+        scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
+        rng = np.random.default_rng(k)
+        prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+        mean_prompt, mean_output = float(np.mean(prompt_len.sample(rng, 2000))), float(np.mean(output_len.sample(rng, 2000)))
+        service_s = (prefill(mean_prompt) + mean_output * latency.solo_ms(1, mean_prompt + mean_output / 2, 1.0)) / 1e3
+        arrivals = gamma_arrivals(args.online_load / service_s, scenario.cv, k, duration_s=args.duration)
+        prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
+        requests = [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
+        for mode in modes:
+            if mode == "separate":
+                r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,
+                             separate_share_infer=args.static_share_infer)
+            else:
+                policy = make_colo_policy(mode, latency, args.static_share_infer)
+                r = simulate(policy, requests, costs, args.duration, args.tpot_target_ms, seed=k)
+            results[mode].append(r)
+    table = _table(results, args.tpot_target_ms)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim-result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                                                     "unit_ms": unit_ms, "rounds": results, "table": table}, indent=1))
+    print("simulated (policy objects on a simulated clock, costs from the fitted predictor):")
+    print(_markdown(table, args))
+    print(f"wrote {out / 'sim-result.json'}")
+    return 0

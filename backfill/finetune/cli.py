@@ -72,7 +72,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
     # The same model the engine serves (its kernels and layout); a small KV pool for --profile's decode batches.
-    runner = build_runner(loaded.config, loaded.weights, ServingConfig(**_model_options(args), kv_cache_gb=0.25))
+    options = _model_options(args)
+    if not args.profile:  # training never reads the paged KV cache: no decode-attention kernel to build
+        options["decode_attention"] = "sdpa"
+    runner = build_runner(loaded.config, loaded.weights, ServingConfig(**options, kv_cache_gb=0.25))
     if args.profile:
         return _profile(args, runner, loaded)
     from backfill.finetune.job import FinetuneJob

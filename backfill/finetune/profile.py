@@ -127,4 +127,5 @@ def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 7, model_
     grid = [(bs, seq, share, 0.0, ms) for share, bs, seq, ms in solo] + colo
     latency.errors = {"grid": latency.relative_errors(grid), "solo": latency.relative_errors(grid[:len(solo)]),
                       "colo": latency.relative_errors(colo), "held_out": latency.relative_errors(held)}
+    latency.unit_ms = unit_ms
     return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms)

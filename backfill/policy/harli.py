@@ -47,6 +47,7 @@ class HarliLatencyModel:
     model_name: str = ""
     device: str = "cpu"
     errors: dict = field(default_factory=dict)  # {"grid": {"mean": .., "max": ..}, "held_out": {...}}
+    unit_ms: dict = field(default_factory=dict)  # profiled finetuning piece times by kind (for the simulator)
 
     def __post_init__(self) -> None:
         self.solo = tuple(sorted(self.solo, key=lambda f: f.share))
@@ -105,7 +106,8 @@ class HarliLatencyModel:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
-                "model_name": self.model_name, "device": self.device, "errors": self.errors}
+                "model_name": self.model_name, "device": self.device, "errors": self.errors,
+                "unit_ms": self.unit_ms}
         path.write_text(json.dumps(data, indent=1))
         return path
 
@@ -113,7 +115,7 @@ class HarliLatencyModel:
     def load(cls, path: Path) -> "HarliLatencyModel":
         data = json.loads(Path(path).read_text())
         return cls(tuple(SoloFit(**f) for f in data["solo"]), data["b1"], data["k1"], data.get("model_name", ""),
-                   data.get("device", "cpu"), data.get("errors", {}))
+                   data.get("device", "cpu"), data.get("errors", {}), data.get("unit_ms", {}))
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,14 @@ class HarliPolicy:
 
     name = "harli"
 
-    def __init__(self, latency: HarliLatencyModel, max_units_per_step: int = 8) -> None:
+    def __init__(self, latency: HarliLatencyModel, max_units_per_step: int = 8, headroom: float = 0.05) -> None:
+        if not 0 <= headroom < 1:
+            raise PolicyInputError(f"headroom must be in [0, 1), got {headroom}")
         self.latency = latency
         self.max_units_per_step = max_units_per_step
+        # Plan against the target less this share: predictions carry a few percent of error and
+        # step times noise, and the QoS is a P99 (HARLI §5 reports ~5% prediction error).
+        self.headroom = headroom
 
     def plan(self, state: ColoState) -> ColoPlan:
         if not state.finetune_ready:
@@ -156,10 +163,13 @@ class HarliPolicy:
         batch = state.decode_batch + state.waiting
         if batch == 0:
             return ColoPlan(IDLE_UNITS, 1.0, math.inf, "no decode: finetune gets everything")
+        if state.waiting:  # their prefill lands in this token interval, beyond what stage 1 models
+            return ColoPlan(0, 0.0, math.inf, "pause: arrivals' prefill first")
         seqlen = max(state.seqlen, 1.0)
+        target = state.tpot_target_ms * (1 - self.headroom)
         solo_step = self.latency.solo_ms(batch, seqlen, 1.0)
         best = ColoPlan(0, 0.0, self.latency.colo_ms(batch, seqlen, 1.0, 0.0), "pause: a unit would break QoS")
-        if best.predicted_ms > state.tpot_target_ms:
+        if best.predicted_ms > target:
             return ColoPlan(0, 0.0, best.predicted_ms, "pause: decode alone is predicted over the target")
         unit = max(state.unit_ms, 1e-3)
         # The splits whole units can realise in this token interval, fewest units first: the
@@ -167,7 +177,7 @@ class HarliPolicy:
         for n in range(1, self.max_units_per_step + 1):
             share_ft = n * unit / (n * unit + solo_step)
             predicted = self.latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft)
-            if predicted > state.tpot_target_ms:
+            if predicted > target:
                 break
             best = ColoPlan(n, share_ft, predicted, "split closest below the target")
         return best
@@ -200,7 +210,8 @@ class StaticSplitPolicy:
 
     def plan(self, state: ColoState) -> ColoPlan:
         if self._last_s is not None:
-            self._credit_ms = min(self.max_credit_ms, self._credit_ms + (state.now_s - self._last_s) * 1e3 * self.share_ft)
+            cap = max(self.max_credit_ms, 2 * state.unit_ms)  # a unit longer than the cap must still fit
+            self._credit_ms = min(cap, self._credit_ms + (state.now_s - self._last_s) * 1e3 * self.share_ft)
         self._last_s = state.now_s
         if not state.finetune_ready or self._credit_ms < state.unit_ms:
             return ColoPlan(0, self.share_ft, math.inf, "static: no credit")

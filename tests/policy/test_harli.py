@@ -62,9 +62,11 @@ def test_harli_pauses_before_a_predicted_violation_and_yields_when_stalled():
     assert stalled.units == 0 and "stalled" in stalled.reason
 
 
-def test_arrivals_count_toward_the_predicted_batch():
+def test_arrivals_pause_finetuning_until_their_prefill_ran():
     policy = HarliPolicy(MODEL)
-    assert policy.plan(_state(batch=2, waiting=6, target=40.0)).units < policy.plan(_state(batch=2, target=40.0)).units
+    assert policy.plan(_state(batch=2, target=40.0)).units > 0
+    plan = policy.plan(_state(batch=2, waiting=1, target=40.0))
+    assert plan.units == 0 and "prefill" in plan.reason
 
 
 def test_no_decode_gives_finetuning_everything():
