@@ -309,6 +309,10 @@ class FineTuningWorker:
             await asyncio.to_thread(self._sync, job_id, job)
         finally:
             self.running = None
+        if not job.finished:
+            # Close the step left in flight by a cancel or a stop: its generator is suspended inside
+            # torch.no_grad, whose thread-local grad mode would stay off on the engine's thread.
+            await self.engine.call_between_steps(job.abandon_step)
         await self._finish(job_id, job, handle)
 
     def _sync(self, job_id: str, job) -> None:
