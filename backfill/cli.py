@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_demo)
 
+    from backfill.server.finetune_cli import add_commands as add_fine_tuning_commands
+    add_fine_tuning_commands(sub)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
     _add_model_args(p)
@@ -318,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_profile)
+
+    from backfill.finetune.cli import add_commands as add_finetune_commands
+
+    add_finetune_commands(sub, bench)
 
     p = sub.add_parser("export-hf", help="write the model as an HF directory (for transformers / vLLM)")
     p.add_argument("out_dir")

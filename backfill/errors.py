@@ -116,3 +116,27 @@ class CoordinatorError(OffloadError):
 
 class LeaseExpiredError(CoordinatorError):
     """A lease or offer named in a coordinator call has expired or does not exist."""
+
+
+class FinetuneError(BackfillError):
+    """A finetuning job (HARLI) cannot be created, resumed or run."""
+
+
+class FinetuneConfigError(FinetuneError, ValueError):
+    """A finetuning hyperparameter is out of range (e.g. a LoRA rank of 0)."""
+
+
+class TrainingFileError(FinetuneError, ValueError):
+    """A fine-tuning training file is malformed; the message names the line."""
+
+
+class CheckpointError(FinetuneError):
+    """A finetuning checkpoint is missing, unreadable or does not match the job."""
+
+
+class AdapterLoadError(BackfillError, ValueError):
+    """A LoRA adapter directory is missing, malformed, or does not fit the served model."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names a LoRA adapter (or fine-tuned model) the engine has not loaded."""

@@ -23,6 +23,7 @@ from backfill.engine.linear import Linear, matmul_kernel_for
 
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
+    from backfill.engine.lora import LoraBatch
     from backfill.engine.paged_attention import PagedDecodeAttention
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
     decode_context_lens: torch.Tensor | None = None  # [Bd] tokens each decoding sequence attends to
+    lora: LoraBatch | None = None  # the step's LoRA adapters by token (engine/lora.py); None: base model only
 
 
 Safepoint = Callable[[int], bool]
@@ -214,7 +216,8 @@ class LlamaModel:
     def _compiled_pieces_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> DecodePieces | None:
         """The compiled pieces for this step if it is a decode of a batch size they were built for
         (every token a decode wanting its logits), else None."""
-        if self.compiled_decode is None or meta.prefills or meta.decode_token_index is None:
+        if self.compiled_decode is None or meta.prefills or meta.decode_token_index is None \
+                or meta.lora is not None:
             return None
         batch = input_ids.shape[0]
         if meta.logits_index.shape[0] != batch:
@@ -234,6 +237,7 @@ class LlamaModel:
         cfg = self.config
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        lora = meta.lora
         if resume is None:
             h, act, start_layer, start_stage = self.embed.index_select(0, input_ids), None, 0, 0
         else:
@@ -251,19 +255,28 @@ class LlamaModel:
                     check(li, 0)
                 x = F.rms_norm(h, (cfg.hidden_size,), layer["attn_norm"], cfg.rms_norm_eps)
                 qkv = layer["qkv"](x)
+                if lora is not None:
+                    lora.add(li, "qkv", x, qkv)
                 q, k, v = self.split_qkv(layer, qkv, cos, sin)
                 self._write_kv(li, k, v, meta, kv)
                 attn = self._attention(q, li, meta, kv)
                 h = layer["o"].add_to(h, attn)
+                if lora is not None:
+                    lora.add(li, "o", attn, h)
             # Two more safepoints inside the layer (after attention, after gate/up) halve the
             # longest stretch without a check: the MLP is three quarters of a layer's work.
             if first_stage <= 1:
                 check(li, 1)
                 x = F.rms_norm(h, (cfg.hidden_size,), layer["mlp_norm"], cfg.rms_norm_eps)
-                gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+                gate_up = layer["gate_up"](x)
+                if lora is not None:
+                    lora.add(li, "gate_up", x, gate_up)
+                gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate).mul_(up)
             check(li, 2)
             h = layer["down"].add_to(h, act)
+            if lora is not None:
+                lora.add(li, "down", act, h)
         # The LM head runs in slices with a safepoint between two: for a big batch of logits it is
         # the longest stretch of the step. Stage i >= 1 of layer num_layers is "before slice i",
         # with the normed rows as hidden and the logits of the slices before it as act.

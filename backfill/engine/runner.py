@@ -21,6 +21,7 @@ from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward,
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
+    from backfill.engine.lora import AdapterRegistry, LoraAdapter
 
 
 # Safepoint checks the CPU may run ahead of the GPU's progress (see paced_on_gpu).
@@ -61,6 +62,7 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]
     want_logits: bool = True
+    adapter: LoraAdapter | None = None  # a LoRA adapter applied to this sequence's tokens (engine/lora.py)
 
     @property
     def is_decode(self) -> bool:
@@ -98,6 +100,19 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.decode_graphs = decode_graphs
+        self._adapters: AdapterRegistry | None = None
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        """The LoRA adapters this runner serves, by name (created on first use)."""
+        if self._adapters is None:
+            from backfill.engine.linear import matmul_kernel_for
+            from backfill.engine.lora import AdapterRegistry
+
+            # In the weight matmuls' dtype: a bf16 model on a CPU without bf16 GEMMs multiplies in fp32.
+            compute_dtype = matmul_kernel_for(self.device, self.model.dtype).compute_dtype
+            self._adapters = AdapterRegistry(self.config, compute_dtype, self.device)
+        return self._adapters
 
     @property
     def config(self) -> ModelConfig:
@@ -109,7 +124,9 @@ class ModelRunner:
         start = time.perf_counter()
         if not chunks:
             return StepOutput(None, [], duration_s=0.0)
-        graphed = resume is None and self.decode_graphs is not None and self.decode_graphs.fits(chunks)
+        # Steps with a LoRA adapter run eagerly: the captured graphs hold the base model only.
+        graphed = (resume is None and self.decode_graphs is not None and self.decode_graphs.fits(chunks)
+                   and not any(chunk.adapter is not None for chunk in chunks))
         if graphed:
             for chunk in chunks:
                 self._check(chunk)
@@ -160,12 +177,15 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         logits_index: list[int] = []
         logit_ids: list[int | str] = []
+        adapter_spans = []
         for chunk in chunks:
             self._check(chunk)
             n = len(chunk.token_ids)
             end = chunk.start_pos + n
             first = len(ids)
             ids.extend(chunk.token_ids)
+            if chunk.adapter is not None:
+                adapter_spans.append((chunk.adapter, first, n))
             for p in range(chunk.start_pos, end):
                 positions.append(p)
                 slots.append(chunk.block_table[p // bs] * bs + p % bs)
@@ -188,6 +208,10 @@ class ModelRunner:
             prefills=prefills,
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
         )
+        if adapter_spans:
+            from backfill.engine.lora import LoraBatch
+
+            meta.lora = LoraBatch.from_spans(adapter_spans, dev)
         if decode_index:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]

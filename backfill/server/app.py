@@ -22,10 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from backfill.server.adapters import add_adapter_routes
 from backfill.server.batches import BatchWorker
 from backfill.server.completions import CompletionService, Kind
 from backfill.server.config import ServerConfig
 from backfill.server.errors import APIError, bad_request, install_error_handlers, not_found
+from backfill.server.fine_tuning import FINE_TUNE_PURPOSE, FineTuningWorker, add_fine_tuning_routes
+from backfill.server.fine_tuning_store import FineTuningStore
 from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
@@ -43,6 +46,7 @@ class ServerState:
     service: CompletionService
     metrics: ServerMetrics
     worker: BatchWorker
+    fine_tuning: FineTuningWorker
     started_at: int = field(default_factory=lambda: int(time.time()))
     in_flight: dict[str, int] = field(default_factory=lambda: {cls: 0 for cls in CLASSES})
     draining: bool = False
@@ -74,16 +78,20 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     service = CompletionService(engine, metrics, served_model)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
     metrics.batch_lines_in_flight = lambda: worker.in_flight
-    state = ServerState(engine, config, store, service, metrics, worker)
+    fine_tuning = FineTuningWorker(FineTuningStore(store), store, engine, served_model,
+                                   config.db_path.with_name(config.db_path.name + ".fine_tuning"))
+    state = ServerState(engine, config, store, service, metrics, worker, fine_tuning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         worker.start()
+        fine_tuning.start()
         try:
             yield
         finally:
             state.begin_drain()
+            await fine_tuning.stop()
             await worker.stop(state.drain_deadline_s)
             await engine.stop()
 
@@ -112,19 +120,22 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": served_model, "object": "model", "created": state.started_at, "owned_by": "backfill",
+    def model_card(model_id: str = served_model) -> dict:
+        card = {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "backfill",
                 "max_model_len": engine.scheduler.max_model_len}
+        if model_id != served_model:  # a LoRA adapter (a fine-tuned model) on the base model, as vLLM lists them
+            card.update(root=model_id, parent=served_model)
+        return card
 
     @v1.get("/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(name) for name in engine.adapters.names())]}
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        if model_id != served_model:
+        if model_id != served_model and model_id not in engine.adapters:
             raise not_found(f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     async def generate(request: Request, kind: Kind) -> Response:
         arrived = time.monotonic()
@@ -167,9 +178,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         if purpose is None:
             raise bad_request("purpose is required", param="purpose")
         purpose_text = purpose.data.decode("utf-8", "replace").strip()
-        if purpose_text != "batch":
-            raise bad_request(f"purpose {purpose_text!r} is not supported; this server accepts 'batch'",
-                              param="purpose")
+        if purpose_text not in ("batch", FINE_TUNE_PURPOSE):
+            raise bad_request(f"purpose {purpose_text!r} is not supported; this server accepts 'batch' and "
+                              f"'{FINE_TUNE_PURPOSE}'", param="purpose")
         upload = parts.get("file")
         if upload is None or upload.filename is None:
             raise bad_request("file is required (a multipart part named 'file' with a filename)", param="file")
@@ -262,6 +273,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         worker.wake()
         return await existing_batch(batch_id)
 
+    base_models = (served_model, engine.model_name)
+    add_fine_tuning_routes(v1, fine_tuning.jobs, store, fine_tuning, base_models, limit_bytes, lambda: state.draining)
+    add_adapter_routes(v1, engine, base_models)
     app.include_router(v1)
     return app
 

@@ -79,20 +79,29 @@ class CompletionService:
             raise context_error(kind, exc) from None
         request = GenerationRequest(prompt_ids, params, request_class,
                                     request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-                                    arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+                                    arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                                    adapter=self.adapter_for(body.model))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(kind, request, self.served_model, request.request_id, int(time.time()),
+        return Prepared(kind, request, request.adapter or self.served_model, request.request_id, int(time.time()),
                         bool(body.stream), include_usage)
 
     def validate(self, kind: Kind, data: object) -> ChatCompletionBody | CompletionBody:
         """The body's schema and the model name, without tokenizing (cheap; batch validation uses it)."""
         body = validate_body(ChatCompletionBody if kind == "chat" else CompletionBody, data)
-        if body.model is not None and body.model != self.served_model:
-            raise not_found(f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
-                            param="model", code="model_not_found")
+        self.adapter_for(body.model)
         if isinstance(body, CompletionBody):
             body.single_prompt()
         return body
+
+    def adapter_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a model name selects (None: the base model); 404 for a model not served."""
+        if model is None or model == self.served_model:
+            return None
+        if model in self.engine.adapters:
+            return model
+        raise not_found(f"the model {model!r} does not exist; this server serves {self.served_model!r}"
+                        + (" and its adapters" if self.engine.adapters.names() else ""),
+                        param="model", code="model_not_found")
 
     def _encode_chat(self, body: ChatCompletionBody) -> list[int]:
         # The chat templates of small models know system/user/assistant; developer is OpenAI's

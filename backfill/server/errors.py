@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backfill.errors import BackfillError, ContextLengthError, EngineStoppedError, InvalidRequestError
+from backfill.errors import (AdapterLoadError, BackfillError, ContextLengthError, EngineStoppedError,
+                             InvalidRequestError, UnknownAdapterError)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ def from_backfill_error(exc: BackfillError) -> APIError:
     """The HTTP form of a typed error raised below the server (engine, tokenizer, sampling)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, UnknownAdapterError):  # unloaded between the model check and the engine's
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, AdapterLoadError):
+        return APIError(400, str(exc), code="invalid_adapter")
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):

@@ -55,6 +55,7 @@ class GenerationRequest:
     request_class: RequestClass = RequestClass.ONLINE
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
+    adapter: str | None = None  # a LoRA adapter loaded on the engine (engine.adapters), None: the base model
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

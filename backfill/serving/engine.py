@@ -10,15 +10,20 @@ import gc
 import logging
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from backfill.errors import EngineStoppedError
 from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
 from backfill.serving.scheduler import Scheduler
-from backfill.serving.torch_thread import start_on_torch_thread
+from backfill.serving.torch_thread import run_on_torch_thread, start_on_torch_thread
+
+if TYPE_CHECKING:
+    from backfill.engine.lora import AdapterRegistry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -31,6 +36,34 @@ class AsyncEngine:
         self._loop_future: Future | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # Best-effort work run on the loop's thread between two steps and while idle (e.g. finetuning
+        # units, backfill/finetune/colocate.py); returns whether it did anything.
+        self.background: Callable[[], bool] | None = None
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        """The LoRA adapters requests may name (GenerationRequest.adapter)."""
+        return self.scheduler.runner.adapters
+
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run fn on the scheduler's thread between two steps and return its result: torch work
+        from elsewhere (loading an adapter, building a finetuning job) keeps to the one torch thread."""
+        if not self.running:
+            return await asyncio.to_thread(run_on_torch_thread, fn)
+        future: Future = Future()
+        self._calls.append((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller gets it; the loop goes on
+                    future.set_exception(exc)
 
     @property
     def running(self) -> bool:
@@ -59,6 +92,10 @@ class AsyncEngine:
         if self._loop_future is not None:
             await asyncio.wrap_future(self._loop_future)
             self._loop_future = None
+        while self._calls:  # queued as the loop ended
+            _, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineStoppedError("the engine stopped before running this"))
         gc.unfreeze()  # cycles among what was frozen at start can be collected again
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -102,9 +139,11 @@ class AsyncEngine:
     def _run(self) -> None:
         scheduler = self.scheduler
         while not self._stopping.is_set():
+            self._run_calls()
             if not scheduler.has_work():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                if self.background is None or not self.background():
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
                 continue
             try:
                 events = scheduler.step()
@@ -117,6 +156,9 @@ class AsyncEngine:
                 scheduler.step()
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
+            if self.background is not None:
+                self.background()
+        self._run_calls()
         # Stopping: tell every open stream it ended.
         leftovers = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.CANCELLED)
                      for seq_id in list(self._queues)]

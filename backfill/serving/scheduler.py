@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 
 from backfill.engine.kv_pool import HostBlocks
+from backfill.engine.lora import LoraAdapter
 from backfill.engine.runner import ModelRunner, SeqChunk, SuspendedStep
 from backfill.engine.sampler import sample
 from backfill.errors import ContextLengthError, InvalidRequestError
@@ -124,6 +125,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.seqs: dict[str, Sequence] = {}
         self._inbox: deque[GenerationRequest] = deque()
+        self._adapter_of: dict[str, LoraAdapter] = {}  # inbox requests' adapters, resolved on add
         self._cancels: deque[str] = deque()
         self._invalidated: deque[int] = deque()
         self._lock = threading.Lock()
@@ -151,7 +153,11 @@ class Scheduler:
 
     def add(self, request: GenerationRequest) -> None:
         self.validate(request)
+        # Resolved now: an unknown name fails at submit, and unloading it later spares this request.
+        adapter = self.runner.adapters.get(request.adapter) if request.adapter is not None else None
         with self._lock:
+            if adapter is not None:
+                self._adapter_of[request.request_id] = adapter
             self._inbox.append(request)
         if request.request_class is RequestClass.ONLINE:
             self._on_online_arrival()
@@ -278,7 +284,8 @@ class Scheduler:
             self.kv.grow(seq.block_table, start + item.num_tokens)
             seq.status = SeqStatus.RUNNING
             chunks.append(SeqChunk(seq.seq_id, seq.token_slice(start, start + item.num_tokens), start,
-                                   seq.block_table, want_logits=start + item.num_tokens == seq.num_tokens))
+                                   seq.block_table, want_logits=start + item.num_tokens == seq.num_tokens,
+                                   adapter=seq.adapter))
             shape = shape.plus(item.num_tokens, start)
         if not chunks:
             return []
@@ -349,9 +356,10 @@ class Scheduler:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = list(self._cancels), deque()
+            adapters, self._adapter_of = self._adapter_of, {}
         for request in new:
             detok = self.detokenizer_factory() if self.detokenizer_factory else None
-            self.seqs[request.request_id] = Sequence(request, detok)
+            self.seqs[request.request_id] = Sequence(request, detok, adapters.get(request.request_id))
         events = []
         for request_id in cancels:
             seq = self.seqs.get(request_id)

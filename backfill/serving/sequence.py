@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from backfill.engine.kv_pool import HostBlocks
+from backfill.engine.lora import LoraAdapter
 from backfill.engine.sampler import make_generator
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
 
@@ -35,6 +36,7 @@ class HostCheckpoint:
 class Sequence:
     request: GenerationRequest
     detokenizer: Detokenizer | None = None
+    adapter: LoraAdapter | None = None  # resolved from request.adapter when the request was added
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0

@@ -125,7 +125,7 @@ def test_query_parameters_are_400_not_422(client):
 
 
 @pytest.mark.parametrize("files, data, param", [
-    ({"file": ("a.jsonl", b'{"a": 1}')}, {"purpose": "fine-tune"}, "purpose"),
+    ({"file": ("a.jsonl", b'{"a": 1}')}, {"purpose": "assistants"}, "purpose"),
     ({"file": ("a.jsonl", b'{"a": 1}')}, {}, "purpose"),
     (None, {"purpose": "batch"}, "file"),
     ({"file": ("a.jsonl", b"  \n")}, {"purpose": "batch"}, "file"),

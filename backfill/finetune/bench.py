@@ -1,0 +1,279 @@
+"""`backfill bench finetune`: HARLI against its baselines under the co-serving benchmark's online trace.
+
+Modes, run interleaved round by round on the same model and the same trace (bench/coserve.py's
+gamma trace, online only):
+
+  separate    HARLI's SeparateMode: finetuning alone on its own share of the machine, a process
+              of its own with `--ft-threads` threads while the engine keeps the other threads
+  static      StaticMode: a fixed time split, inference at 60% whatever the load
+  pause-only  finetuning only while no decode runs
+  harli       HARLI's QoS scheduler (policy/harli.py) with the fitted two-stage predictor
+
+Finetune throughput counts samples by step progress (a step in flight counts by the share of its
+layer pieces done). Decode QoS is the online requests' P99 TPOT against --tpot-target-ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+MODES = ("separate", "static", "pause-only", "harli")
+
+
+def add_bench_args(p) -> None:
+    from backfill.cli import _add_model_args
+
+    _add_model_args(p)
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of trace per mode per round")
+    p.add_argument("--rounds", type=int, default=2, help="modes interleaved in this many rounds (fresh trace each)")
+    p.add_argument("--online-load", type=float, default=0.4, help="online trace load (fraction of capacity)")
+    p.add_argument("--tpot-target-ms", type=float, default=100.0, help="decode QoS target (P99 TPOT)")
+    p.add_argument("--static-share-infer", type=float, default=0.6)
+    p.add_argument("--ft-threads", type=int, default=1, help="separate: the finetuning process's threads")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", default="runs/bench-finetune", help="folder for the JSON result")
+    p.add_argument("--sim", action="store_true", help="run the modes in the simulator (finetune/sim.py) on the "
+                                                      "fitted predictor instead of the real engine")
+    p.add_argument("--sim-noise-cv", type=float, default=0.05)
+    p.set_defaults(func=cmd_bench_finetune)
+
+
+def _ft_config(args):
+    from backfill.finetune.cli import config_from_args
+
+    return replace(config_from_args(args), max_steps=100_000, checkpoint_every_steps=100_000)
+
+
+def cmd_bench_finetune(args) -> int:
+    import torch
+
+    from backfill.bench.coserve import CoserveScenario, load_and_profile, make_workload
+    from backfill.cli import _model_options
+    from backfill.errors import InvalidRequestError
+    from backfill.finetune.colocate import load_saved_latency
+    from backfill.finetune.profile import synthetic_training_file
+    from backfill.serving.build import ServingConfig
+
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if unknown := [m for m in modes if m not in MODES]:
+        raise InvalidRequestError(f"unknown modes {unknown}; choose among {', '.join(MODES)}")
+    serving = ServingConfig(**_model_options(args), policy="fcfs")
+    if args.sim:  # the model's tokenizer and saved profiles only: nothing runs on the model
+        from backfill.engine.weights import load_model
+
+        loaded = load_model(args.model)
+        latency = load_saved_latency(loaded.config.name)
+        if latency is None:
+            raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+        return _run_sim(args, modes, loaded, latency)
+    loaded, runner, step_latency = load_and_profile(serving)
+    latency = load_saved_latency(loaded.config.name)
+    if "harli" in modes and latency is None:
+        raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
+    data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
+    config = _ft_config(args)
+    threads = torch.get_num_threads()
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for k in range(args.rounds):
+        scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
+        workload = make_workload(scenario, loaded.tokenizer, step_latency, with_offline=False)
+        for mode in modes:
+            print(f"== round {k + 1}/{args.rounds} {mode}: {len(workload.requests)} online requests", flush=True)
+            r = _run_mode(mode, args, runner, loaded, workload, data, config, latency, tmp / f"{mode}-{k}", threads)
+            results[mode].append(r)
+            print(f"   finetune {r['samples_per_s']:.3f} samples/s, P99 TPOT {r['p99_tpot_ms']:.1f} ms, "
+                  f"P99 ITL {r['p99_itl_ms']:.1f} ms", flush=True)
+    table = _table(results, args.tpot_target_ms)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                                                 "rounds": results, "table": table}, indent=1))
+    print(_markdown(table, args))
+    print(f"wrote {out / 'result.json'}")
+    return 0
+
+
+def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency, job_dir: Path, threads: int) -> dict:
+    from backfill.bench.inprocess_target import InProcessTarget
+    from backfill.bench.metrics import compute_metrics
+    from backfill.bench.driver import run_workload
+    from backfill.finetune.colocate import attach_finetune
+    from backfill.finetune.job import FinetuneJob
+    from backfill.policy.harli import make_colo_policy
+    from backfill.serving.build import ServingConfig, build_scheduler
+    from backfill.serving.engine import AsyncEngine
+    from backfill.serving.torch_thread import run_on_torch_thread
+    import torch
+
+    name, tokenizer = loaded.config.name, loaded.tokenizer
+    engine = AsyncEngine(build_scheduler(runner, ServingConfig(policy="fcfs"), tokenizer, name), tokenizer, name)
+    if mode == "separate":
+        run_on_torch_thread(torch.set_num_threads, max(1, threads - args.ft_threads))
+        proc, events = _start_separate(args, data, config, job_dir)
+    else:
+        job = FinetuneJob(runner.model, tokenizer, data, config, job_dir)
+        for _ in range(3):  # piece timings for the policy's first estimates
+            run_on_torch_thread(job.run_unit)
+
+    async def go():
+        await engine.start()
+        handle = None
+        try:
+            if mode != "separate":
+                policy = make_colo_policy(mode, latency, args.static_share_infer)
+                handle = attach_finetune(engine, job, policy, tpot_target_ms=args.tpot_target_ms)
+            started_progress = job.progress_steps if handle else 0.0
+            started = time.monotonic()
+            run = await run_workload(InProcessTarget(engine), workload, progress=False)
+            elapsed = time.monotonic() - started
+            done = (job.progress_steps - started_progress) if handle else None
+            if handle:
+                handle.cancel()
+                await handle.wait()
+            return run, elapsed, done, handle
+        finally:
+            await engine.stop()
+
+    try:
+        run, elapsed, steps, handle = asyncio.run(go())
+    finally:
+        if mode == "separate":
+            steps_separate = _stop_separate(proc, events)
+            run_on_torch_thread(torch.set_num_threads, threads)
+    if mode == "separate":
+        steps, elapsed_ft = steps_separate
+        samples_per_s = steps * config.batch_size / elapsed_ft if elapsed_ft > 0 else 0.0
+    else:
+        samples_per_s = steps * config.batch_size / elapsed
+    metrics = compute_metrics(run.records, duration_s=run.duration_s)
+    online = metrics.online
+    out = {"samples_per_s": samples_per_s, "p99_tpot_ms": online.tpot_ms.p99 or 0.0,
+           "p50_tpot_ms": online.tpot_ms.p50 or 0.0, "p99_itl_ms": online.itl_ms.p99 or 0.0,
+           "completed": online.completed, "failed": online.failed, "elapsed_s": elapsed}
+    if handle is not None:
+        s = handle.stats
+        out.update(units=s.units, units_during_decode=s.units_during_decode, paused_gaps=s.paused_gaps,
+                   unit_ms=s.unit_ms, abandoned_steps=s.abandoned_steps, reasons=s.reasons)
+    return out
+
+
+def _start_separate(args, data: Path, config, job_dir: Path):
+    """The finetuning job in a process of its own with --ft-threads threads (HARLI's SeparateMode)."""
+    cmd = [sys.executable, "-m", "backfill.cli", "finetune", "--training-file", str(data), "--out", str(job_dir),
+           "--threads", str(args.ft_threads), "--steps", str(config.max_steps), "--checkpoint-every",
+           str(config.checkpoint_every_steps), "--batch-size", str(config.batch_size), "--micro-batch-size",
+           str(config.micro_batch_size), "--max-seq-len", str(config.max_seq_len), "--rank", str(config.rank),
+           "--layers-per-unit", str(config.layers_per_unit)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    events = job_dir / "events.jsonl"
+    deadline = time.monotonic() + 300
+    while not events.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)  # loading and the first step are not measured
+    return proc, events
+
+
+def _stop_separate(proc, events: Path) -> tuple[float, float]:
+    """Steps and seconds between the first and last step the process finished while measured."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    times = [json.loads(line)["time"] for line in events.read_text().splitlines() if line.strip()] if events.exists() else []
+    if len(times) < 2:
+        return 0.0, 0.0
+    return float(len(times) - 1), times[-1] - times[0]
+
+
+def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
+    table = {}
+    for mode, rounds in results.items():
+        table[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in rounds),
+                       "p99_tpot_ms": statistics.median(r["p99_tpot_ms"] for r in rounds),
+                       "p99_itl_ms": statistics.median(r.get("p99_itl_ms", 0.0) for r in rounds),
+                       "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
+                       "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
+        table[mode]["meets_qos"] = table[mode]["p99_tpot_ms"] <= target_ms
+    if "harli" in table:
+        for base in ("pause-only", "static", "separate"):
+            if base in table and table[base]["samples_per_s"] > 0:
+                table["harli"][f"x_{base}"] = table["harli"]["samples_per_s"] / table[base]["samples_per_s"]
+    return table
+
+
+def _markdown(table: dict, args) -> str:
+    lines = [f"| mode | finetune samples/s | decode P99 TPOT ms (target {args.tpot_target_ms:.0f}) | P99 ITL ms | QoS |",
+             "|---|---|---|---|---|"]
+    for mode, row in table.items():
+        lines.append(f"| {mode} | {row['samples_per_s']:.3f} | {row['p99_tpot_ms']:.1f} | {row['p99_itl_ms']:.1f} | "
+                     f"{'met' if row['meets_qos'] else 'MISSED'} |")
+    if "harli" in table:
+        ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table["harli"].items() if k.startswith("x_"))
+        lines.append(f"\nharli's finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
+    return "\n".join(lines)
+
+
+def _run_sim(args, modes, loaded, latency) -> int:
+    """The coserve benchmark's online trace (its gamma arrivals and length distributions) with its rate
+    set from the fitted costs, through every mode's policy object on a simulated clock."""
+    import numpy as np
+
+    from backfill.bench.arrivals import gamma_arrivals
+    from backfill.bench.coserve import CoserveScenario
+    from backfill.bench.lengths import parse_length_spec
+    from backfill.finetune.sim import SimCosts, SimRequest, simulate
+    from backfill.policy.harli import make_colo_policy
+
+    config = _ft_config(args)
+    layers = loaded.config.num_layers
+    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * layers + 1) + 1
+    t = latency.unit_ms or {"forward": 20.0, "head": 20.0, "backward": 20.0, "update": 20.0}
+    micro_batches = -(-config.batch_size // config.micro_batch_size)
+    # The mean unit over a step's pieces: each layer forward and backward, the head per micro-batch, the update.
+    unit_ms = (micro_batches * (layers * (t["forward"] + t["backward"]) + t["head"]) + t["update"]) / pieces
+    forward_ms = t["forward"]
+    # A prefill of n tokens costs about a forward of the model over them (profiled pieces: a layer of
+    # max_seq_len tokens, at most 128 in the profile).
+    prefill = lambda n: forward_ms * layers * n / 128  # noqa: E731
+    costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for k in range(args.rounds):
+        scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
+        rng = np.random.default_rng(k)
+        prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+        mean_prompt, mean_output = float(np.mean(prompt_len.sample(rng, 2000))), float(np.mean(output_len.sample(rng, 2000)))
+        service_s = (prefill(mean_prompt) + mean_output * latency.solo_ms(1, mean_prompt + mean_output / 2, 1.0)) / 1e3
+        arrivals = gamma_arrivals(args.online_load / service_s, scenario.cv, k, duration_s=args.duration)
+        prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
+        requests = [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
+        for mode in modes:
+            if mode == "separate":
+                r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,
+                             separate_share_infer=args.static_share_infer)
+            else:
+                policy = make_colo_policy(mode, latency, args.static_share_infer)
+                r = simulate(policy, requests, costs, args.duration, args.tpot_target_ms, seed=k)
+            results[mode].append(r)
+    table = _table(results, args.tpot_target_ms)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim-result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                                                     "unit_ms": unit_ms, "rounds": results, "table": table}, indent=1))
+    print("simulated (policy objects on a simulated clock, costs from the fitted predictor):")
+    print(_markdown(table, args))
+    print(f"wrote {out / 'sim-result.json'}")
+    return 0

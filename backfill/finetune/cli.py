@@ -1,0 +1,122 @@
+"""`backfill finetune` (a standalone job, or --profile) and `backfill bench finetune`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
+
+
+def add_commands(sub, bench) -> None:
+    from backfill.cli import _add_model_args
+
+    p = sub.add_parser("finetune", help="LoRA-finetune the model on a chat JSONL file (OpenAI format); "
+                                         "--profile fits HARLI's co-location latency predictor")
+    _add_model_args(p)
+    p.add_argument("--training-file", type=Path, help="JSONL, one {\"messages\": [...]} per line")
+    p.add_argument("--out", type=Path, help="job directory: checkpoints, events.jsonl, adapter/ (resumes from it)")
+    _add_config_args(p)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU share of this process)")
+    p.add_argument("--profile", action="store_true",
+                   help="fit the two-stage latency predictor (HARLI §5) on this machine and save it")
+    p.add_argument("--repeats", type=int, default=7, help="--profile: token intervals per grid point")
+    p.add_argument("--json", default=None, help="--profile: also write the points and errors here")
+    p.set_defaults(func=cmd_finetune)
+
+    p = bench.add_parser("finetune", help="HARLI: finetuning co-located with the decode trace, four modes")
+    from backfill.finetune.bench import add_bench_args
+
+    add_bench_args(p)
+    _add_config_args(p)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    d = FinetuneConfig()
+    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--targets", default=",".join(d.target_modules), help=f"comma list among {','.join(ALL_TARGETS)}")
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the file)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every_steps)
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
+    p.add_argument("--layers-per-unit", type=int, default=d.layers_per_unit)
+
+
+def config_from_args(args: argparse.Namespace, base_model: str = "") -> FinetuneConfig:
+    return FinetuneConfig(rank=args.rank, alpha=args.alpha, target_modules=tuple(t for t in args.targets.split(",") if t),
+                          learning_rate=args.learning_rate, max_steps=args.steps, epochs=args.epochs,
+                          batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, seed=args.seed,
+                          checkpoint_every_steps=args.checkpoint_every, max_seq_len=args.max_seq_len,
+                          layers_per_unit=args.layers_per_unit, base_model=base_model)
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    import torch
+
+    from backfill.cli import _model_options
+    from backfill.engine.weights import load_model
+    from backfill.errors import FinetuneConfigError
+    from backfill.serving.build import ServingConfig, build_runner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.profile and (args.training_file is None or args.out is None):
+        raise FinetuneConfigError("give --training-file and --out (or --profile)")
+    loaded = load_model(args.model)
+    config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
+    # The same model the engine serves (its kernels and layout); a small KV pool for --profile's decode batches.
+    options = _model_options(args)
+    if not args.profile:  # training never reads the paged KV cache: no decode-attention kernel to build
+        options["decode_attention"] = "sdpa"
+    runner = build_runner(loaded.config, loaded.weights, ServingConfig(**options, kv_cache_gb=0.25))
+    if args.profile:
+        return _profile(args, runner, loaded)
+    from backfill.finetune.job import FinetuneJob
+
+    job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out)
+    print(f"finetuning {loaded.config.name}: {len(job.samples)} examples, {job.total_steps} steps "
+          f"(from step {job.steps_done}), rank {config.rank}, targets {','.join(config.target_modules)}", flush=True)
+    started, printed = time.perf_counter(), len(job.events)
+    while job.run_unit():
+        for event in job.events[printed:]:
+            rate = (event["step"] - printed) * config.batch_size / (time.perf_counter() - started)
+            print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  {rate:.2f} samples/s", flush=True)
+        printed = max(printed, len(job.events)) if job.events else printed
+    print(f"adapter: {args.out / 'adapter'}")
+    return 0
+
+
+def _profile(args: argparse.Namespace, runner, loaded) -> int:
+    from backfill.finetune.colocate import harli_profile_path
+    from backfill.finetune.profile import profile_finetune
+
+    config = FinetuneConfig(rank=args.rank, alpha=args.alpha, batch_size=4, micro_batch_size=1,
+                            max_seq_len=min(args.max_seq_len, 128), max_steps=10_000, checkpoint_every_steps=10_000,
+                            layers_per_unit=args.layers_per_unit)
+    result = profile_finetune(runner, loaded.tokenizer, repeats=args.repeats, model_name=loaded.config.name,
+                              config=config, log=lambda m: print(m, flush=True))
+    lat = result.latency
+    for f in lat.solo:
+        print(f"stage 1, share {f.share:.2f}: Lat_dec = bs*{f.b0:.3f} + {f.c0:.3f} + bs*{f.k0 * 1e3:.4f}e-3*seqlen ms")
+    print(f"stage 2: Lat_colo = (share_infer*{lat.b1:.3f} + share_ft*{lat.k1:.3f}) * Lat_dec(share_infer)")
+    for name, e in lat.errors.items():
+        print(f"error {name:9s}: mean {e['mean'] * 100:5.2f}%  max {e['max'] * 100:5.2f}%  ({e['points']} points)")
+    print(f"decode step (bs 1): {result.decode_ms:.1f} ms; finetune pieces: "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in result.unit_ms.items()))
+    path = lat.save(harli_profile_path(loaded.config.name))
+    print(f"saved {path}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "latency": json.loads(path.read_text()), "solo_points": result.solo_points,
+            "colo_points": result.colo_points, "held_out": result.held_out, "decode_ms": result.decode_ms,
+            "unit_ms": result.unit_ms, "threads": __import__("torch").get_num_threads()}, indent=1))
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,178 @@
+"""attach_finetune: a FinetuneJob's units interleaved with an engine's decode steps (HARLI §6.2).
+
+The engine's loop calls the driver between two steps and while idle, on its torch thread (one
+OpenMP pool; see serving/torch_thread.py). At each call the driver shows the co-location policy
+a snapshot (decode batch, context, arrivals, the next unit's expected time, whether the job has
+memory), and runs the units the plan allows; memory comes from the KV pool's idle blocks (HARLI
+§4, finetune/memory.py) and goes back, dropping the step in flight, the moment inference needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backfill.errors import FinetuneError
+from backfill.finetune.job import FinetuneJob
+from backfill.finetune.memory import KVLease, inference_demand_blocks, reserve_blocks
+from backfill.policy.harli import ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TPOT_TARGET_MS = 100.0
+DEFAULT_MAX_BATCH = 32
+
+
+@dataclass
+class ColoStats:
+    units: int = 0
+    unit_ms: float = 0.0            # time in finetuning units
+    units_during_decode: int = 0    # units run while sequences were decoding
+    paused_gaps: int = 0            # gaps with decode where the plan ran no unit
+    stalled_calls: int = 0          # calls where the job could not get its memory
+    abandoned_steps: int = 0        # steps dropped to give memory back
+    blocks_given_back: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class FinetuneHandle:
+    """A job attached to an engine: cancel(), await wait(), done, error."""
+
+    def __init__(self, job: FinetuneJob, future: Future) -> None:
+        self.job = job
+        self._future = future
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.stats = ColoStats()
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+    def cancel(self) -> None:
+        """Stop after the unit in flight (the job keeps its checkpoints; a new job on the same
+        out_dir resumes from the newest)."""
+        self.cancelled = True
+
+    async def wait(self) -> None:
+        await asyncio.wrap_future(self._future)
+
+
+class _Driver:
+    def __init__(self, engine, job: FinetuneJob, policy, lease: KVLease, tpot_target_ms: float,
+                 handle: FinetuneHandle, future: Future) -> None:
+        self.engine, self.job, self.policy, self.lease = engine, job, policy, lease
+        self.tpot_target_ms = tpot_target_ms
+        self.handle, self.future = handle, future
+
+    def _finish(self) -> None:
+        self.lease.give_back()
+        if self.engine.background is self:
+            self.engine.background = None
+        if not self.future.done():
+            if self.handle.error is not None:
+                self.future.set_exception(self.handle.error)
+            else:
+                self.future.set_result(None)
+
+    def __call__(self) -> bool:
+        handle, job, stats = self.handle, self.job, self.handle.stats
+        if handle.cancelled or job.finished:
+            self._finish()
+            return False
+        try:
+            return self._run_some(stats)
+        except Exception as exc:  # the job fails; the engine keeps serving
+            log.exception("finetuning job failed")
+            handle.error = exc
+            job.abandon_step()
+            self._finish()
+            return False
+
+    def _run_some(self, stats: ColoStats) -> bool:
+        job, lease = self.job, self.lease
+        snapshot = self.engine.scheduler.snapshot()
+        demand = inference_demand_blocks(snapshot)
+        if lease.must_give_back(demand):
+            job.abandon_step()  # its activations go; the step is redone later from its start
+            stats.abandoned_steps += 1
+            stats.blocks_given_back += lease.give_back()
+        ready = lease.try_hold(job.memory_bytes(), demand)
+        if not ready:
+            stats.stalled_calls += 1
+        decoding = [s for s in snapshot.seqs if s.running]
+        waiting = len(snapshot.seqs) - len(decoding) + (1 if self.engine.scheduler.has_work() and not snapshot.seqs else 0)
+        seqlen = sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0
+        state = ColoState(time.monotonic(), len(decoding), waiting, seqlen, self.tpot_target_ms, ready,
+                          job.next_unit_estimate_ms())
+        plan = self.policy.plan(state)
+        stats.reasons[plan.reason] = stats.reasons.get(plan.reason, 0) + 1
+        if decoding and plan.units == 0:
+            stats.paused_gaps += 1
+        for _ in range(plan.units):
+            started = time.perf_counter()
+            if not job.run_unit():
+                break
+            stats.units += 1
+            stats.unit_ms += (time.perf_counter() - started) * 1e3
+            stats.units_during_decode += bool(decoding)
+        if job.finished:
+            self._finish()
+        return plan.units > 0
+
+
+def attach_finetune(engine, job: FinetuneJob, policy=None, *, tpot_target_ms: float | None = None,
+                    max_batch: int = DEFAULT_MAX_BATCH, latency: HarliLatencyModel | None = None) -> FinetuneHandle:
+    """Run job's units between engine's decode steps under a co-location policy (default: HARLI's
+    with the given or saved latency model; pause-only when there is none).
+
+    tpot_target_ms is the decode QoS target (default: the engine's policy SLO when it has one)."""
+    if engine.background is not None:
+        raise FinetuneError("this engine already runs a finetuning job")
+    if tpot_target_ms is None:
+        slo = getattr(getattr(engine.scheduler.policy, "config", None), "slo", None)
+        tpot_target_ms = slo.tpot_ms if slo is not None else DEFAULT_TPOT_TARGET_MS
+    if policy is None:
+        latency = latency or load_saved_latency(engine.model_name)
+        if latency is None:
+            log.warning("no HARLI latency profile for %s (run `backfill profile finetune`): finetuning only "
+                        "while no decode runs", engine.model_name)
+            policy = PauseOnlyPolicy()
+        else:
+            policy = HarliPolicy(latency)
+    kv = engine.scheduler.kv
+    # T of HARLI §4.4: memory is given back between units, so T is one unit (estimated before any ran).
+    reserve = reserve_blocks(job.next_unit_estimate_ms(default_ms=tpot_target_ms), tpot_target_ms, max_batch,
+                             kv.block_size)
+    future: Future = Future()
+    handle = FinetuneHandle(job, future)
+    engine.background = _Driver(engine, job, policy, KVLease(kv, min(reserve, kv.num_usable)), tpot_target_ms,
+                                handle, future)
+    engine._wake.set()  # an idle loop starts the job now
+    return handle
+
+
+def harli_profile_path(model_name: str) -> Path:
+    import os
+
+    root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return root / "profiles" / f"harli-{safe}.json"
+
+
+def load_saved_latency(model_name: str) -> HarliLatencyModel | None:
+    path = harli_profile_path(model_name)
+    if not path.exists():
+        return None
+    try:
+        return HarliLatencyModel.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning("unreadable HARLI profile %s: ignored", path)
+        return None
+
+
+__all__ = ["FinetuneHandle", "attach_finetune", "harli_profile_path", "load_saved_latency"]

@@ -1,0 +1,95 @@
+"""The bench's four modes on a simulated clock, with the same policy objects and the fitted predictor.
+
+A decode engine with continuous batching serves the online trace (prefills cost what the latency
+profile says, decode steps what HARLI's stage-1 fit says); between two steps the co-location
+policy plans finetuning units, each costing the profiled unit time, and the decode interval that
+follows costs what stage 2 predicts for the split those units realise (times lognormal noise).
+SeparateMode gives decode a fixed `separate_share_infer` of the machine (stage 1 at that share)
+and finetuning the rest, scaled linearly from its full-machine rate (generous to it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from backfill.policy.harli import ColoState, HarliLatencyModel
+
+
+@dataclass(frozen=True)
+class SimCosts:
+    latency: HarliLatencyModel
+    unit_ms: float                 # one finetuning unit (a layer piece of a micro-batch)
+    pieces_per_step: int
+    samples_per_step: int
+    prefill_ms: callable           # prompt tokens -> ms of its prefill step
+    noise_cv: float = 0.05
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def simulate(policy, requests: list[SimRequest], costs: SimCosts, duration_s: float, tpot_target_ms: float,
+             seed: int = 0, separate_share_infer: float | None = None) -> dict:
+    rng = np.random.default_rng(seed)
+    sigma = math.sqrt(math.log(1 + costs.noise_cv ** 2))
+
+    def noisy(ms: float) -> float:
+        return ms * float(rng.lognormal(-sigma ** 2 / 2, sigma))
+
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    running: list[dict] = []
+    done: list[dict] = []
+    t_ms, units, i = 0.0, 0, 0
+    end_ms = duration_s * 1e3
+    lat = costs.latency
+    while t_ms < end_ms or running:
+        arrived = []
+        while i < len(pending) and pending[i].arrival_s * 1e3 <= t_ms:
+            arrived.append(pending[i])
+            i += 1
+        n = 0
+        if separate_share_infer is None:  # the policy sees the arrivals before their prefill runs
+            seqlen = float(np.mean([s["ctx"] for s in running])) if running else 0.0
+            state = ColoState(t_ms / 1e3, len(running), len(arrived), seqlen, tpot_target_ms, t_ms < end_ms,
+                              costs.unit_ms)
+            n = policy.plan(state).units
+        for r in arrived:  # prefill, one request a step
+            t_ms += noisy(costs.prefill_ms(r.prompt_tokens))
+            running.append({"ctx": r.prompt_tokens + 1, "left": r.output_tokens - 1, "times": [t_ms]})
+        if not running:
+            if n:
+                t_ms += noisy(n * costs.unit_ms)
+                units += n
+            elif i < len(pending):
+                t_ms = max(t_ms, pending[i].arrival_s * 1e3)
+            else:
+                t_ms = max(t_ms, end_ms)
+            continue
+        bs, seqlen = len(running), float(np.mean([s["ctx"] for s in running]))
+        if separate_share_infer is not None:
+            interval = lat.solo_ms(bs, seqlen, separate_share_infer)
+        else:
+            solo = lat.solo_ms(bs, seqlen, 1.0)
+            share_ft = n * costs.unit_ms / (n * costs.unit_ms + solo) if n else 0.0
+            interval = lat.colo_ms(bs, seqlen, 1.0 - share_ft, share_ft)
+            units += n
+        t_ms += noisy(interval)
+        for s in running:
+            s["ctx"] += 1
+            s["left"] -= 1
+            s["times"].append(t_ms)
+        done += [s for s in running if s["left"] <= 0]
+        running = [s for s in running if s["left"] > 0]
+    tpots = [(s["times"][-1] - s["times"][0]) / (len(s["times"]) - 1) for s in done if len(s["times"]) > 1]
+    if separate_share_infer is not None:
+        units = (1 - separate_share_infer) * t_ms / costs.unit_ms
+    samples = units / costs.pieces_per_step * costs.samples_per_step
+    return {"samples_per_s": samples / (t_ms / 1e3), "p99_tpot_ms": float(np.percentile(tpots, 99)) if tpots else 0.0,
+            "p50_tpot_ms": float(np.percentile(tpots, 50)) if tpots else 0.0, "completed": len(done)}

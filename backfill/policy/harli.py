@@ -1,0 +1,232 @@
+"""HARLI's two-stage latency predictor (§5) and QoS scheduler (§6), over a state snapshot.
+
+Portable (CPU) form: the compute share is a share of TIME between decode steps. Finetuning runs
+in whole scheduling units on the engine's thread between two decode steps, so a split
+(share_infer, share_ft) with share_infer + share_ft = 1 means: of each token interval, decode
+has share_infer and finetune units share_ft. Stage 1 (§5.1) is the solo decode latency per share
+(the token interval when the rest of the time is left idle), `bs*b0 + c0 + bs*k0*seqlen` fitted
+per share; stage 2 (§5.2) the co-located interval `(share_infer*b1 + share_ft*k1) * stage1`,
+whose b1, k1 absorb what finetuning does to the decode step around it (caches, memory bandwidth).
+The device form (SM partitions via CUDA green contexts) uses the same policy with SM shares;
+it needs a GPU and is not built yet.
+
+The policies here are plain objects: `plan(ColoState) -> ColoPlan`, so the engine's background
+slot (backfill/finetune/colocate.py), tests on constructed states and the simulator drive them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from backfill.errors import PolicyInputError
+
+
+@dataclass(frozen=True)
+class SoloFit:
+    """Stage 1 at one compute share: Lat_dec = bs*b0 + c0 + bs*k0*seqlen (ms)."""
+
+    share: float
+    b0: float
+    c0: float
+    k0: float
+
+    def ms(self, batch: float, seqlen: float) -> float:
+        return batch * self.b0 + self.c0 + batch * self.k0 * seqlen
+
+
+@dataclass
+class HarliLatencyModel:
+    solo: tuple[SoloFit, ...]             # ascending share
+    b1: float = 1.0
+    k1: float = 1.0
+    model_name: str = ""
+    device: str = "cpu"
+    errors: dict = field(default_factory=dict)  # {"grid": {"mean": .., "max": ..}, "held_out": {...}}
+    unit_ms: dict = field(default_factory=dict)  # profiled finetuning piece times by kind (for the simulator)
+
+    def __post_init__(self) -> None:
+        self.solo = tuple(sorted(self.solo, key=lambda f: f.share))
+        if not self.solo:
+            raise PolicyInputError("a HARLI latency model needs at least one solo fit")
+
+    def solo_ms(self, batch: float, seqlen: float, share_infer: float) -> float:
+        """Stage 1; between two profiled shares, interpolated in 1 / share (time slices scale so)."""
+        if not 0 < share_infer <= 1:
+            raise PolicyInputError(f"share_infer must be in (0, 1], got {share_infer}")
+        fits = self.solo
+        if share_infer <= fits[0].share:
+            return fits[0].ms(batch, seqlen) * fits[0].share / share_infer
+        for lo, hi in zip(fits, fits[1:]):
+            if share_infer <= hi.share:
+                w = (1 / share_infer - 1 / hi.share) / (1 / lo.share - 1 / hi.share)
+                return w * lo.ms(batch, seqlen) + (1 - w) * hi.ms(batch, seqlen)
+        return fits[-1].ms(batch, seqlen)
+
+    def colo_ms(self, batch: float, seqlen: float, share_infer: float, share_ft: float) -> float:
+        """Stage 2 (HARLI eq. 3)."""
+        return (share_infer * self.b1 + share_ft * self.k1) * self.solo_ms(batch, seqlen, share_infer)
+
+    # --- fitting ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def fit_solo(points: list[tuple[float, float, float, float]]) -> tuple[SoloFit, ...]:
+        """Least squares per share over (share, bs, seqlen, ms) points."""
+        fits = []
+        for share in sorted({p[0] for p in points}):
+            rows = [p for p in points if p[0] == share]
+            a = np.array([[bs, 1.0, bs * seq] for _, bs, seq, _ in rows])
+            y = np.array([ms for *_, ms in rows])
+            (b0, c0, k0), *_ = np.linalg.lstsq(a, y, rcond=None)
+            fits.append(SoloFit(share, float(b0), float(c0), float(k0)))
+        return tuple(fits)
+
+    def fit_colo(self, points: list[tuple[float, float, float, float, float]]) -> None:
+        """b1, k1 by least squares over (bs, seqlen, share_infer, share_ft, ms) points, in relative error."""
+        a, y = [], []
+        for bs, seq, s_inf, s_ft, ms in points:
+            solo = self.solo_ms(bs, seq, s_inf)
+            a.append([s_inf * solo / ms, s_ft * solo / ms])  # rows scaled by 1/ms: relative residuals
+            y.append(1.0)
+        (self.b1, self.k1), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
+        self.b1, self.k1 = float(self.b1), float(self.k1)
+
+    def relative_errors(self, points: list[tuple[float, float, float, float, float]]) -> dict:
+        """Mean and max |predicted - measured| / measured of co-located points (share_ft 0 = solo)."""
+        errs = [abs(self.colo_ms(bs, seq, s_inf, s_ft) - ms) / ms for bs, seq, s_inf, s_ft, ms in points]
+        return {"mean": float(np.mean(errs)), "max": float(np.max(errs)), "points": len(errs)}
+
+    # --- files ------------------------------------------------------------------------------------
+
+    def save(self, path: Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
+                "model_name": self.model_name, "device": self.device, "errors": self.errors,
+                "unit_ms": self.unit_ms}
+        path.write_text(json.dumps(data, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "HarliLatencyModel":
+        data = json.loads(Path(path).read_text())
+        return cls(tuple(SoloFit(**f) for f in data["solo"]), data["b1"], data["k1"], data.get("model_name", ""),
+                   data.get("device", "cpu"), data.get("errors", {}), data.get("unit_ms", {}))
+
+
+@dataclass(frozen=True)
+class ColoState:
+    """What a co-location policy sees at a decode step boundary or an arrival."""
+
+    now_s: float
+    decode_batch: int            # sequences decoding now
+    waiting: int                 # requests admitted or queued but not decoding yet (arrivals)
+    seqlen: float                # mean context length of the decoding sequences
+    tpot_target_ms: float        # the decode QoS target
+    finetune_ready: bool         # the job has work it can run now (memory granted, not finished)
+    unit_ms: float               # the next finetune unit's expected duration
+
+
+@dataclass(frozen=True)
+class ColoPlan:
+    units: int                   # finetune units to run before the next decode step (may be 0)
+    share_ft: float              # the split chosen
+    predicted_ms: float          # predicted token interval under that split (inf: no decode)
+    reason: str
+
+
+IDLE_UNITS = 1  # with no decode, one unit at a time: an arrival is looked at after every unit
+
+
+class HarliPolicy:
+    """§6.2: predict, choose the split closest below the QoS target, pause before a violation,
+    give inference everything when finetuning is stalled."""
+
+    name = "harli"
+
+    def __init__(self, latency: HarliLatencyModel, max_units_per_step: int = 8, headroom: float = 0.05) -> None:
+        if not 0 <= headroom < 1:
+            raise PolicyInputError(f"headroom must be in [0, 1), got {headroom}")
+        self.latency = latency
+        self.max_units_per_step = max_units_per_step
+        # Plan against the target less this share: predictions carry a few percent of error and
+        # step times noise, and the QoS is a P99 (HARLI §5 reports ~5% prediction error).
+        self.headroom = headroom
+
+    def plan(self, state: ColoState) -> ColoPlan:
+        if not state.finetune_ready:
+            return ColoPlan(0, 0.0, math.inf, "stalled: inference gets everything")
+        batch = state.decode_batch + state.waiting
+        if batch == 0:
+            return ColoPlan(IDLE_UNITS, 1.0, math.inf, "no decode: finetune gets everything")
+        if state.waiting:  # their prefill lands in this token interval, beyond what stage 1 models
+            return ColoPlan(0, 0.0, math.inf, "pause: arrivals' prefill first")
+        seqlen = max(state.seqlen, 1.0)
+        target = state.tpot_target_ms * (1 - self.headroom)
+        solo_step = self.latency.solo_ms(batch, seqlen, 1.0)
+        best = ColoPlan(0, 0.0, self.latency.colo_ms(batch, seqlen, 1.0, 0.0), "pause: a unit would break QoS")
+        if best.predicted_ms > target:
+            return ColoPlan(0, 0.0, best.predicted_ms, "pause: decode alone is predicted over the target")
+        unit = max(state.unit_ms, 1e-3)
+        # The splits whole units can realise in this token interval, fewest units first: the
+        # largest whose predicted interval stays below the target is the one closest below it.
+        for n in range(1, self.max_units_per_step + 1):
+            share_ft = n * unit / (n * unit + solo_step)
+            predicted = self.latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft)
+            if predicted > target:
+                break
+            best = ColoPlan(n, share_ft, predicted, "split closest below the target")
+        return best
+
+
+class PauseOnlyPolicy:
+    """Baseline: finetune only while no decode runs."""
+
+    name = "pause-only"
+
+    def plan(self, state: ColoState) -> ColoPlan:
+        if state.finetune_ready and state.decode_batch + state.waiting == 0:
+            return ColoPlan(IDLE_UNITS, 1.0, math.inf, "no decode")
+        return ColoPlan(0, 0.0, math.inf, "decode running: paused")
+
+
+class StaticSplitPolicy:
+    """Baseline (HARLI's StaticMode): a fixed time split, inference at `share_infer` whatever the
+    load. Finetuning earns credit at share_ft of wall time and spends it on whole units."""
+
+    name = "static"
+
+    def __init__(self, share_infer: float = 0.6, max_credit_ms: float = 200.0) -> None:
+        if not 0 < share_infer < 1:
+            raise PolicyInputError(f"share_infer must be in (0, 1), got {share_infer}")
+        self.share_ft = 1.0 - share_infer
+        self.max_credit_ms = max_credit_ms
+        self._credit_ms = 0.0
+        self._last_s: float | None = None
+
+    def plan(self, state: ColoState) -> ColoPlan:
+        if self._last_s is not None:
+            cap = max(self.max_credit_ms, 2 * state.unit_ms)  # a unit longer than the cap must still fit
+            self._credit_ms = min(cap, self._credit_ms + (state.now_s - self._last_s) * 1e3 * self.share_ft)
+        self._last_s = state.now_s
+        if not state.finetune_ready or self._credit_ms < state.unit_ms:
+            return ColoPlan(0, self.share_ft, math.inf, "static: no credit")
+        units = int(self._credit_ms // max(state.unit_ms, 1e-3))
+        self._credit_ms -= units * state.unit_ms
+        return ColoPlan(units, self.share_ft, math.inf, "static split")
+
+
+def make_colo_policy(name: str, latency: HarliLatencyModel | None = None, static_share_infer: float = 0.6):
+    if name == "harli":
+        if latency is None:
+            raise PolicyInputError("the harli policy needs a fitted latency model (backfill profile finetune)")
+        return HarliPolicy(latency)
+    if name == "pause-only":
+        return PauseOnlyPolicy()
+    if name == "static":
+        return StaticSplitPolicy(static_share_infer)
+    raise PolicyInputError(f"unknown co-location policy {name!r}; choose harli, pause-only or static")
