@@ -77,7 +77,7 @@ def _coserve_options(args: argparse.Namespace) -> dict:
 
 
 def _scenario(args: argparse.Namespace):
-    from backfill.bench.coserve import CoserveScenario
+    from backfill.bench.coserve_bench import CoserveScenario
 
     return CoserveScenario(duration_s=args.duration, online_load=args.online_load, cv=args.cv,
                            prompt_len=args.prompt_len, output_len=args.output_len,
@@ -88,14 +88,14 @@ def _scenario(args: argparse.Namespace):
 
 
 def cmd_bench_coserve(args: argparse.Namespace) -> int:
-    from backfill.bench.coserve import run_coserve_bench, run_http_bench, save_json
+    from backfill.bench.coserve_bench import run_coserve_bench, run_http_bench, save_json
     from backfill.serving.build import ServingConfig
 
     scenario = _scenario(args)
     serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
                             preempt_target_ms=args.preempt_target_ms, **_coserve_options(args))
     if args.url:
-        from backfill.bench.coserve import load_and_profile
+        from backfill.bench.coserve_bench import load_and_profile
 
         if scenario.rounds > 1:
             raise InvalidRequestError("--rounds interleaves in-process modes; with --url there is one mode")
@@ -113,9 +113,9 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_coserve(args: argparse.Namespace) -> int:
-    from backfill.bench.coserve import headline, save_json
+    from backfill.bench.coserve_bench import headline, save_json
     from backfill.serving.build import ServingConfig
-    from backfill.sim.coserve import load_inputs, simulate_coserve
+    from backfill.sim.coserve_sim import load_inputs, simulate_coserve
 
     scenario = _scenario(args)
     serving = ServingConfig(**_model_options(args), kv_cache_gb=args.kv_cache_gb,
@@ -131,10 +131,10 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """backfill's main job in one short run: online traffic alone, then with offline work harvested."""
-    from backfill.bench.coserve import CoserveScenario, headline, run_coserve_bench
+    from backfill.bench.coserve_bench import CoserveScenario, headline, run_coserve_bench
     from backfill.serving.build import ServingConfig
 
-    # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve.py).
+    # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve_bench.py).
     scenario = CoserveScenario(duration_s=args.duration, offline_concurrency=32, warmup_s=20.0)
     serving = ServingConfig(**_model_options(args))
     print(f"backfill demo: {args.duration:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
@@ -155,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
-    from backfill.bench.coserve import save_json
+    from backfill.bench.coserve_bench import save_json
     from backfill.bench.server_overhead import run_server_overhead_bench
     from backfill.serving.api import SLO
     from backfill.serving.build import ServingConfig

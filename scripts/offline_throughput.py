@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import replace
 
-from backfill.bench.coserve import _drain, load_and_profile
+from backfill.bench.coserve_bench import _drain, load_and_profile
 from backfill.engine.sampling_params import SamplingParams
 from backfill.serving.api import GenerationRequest, RequestClass
 from backfill.serving.build import ServingConfig, build_scheduler

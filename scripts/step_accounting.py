@@ -18,10 +18,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import replace
 
-from backfill.bench.coserve import CoserveScenario, _run_round, load_and_profile, make_workload
+from backfill.bench.coserve_bench import CoserveScenario, _run_round, load_and_profile, make_workload
 from backfill.serving.api import SLO
 from backfill.serving.build import ServingConfig, build_scheduler
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 
 def main() -> None:

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import httpx
 
-from backfill.bench.coserve import (CoserveScenario, _run_round, load_and_profile, make_workload, pool_rounds,
+from backfill.bench.coserve_bench import (CoserveScenario, _run_round, load_and_profile, make_workload, pool_rounds,
                                    run_http_bench)
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.errors import BackfillError
 from backfill.serving.api import SLO
 from backfill.serving.build import ServingConfig, build_scheduler
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 
 def _free_port() -> int:

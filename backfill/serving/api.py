@@ -1,6 +1,6 @@
 """Types of the in-process serving API, shared by the HTTP server and the benchmark harness.
 
-    engine = AsyncEngine.from_config(ServingConfig(...))   # backfill.serving.engine
+    engine = AsyncEngine.from_config(ServingConfig(...))   # backfill.serving.async_engine
     await engine.start()
     async for event in engine.submit(GenerationRequest(...)):
         ...                                                # TokenEvent per step

@@ -26,7 +26,7 @@ from backfill.policy.coserve import CoServeConfig, CoServePolicy
 from backfill.policy.latency_model import LatencyModel
 from backfill.policy.planner import BatchLimits
 from backfill.serving.api import SLO
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.profiler import PROFILE_FORMAT, profile_latency
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from backfill.bench.coserve import CoserveScenario, _run_round, make_workload, pool_rounds, warmup_workload
+from backfill.bench.coserve_bench import CoserveScenario, _run_round, make_workload, pool_rounds, warmup_workload
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import LatencyModel

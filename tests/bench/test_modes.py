@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from backfill.bench.coserve import CoserveScenario, RoundResult, run_in_rounds
+from backfill.bench.coserve_bench import CoserveScenario, RoundResult, run_in_rounds
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.modes import ModeSpec, parse_modes

@@ -50,7 +50,7 @@ from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.serving.api import SLO
 from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.scheduler import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 

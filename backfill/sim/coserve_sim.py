@@ -1,6 +1,6 @@
 """`backfill sim coserve`: the co-serving benchmark's scenario, replayed on the simulated runner.
 
-The same workload as `backfill bench coserve` (backfill/bench/coserve.py: one gamma trace per
+The same workload as `backfill bench coserve` (backfill/bench/coserve_bench.py: one gamma trace per
 round at a share of online capacity, a closed-loop offline backlog, the modes back to back, SLOs
 from online-only's first round) goes through the real Scheduler and policies, with each step
 costed by a StepCost on a virtual clock (backfill/sim/runner.py). A 240-second scenario takes
@@ -19,7 +19,7 @@ import heapq
 from dataclasses import dataclass
 from pathlib import Path
 
-from backfill.bench.coserve import MODES, CoserveScenario, RoundResult, engine_counters, make_workload, run_in_rounds
+from backfill.bench.coserve_bench import MODES, CoserveScenario, RoundResult, engine_counters, make_workload, run_in_rounds
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.modes import ModeSpec
