@@ -79,3 +79,7 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class ServerConfigError(BackfillError, ValueError):
+    """A server option (CLI flag, config file key or environment variable) is invalid."""

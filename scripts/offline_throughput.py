@@ -23,7 +23,8 @@ from dataclasses import replace
 from backfill.bench.coserve_bench import _drain, load_and_profile
 from backfill.engine.sampling_params import SamplingParams
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_scheduler
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_scheduler
 
 
 def main() -> None:

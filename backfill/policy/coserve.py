@@ -34,6 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
+from backfill.options import knob
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
@@ -45,41 +46,33 @@ from backfill.serving.api import SLO
 class CoServeConfig:
     slo: SLO = SLO()
     limits: BatchLimits = BatchLimits()
-    # Offline batching mode: largest batch whose time between two safepoints stays below this.
-    # An arrival waits for the rest of one stretch, half of one on average, and the estimate is of
-    # the longest stretch. Planned at the co-serving issue's 10 ms bound on P99 preemption latency
-    # itself, 2 of 11 CPU runs went over it (10.7 and 11.3 ms): a stretch planned at 10 ms ran
-    # 10-14 ms in a slow minute. Planned at 8 ms, the bound has a fifth in reserve. Only steps of
-    # prompt chunks are big enough to meet the cap (769 tokens at 10 ms on the Zen 5, 654 at
-    # 8), and a step's fixed cost is 1-2% of such a step, so offline throughput barely moves.
-    preempt_target_ms: float = 8.0
-    # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
+    # An arrival waits for the rest of one stretch between two safepoints; planned below the
+    # preemption-latency bound it promises, as the estimate errs on a loaded machine (docs/coserve.md).
+    preempt_target_ms: float = knob(8.0, "longest offline work between two safepoints, ms", group="coserve")
+    offline_batch_max_tokens: int = knob(2048, "largest offline batch, tokens", group="coserve")
+    offline_batch_max_seqs: int = knob(256, "largest offline batch, sequences (vLLM's max_num_seqs)",
+                                       group="coserve")
+    online_reserve_fraction: float = knob(0.1, "share of KV blocks kept free for online arrivals when offline "
+                                          "work is admitted", group="coserve")
+    interference_slack: float | None = knob(0.05, "a co-serving step may take at most (1 + this) x its online "
+                                            "work alone, and an arrival waits for an offline step at most this "
+                                            "share of its own prefill (inf: no cap)", group="coserve")
+    slo_margin: float = knob(0.85, "co-serving steps are planned to this share of the SLO budget",
+                             group="coserve")
+    bank_tpot_slack: bool = knob(True, "a decoding online request may spend the time it banked by running "
+                                 "faster than its TPOT SLO", group="coserve")
+    bank_reserve_prefills: float = knob(1.0, "banked time kept back for this many future online prefills",
+                                        group="coserve")
+    rider_cost_share: float = knob(0.5, "an offline decode rides in a co-serving step only when it adds at most "
+                                   "this share of what an offline batch spends on a token", group="coserve")
+    release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
+                                   "suspended, where that pays for the step's lost work", group="coserve")
     safepoint_gaps_per_layer: float = 2.0
-    offline_batch_max_tokens: int = 2048
-    offline_batch_max_seqs: int = 256  # vLLM's default max_num_seqs
-    # Blocks kept free for online arrivals when offline admits new work.
-    online_reserve_fraction: float = 0.1
-    # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step, and an
-    # online arrival waits for a running offline step at most slack x its own prefill.
-    interference_slack: float | None = None
-    # Plan co-serving steps to this share of the SLO budget, leaving room for estimate error.
-    slo_margin: float = 0.85
-    # Let a decoding online request spend the time it banked by running faster than its TPOT
-    # SLO (see the module doc); False: every step's budget is the TPOT SLO (ConServe §4.5).
-    bank_tpot_slack: bool = True
-    # Bank kept back for this many future online prefills (of the longest recent online prompt).
-    bank_reserve_prefills: float = 1.0
-    # Offline tokens ride in a co-serving step only when they add at most this share of what an
-    # offline batch spends on a token (see riders.Riders.saving_ms).
-    rider_cost_share: float = 0.5
-    # Let co-serving steps take requests of the step an arrival suspended, giving that step up,
-    # when what they save pays for its lost work (see riders.Riders.release_suspended).
-    release_suspended: bool = True
     num_layers: int = 30
 
     def __post_init__(self) -> None:
-        if self.preempt_target_ms <= 0:
-            raise InvalidRequestError("preempt_target_ms must be positive")
+        if not self.preempt_target_ms > 0:
+            raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
         if not 0.0 <= self.online_reserve_fraction < 1.0:
             raise InvalidRequestError("online_reserve_fraction must be in [0, 1)")
         if self.interference_slack is not None and self.interference_slack < 0:
@@ -90,6 +83,8 @@ class CoServeConfig:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError("rider_cost_share must be >= 0")
+        if self.offline_batch_max_tokens < 1 or self.offline_batch_max_seqs < 1:
+            raise InvalidRequestError("offline_batch_max_tokens and offline_batch_max_seqs must be >= 1")
 
 
 @dataclass(frozen=True)

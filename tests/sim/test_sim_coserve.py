@@ -5,12 +5,12 @@ import json
 import pytest
 
 from backfill.bench.ceiling import offline_ceilings
-from backfill.bench.coserve_bench import CoserveScenario
+from backfill.bench.scenario import CoserveScenario
 from backfill.cli import main
 from backfill.engine.config import ModelConfig
 from backfill.errors import BackfillError, InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
-from backfill.serving.build import ServingConfig
+from backfill.serving.config import ServingConfig
 from backfill.sim.coserve_sim import SimMachine, load_inputs, simulate_coserve
 
 REAL = ModelConfig.tiny(num_layers=8, max_position_embeddings=2048)
