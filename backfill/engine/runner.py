@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backfill.engine.config import ModelConfig
+from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward, PrefillSpan, Safepoint, StepAborted
+from backfill.engine.model import (LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PartialForward, PrefillSpan,
+                                   Safepoint, StepAborted)
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
@@ -102,6 +103,10 @@ class ModelRunner:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def safepoint_layout(self) -> SafepointLayout:
+        return SafepointLayout(self.config.num_layers, max(LAYER_STRETCH_SHARES))
 
     def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None,
                 resume: SuspendedStep | None = None) -> StepOutput:

@@ -38,7 +38,8 @@ from backfill.options import knob
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
+from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerState, SchedulingPolicy, SeqView,
+                                       StepPlan)
 from backfill.serving.api import SLO
 
 
@@ -67,9 +68,6 @@ class CoServeConfig:
                                    "this share of what an offline batch spends on a token", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
                                    "suspended, where that pays for the step's lost work", group="coserve")
-    safepoint_gaps_per_layer: float = 2.0
-    num_layers: int = 30
-
     def __post_init__(self) -> None:
         if not self.preempt_target_ms > 0:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
@@ -87,21 +85,12 @@ class CoServeConfig:
             raise InvalidRequestError("offline_batch_max_tokens and offline_batch_max_seqs must be >= 1")
 
 
-@dataclass(frozen=True)
-class RunningStep:
-    """What the scheduler is executing right now (for Algorithm 2)."""
-
-    shape: BatchShape
-    started_s: float
-    preemptible: bool
-    layer_reached: int = 0  # the last safepoint it passed (0: still in its first layer)
-
-
-class CoServePolicy:
+class CoServePolicy(SchedulingPolicy):
     name = "coserve"
 
-    def __init__(self, latency: LatencyModel, config: CoServeConfig = CoServeConfig()) -> None:
+    def __init__(self, latency: LatencyModel, layout: SafepointLayout, config: CoServeConfig = CoServeConfig()) -> None:
         self.latency = latency
+        self.layout = layout  # the runner's (ModelRunner.safepoint_layout)
         self.config = config
         # Measured / estimated step time (EWMA) per batch-size bucket: the profile was taken on
         # another day, maybe under another load, and small and big steps drift differently. A
@@ -142,8 +131,7 @@ class CoServePolicy:
 
     def _offline_step_budget_ms(self) -> float:
         """Longest offline-batching step whose stretches between safepoints meet the preemption target."""
-        cfg = self.config
-        return cfg.preempt_target_ms * cfg.num_layers * cfg.safepoint_gaps_per_layer
+        return self.config.preempt_target_ms * self.layout.num_layers / self.layout.longest_stretch_share
 
     def _offline_batch_tokens(self) -> int:
         n = self.latency.max_new_tokens(BatchShape(), self._offline_step_budget_ms(), 0,
@@ -293,7 +281,7 @@ class CoServePolicy:
             # The step's own pace so far (the LM head counted as one more layer). In a slow minute a
             # step runs past its estimate, which then says it is done: three arrivals in a row let a
             # 2x slower offline step finish and waited 0.7-0.8 s for their first token.
-            layers_left = self.config.num_layers + 1 - step.layer_reached
+            layers_left = self.layout.num_layers + 1 - step.layer_reached
             remain_ms = max(remain_ms, elapsed_ms * layers_left / step.layer_reached)
         online_shape = BatchShape()
         for seq in state.online:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import PlanBuilder
-from backfill.policy.state import SchedulerState, SeqView
+from backfill.policy.interface import SchedulerState, SeqView
 
 
 @dataclass(frozen=True)

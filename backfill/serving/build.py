@@ -23,6 +23,7 @@ from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.coserve import CoServePolicy
+from backfill.policy.interface import SafepointLayout, SchedulingPolicy
 from backfill.policy.latency_model import LatencyModel
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
@@ -65,7 +66,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
     return ModelRunner(model, kv, graphs)
 
 
-def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):
+def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
     limits = {} if cfg.limits is None else {"limits": cfg.limits}
     if cfg.policy == "online-only":
         return OnlineOnlyPolicy(**limits)
@@ -75,7 +76,7 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
         return PriorityPolicy(**limits)
     if latency is None:
         raise InvalidRequestError("the coserve policy needs a latency profile")
-    return CoServePolicy(latency, replace(cfg.policy_config(), num_layers=num_layers))
+    return CoServePolicy(latency, layout, cfg.policy_config())
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
@@ -94,7 +95,7 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
                     latency: LatencyModel | None = None) -> Scheduler:
     if cfg.policy == "coserve" and latency is None:
         latency = load_or_profile(runner, cfg, model_name)
-    policy = make_policy(cfg, latency, runner.config.num_layers)
+    policy = make_policy(cfg, latency, runner.safepoint_layout)
     detok = None
     eos: tuple[int, ...] = ()
     if tokenizer is not None:

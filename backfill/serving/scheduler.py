@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -22,21 +22,10 @@ from backfill.engine.runner import ModelRunner, SeqChunk, SuspendedStep
 from backfill.engine.sampler import sample
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
-from backfill.policy.coserve import RunningStep
+from backfill.policy.interface import RunningStep, SchedulerState, SchedulingPolicy, SeqView, StepPlan
 from backfill.policy.latency_model import BatchShape
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.sequence import Detokenizer, HostCheckpoint, Sequence, SeqStatus
-
-
-class SchedulingPolicy(Protocol):
-    name: str
-
-    def schedule(self, state: SchedulerState) -> StepPlan: ...
-
-    def should_abort_step(self, state: SchedulerState, step: RunningStep) -> bool: ...
-
-    def observe_step(self, shape: BatchShape, duration_ms: float) -> None: ...
 
 
 class PreemptionRecord(NamedTuple):

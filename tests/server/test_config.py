@@ -9,6 +9,7 @@ import pytest
 from backfill.errors import InvalidRequestError, ServerConfigError
 from backfill.options import options_of, value_of
 from backfill.policy.coserve import CoServeConfig
+from backfill.policy.interface import SafepointLayout
 from backfill.server.config import ServerConfig, add_serve_arguments, config_from_args, default_db_path
 from backfill.serving.config import ServingConfig
 
@@ -157,8 +158,8 @@ def test_release_suspended_reaches_the_coserve_policy():
     from backfill.serving.build import make_policy
 
     latency = LatencyModel((1, 64), (1.0, 2.0))
-    assert make_policy(ServingConfig(), latency, 4).config.release_suspended is True
-    assert make_policy(ServingConfig(coserve=CoServeConfig(release_suspended=False)), latency, 4).config.release_suspended is False
+    assert make_policy(ServingConfig(), latency, SafepointLayout(4, 0.5)).config.release_suspended is True
+    assert make_policy(ServingConfig(coserve=CoServeConfig(release_suspended=False)), latency, SafepointLayout(4, 0.5)).config.release_suspended is False
 
 
 def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):
@@ -170,7 +171,7 @@ def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text("rider-cost-share = 0.8\n")
     serving = parse("--config", str(toml)).serving
-    assert make_policy(serving, LatencyModel((1, 64), (1.0, 2.0)), 4).riders.cost_share == 0.8
+    assert make_policy(serving, LatencyModel((1, 64), (1.0, 2.0)), SafepointLayout(4, 0.5)).riders.cost_share == 0.8
     toml.write_text('rider-cost-share = "half"\n')
     with pytest.raises(ServerConfigError, match="rider-cost-share"):
         parse("--config", str(toml))
