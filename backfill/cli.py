@@ -202,96 +202,111 @@ def _run_server(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from backfill.bench.scenario import CoserveScenario
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with command, only that command's options are filled (the others are
+    listed), so `backfill --help` imports none of the config dataclasses the options come from."""
+
+    def want(name: str) -> bool:
+        return command is None or command == name
 
     parser = argparse.ArgumentParser(prog="backfill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="stream a completion from the model")
-    p.add_argument("prompt")
-    _add_model_args(p)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.set_defaults(func=cmd_generate)
+    if want("generate"):
+        p.add_argument("prompt")
+        _add_model_args(p)
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+        p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with the Batch API for offline work")
-    from backfill.server.config import add_serve_arguments
+    if want("serve"):
+        from backfill.server.config import add_serve_arguments
 
-    add_serve_arguments(p)
-    p.set_defaults(func=_run_server)
+        add_serve_arguments(p)
+        p.set_defaults(func=_run_server)
 
     p = sub.add_parser("demo", help="the main job in a short run: online latency next to offline tokens harvested")
-    _add_model_args(p)
-    add_arguments(p, tuple(o for o in options_of(CoserveScenario) if o.name == "duration"), {"duration": 30.0})
-    p.add_argument("--out", default="runs/demo")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_demo)
+    if want("demo"):
+        from backfill.bench.scenario import CoserveScenario
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
-    _add_model_args(p)
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    p.add_argument("--random-weights", action="store_true",
-                   help="random weights of the default model's shape (speed does not depend on the values)")
-    p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.set_defaults(func=cmd_bench_engine)
+        _add_model_args(p)
+        add_arguments(p, tuple(o for o in options_of(CoserveScenario) if o.name == "duration"), {"duration": 30.0})
+        p.add_argument("--out", default="runs/demo")
+        p.add_argument("--quiet", action="store_true", help="no progress bars")
+        p.set_defaults(func=cmd_demo)
 
-    p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
-    _add_scenario_args(p, rounds={})
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
-    p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
-    p.add_argument("--served-model", default=None, help="model name to send with --url")
-    p.add_argument("--label", default="http", help="mode name for --url results")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
-    p.set_defaults(func=cmd_bench_coserve)
+    bench_parser = sub.add_parser("bench", help="benchmarks")
+    if want("bench"):
+        bench = bench_parser.add_subparsers(dest="bench", required=True)
+        p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
+        _add_model_args(p)
+        p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                       choices=["auto", "float32", "bfloat16", "float16"])
+        p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+        p.add_argument("--prompt-tokens", type=int, default=128)
+        p.add_argument("--new-tokens", type=int, default=32)
+        p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+        p.add_argument("--random-weights", action="store_true",
+                       help="random weights of the default model's shape (speed does not depend on the values)")
+        p.add_argument("--json", default=None, help="write results to this JSON file")
+        p.set_defaults(func=cmd_bench_engine)
 
-    p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), side by side")
-    _add_scenario_args(p)
-    p.add_argument("--out", default="runs/server", help="report folder")
-    p.set_defaults(func=cmd_bench_server)
+        p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
+        _add_scenario_args(p, rounds={})
+        p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
+        p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
+        p.add_argument("--served-model", default=None, help="model name to send with --url")
+        p.add_argument("--label", default="http", help="mode name for --url results")
+        p.add_argument("--api-key", default=None)
+        p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
+        p.set_defaults(func=cmd_bench_coserve)
 
-    p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
-                                      "(options: see python -m backfill.node.bench --help)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
+        p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), side by side")
+        _add_scenario_args(p)
+        p.add_argument("--out", default="runs/server", help="report folder")
+        p.set_defaults(func=cmd_bench_server)
 
-    sim = sub.add_parser("sim", help="simulations: the real scheduler and policies, with steps costed "
-                                     "on a virtual clock instead of run").add_subparsers(dest="sim", required=True)
-    p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
-                                       "any machine a step-cost table describes)")
-    _add_scenario_args(p, rounds={"warmup_s": 0.0})
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
-    p.add_argument("--profile", default=None,
-                   help="latency profile the policies plan with (default: the one `backfill profile` saved "
-                        "for these model options)")
-    p.add_argument("--machine", default=None,
-                   help="latency-profile JSON of what steps cost on the simulated machine (default: the profile)")
-    p.add_argument("--step-overhead-ms", type=float, default=0.0,
-                   help="host time each step adds beyond its cost table (Python between steps)")
-    p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
-    p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
-    p.set_defaults(func=cmd_sim_coserve)
+        p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
+                                          "(options: see python -m backfill.node.bench --help)", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
+
+    sim_parser = sub.add_parser("sim", help="simulations: the real scheduler and policies, with steps costed "
+                                            "on a virtual clock instead of run")
+    if want("sim"):
+        sim = sim_parser.add_subparsers(dest="sim", required=True)
+        p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
+                                           "any machine a step-cost table describes)")
+        _add_scenario_args(p, rounds={"warmup_s": 0.0})
+        p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
+        p.add_argument("--profile", default=None,
+                       help="latency profile the policies plan with (default: the one `backfill profile` saved "
+                            "for these model options)")
+        p.add_argument("--machine", default=None,
+                       help="latency-profile JSON of what steps cost on the simulated machine (default: the profile)")
+        p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                       help="host time each step adds beyond its cost table (Python between steps)")
+        p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
+        p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
+        p.set_defaults(func=cmd_sim_coserve)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
-    _add_model_args(p)
-    p.add_argument("--out", default=None)
-    p.set_defaults(func=cmd_profile)
+    if want("profile"):
+        _add_model_args(p)
+        p.add_argument("--out", default=None)
+        p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("export-hf", help="write the model as an HF directory (for transformers / vLLM)")
-    p.add_argument("out_dir")
-    p.add_argument("--model", default=None)
-    p.set_defaults(func=cmd_export_hf)
+    if want("export-hf"):
+        p.add_argument("out_dir")
+        p.add_argument("--model", default=None)
+        p.set_defaults(func=cmd_export_hf)
     return parser
 
 
@@ -306,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"backfill: error: {exc}", file=sys.stderr)
             return 2
         return 0
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv else "").parse_args(argv)
     try:
         return args.func(args)
     except BackfillError as exc:
