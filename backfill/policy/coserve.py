@@ -47,8 +47,8 @@ from backfill.serving.api import SLO
 class CoServeConfig:
     slo: SLO = SLO()
     limits: BatchLimits = BatchLimits()
-    # An arrival waits for the rest of one stretch between two safepoints; planned below the
-    # preemption-latency bound it promises, as the estimate errs on a loaded machine (docs/coserve.md).
+    # An arrival waits for the rest of one stretch between two safepoints (ConServe §4.3); planned
+    # below the bound it promises, as step estimates err on a loaded machine.
     preempt_target_ms: float = knob(8.0, "longest offline work between two safepoints, ms", group="coserve")
     offline_batch_max_tokens: int = knob(2048, "largest offline batch, tokens", group="coserve")
     offline_batch_max_seqs: int = knob(256, "largest offline batch, sequences (vLLM's max_num_seqs)",
@@ -92,10 +92,8 @@ class CoServePolicy(SchedulingPolicy):
         self.latency = latency
         self.layout = layout  # the runner's (ModelRunner.safepoint_layout)
         self.config = config
-        # Measured / estimated step time (EWMA) per batch-size bucket: the profile was taken on
-        # another day, maybe under another load, and small and big steps drift differently. A
-        # bucket not seen yet follows the drift of all steps: when the machine slows down, the
-        # rare mixed-step sizes must not keep the profile's (now optimistic) times.
+        # Measured / estimated step time (EWMA) per batch-size bucket, as small and big steps drift
+        # from the profile differently; an unseen bucket follows the drift of all steps.
         self._corrections: dict[int, float] = {}
         self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
@@ -211,17 +209,13 @@ class CoServePolicy(SchedulingPolicy):
         if cfg.bank_tpot_slack:
             budget_ms = max(budget_ms, self._banked_budget_ms(state))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
-        # Offline decodes added to the step drift with its online part: they are estimated with
-        # the online step's correction, not with that of the bucket the step lands in. Steps of
-        # one online decode plus a few offline tokens are rare, so their bucket keeps the drift of
-        # all steps (set by big offline batches), and an online step running faster than its
-        # profile could otherwise never carry one.
+        # Offline decodes added to the step drift with its online part, not with the (rarely seen)
+        # bucket the mixed step lands in.
         correction = self.correction_for(plan.shape.num_tokens)
         online_shape, riders_from = plan.shape, plan.mark()
-        # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its context,
-        # building its causal mask) is in the latency model; on CPU a 1-15 token offline chunk
-        # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
-        # batching mode, and co-serving steps carry offline decodes only: one token each.
+        # Neither a restore copy nor a prefill span's fixed cost per layer is in the latency model,
+        # so offline requests start and resume in offline batching mode, and co-serving steps carry
+        # offline decodes only: one token each.
         rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
         self.riders.add(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
         if plan.tokens > online_shape.num_tokens and self.riders.saving_ms(state, online_shape, plan, correction) is None:
@@ -238,13 +232,10 @@ class CoServePolicy(SchedulingPolicy):
         cfg = self.config
         if any(s.suspended for s in state.offline):
             # The step an online arrival aborted: continuing it from its safepoint keeps the layers
-            # it already ran (redoing them cost 4-7% of offline-batching time, docs/benchmarks.md).
+            # it already ran instead of redoing them.
             return StepPlan(preemptible=True, mode="offline-batching", resume=True)
         # Prefills first: a decode step's fixed cost is spread over the requests decoding, so
-        # admitting the waiting prompts at once (the backlog starts 48 at a time) beats giving
-        # each step's budget to the few admitted requests' decodes. With decodes first, coserve's
-        # smaller steps took 12.3-14.1 s to get 48 requests decoding, against 10-10.3 s for
-        # priority's 2,048-token steps; prefills first, 11.0-12.7 s (scripts/offline_throughput.py).
+        # admitting the waiting prompts at once beats giving each step to the few admitted decodes.
         offline = prefill_first(state.offline)
         plan = PlanBuilder(state, self._offline_tokens, cfg.offline_batch_max_seqs, self._offline_tokens)
         step_budget_ms = self._offline_step_budget_ms()
@@ -278,9 +269,8 @@ class CoServePolicy(SchedulingPolicy):
         elapsed_ms = (state.now_s - step.started_s) * 1e3
         remain_ms = max(self._estimate_ms(step.shape) - elapsed_ms, 0.0)
         if step.layer_reached > 0:
-            # The step's own pace so far (the LM head counted as one more layer). In a slow minute a
-            # step runs past its estimate, which then says it is done: three arrivals in a row let a
-            # 2x slower offline step finish and waited 0.7-0.8 s for their first token.
+            # The step's own pace so far (the LM head counted as one more layer): on a slowed machine
+            # a step runs past its estimate, which would then say it is done.
             layers_left = self.layout.num_layers + 1 - step.layer_reached
             remain_ms = max(remain_ms, elapsed_ms * layers_left / step.layer_reached)
         online_shape = BatchShape()
@@ -289,8 +279,7 @@ class CoServePolicy(SchedulingPolicy):
         exec_ms = self._estimate_ms(online_shape)
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         if self.config.interference_slack is not None and remain_ms > self.config.interference_slack * exec_ms:
-            # The cap that bounds co-serving steps bounds the wait for offline work too: the paper
-            # lets the step finish whenever the TTFT SLO still holds, which moves TTFTs up to the
-            # SLO; and a step running slower than its estimate (a noisy machine) then ends past it.
+            # The cap that bounds co-serving steps bounds the wait for offline work too: the paper's
+            # rule (finish while the TTFT SLO holds) moves TTFTs up to the SLO.
             return True
         return remain_ms + exec_ms + waited_ms > self.config.slo_margin * self.config.slo.ttft_ms

@@ -182,7 +182,7 @@ class Scheduler:
             return False
         if self._abort_requested_s is not None:
             # Also inside the LM head: an aborted step is suspended and continued from here, and
-            # a big batch's LM head is the longest stretch of its step (10+ ms on a 2-core CPU).
+            # a big batch's LM head is the longest stretch of its step.
             self._record_preemption(layer)
         return True
 
@@ -306,8 +306,8 @@ class Scheduler:
             if seqs else []
         events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
         if offline_kv_grew:
-            # Only a step that computed offline KV has any to copy. After an online-only step the
-            # selection alone (a snapshot of every sequence) cost 0.3 ms of a 10 ms online decode.
+            # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot
+            # of every sequence) keeps it out of online-only steps.
             self._checkpoint_selected()
         return events
 
