@@ -268,7 +268,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
         p.set_defaults(func=cmd_bench_coserve)
 
-        p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), side by side")
+        p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), "
+                                            "side by side")
         _add_scenario_args(p)
         p.add_argument("--out", default="runs/server", help="report folder")
         p.set_defaults(func=cmd_bench_server)

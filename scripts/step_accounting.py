@@ -35,8 +35,8 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["priority", "coserve"])
     parser.add_argument("--compile-decode", action="store_true")
     args = parser.parse_args()
-    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, coserve=CoServeConfig(slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms)),
-                            compile_decode=args.compile_decode)
+    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, compile_decode=args.compile_decode,
+                            coserve=CoServeConfig(slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms)))
     loaded, runner, latency = load_and_profile(serving)
     for policy in args.policies:
         workload = make_workload(CoserveScenario(duration_s=args.duration), loaded.tokenizer, latency,

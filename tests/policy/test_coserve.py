@@ -176,7 +176,8 @@ def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
     banked = CoServePolicy(LATENCY, LAYOUT, cfg).schedule(state(ahead, *offline))
     assert banked.info["budget_ms"] == 50
-    per_step = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
+    per_step = CoServePolicy(LATENCY, LAYOUT,
+                             uncapped_config(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
     plain = per_step.schedule(state(ahead, *offline))
     assert plain.info["budget_ms"] == pytest.approx(40)
     assert banked.num_tokens - plain.num_tokens == 10  # 10 ms more at 1 ms per token past 8

@@ -158,8 +158,10 @@ def test_release_suspended_reaches_the_coserve_policy():
     from backfill.serving.build import make_policy
 
     latency = LatencyModel((1, 64), (1.0, 2.0))
-    assert make_policy(ServingConfig(), latency, SafepointLayout(4, 0.5)).config.release_suspended is True
-    assert make_policy(ServingConfig(coserve=CoServeConfig(release_suspended=False)), latency, SafepointLayout(4, 0.5)).config.release_suspended is False
+    layout = SafepointLayout(4, 0.5)
+    assert make_policy(ServingConfig(), latency, layout).config.release_suspended is True
+    held = ServingConfig(coserve=CoServeConfig(release_suspended=False))
+    assert make_policy(held, latency, layout).config.release_suspended is False
 
 
 def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):

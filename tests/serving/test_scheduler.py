@@ -152,7 +152,8 @@ def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identica
     offline = _requests(4, OFFLINE)
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
     free_riders = LatencyModel((1, 4096), (1.0, 41.0), decode_grid=(1, 64), decode_ms=(1.0, 1.0))
-    scheduler = Scheduler(tiny_runner, CoServePolicy(free_riders, TINY_LAYOUT, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0))))
+    policy = CoServePolicy(free_riders, TINY_LAYOUT, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
+    scheduler = Scheduler(tiny_runner, policy)
     for r in offline:
         scheduler.add(r)
     arrivals = iter(_requests(2, ONLINE, params=SamplingParams.greedy_params(max_tokens=16), prefix="on"))
