@@ -115,13 +115,10 @@ class Riders:
                           correction: float, reserve: int) -> None:
         """Let requests of the suspended step ride, giving the step up, where that pays for it.
 
-        An arrival aborts the offline batch, and that step holds every running offline request: from
-        then until no online work is left, nothing can ride. On a GPU, where a co-serving decode
-        step carries a few offline tokens almost free, that left co-serving steps nearly empty. The
-        price of riding is the suspended step's work so far (its tokens are redone in a later
-        batch); the gain is what each step's riders save against running those tokens in an offline
-        batch, over the steps the online work has left (the longest remaining online request's
-        max_tokens: an upper bound when requests stop early).
+        The suspended step holds every running offline request, so nothing could ride until the
+        online work is done. The price is the step's work so far (redone in a later batch); the gain
+        is what the riders save per step, over the steps the online work has left (the longest
+        remaining request's max_tokens, an upper bound).
         """
         before, riders_from = plan.shape, plan.mark()
         self.add(plan, held, state, budget_ms, correction, reserve)
