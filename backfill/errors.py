@@ -140,3 +140,7 @@ class AdapterLoadError(BackfillError, ValueError):
 
 class UnknownAdapterError(InvalidRequestError):
     """A request names a LoRA adapter (or fine-tuned model) the engine has not loaded."""
+
+
+class ServerConfigError(BackfillError, ValueError):
+    """A server option (CLI flag, config file key or environment variable) is invalid."""

@@ -20,7 +20,8 @@ from backfill.bench.engine_bench import BandwidthProbe
 from backfill.engine.config import ModelConfig
 from backfill.engine.runner import SeqChunk
 from backfill.engine.weights import random_model
-from backfill.serving.build import ServingConfig, build_runner
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner
 
 PROMPT_TOKENS = 200
 

@@ -17,7 +17,8 @@ from backfill.engine import model as model_module
 from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.weights import load_model
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner, build_scheduler
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from backfill.engine.runner import SeqChunk
 from backfill.engine.weights import load_model
-from backfill.serving.build import ServingConfig, build_runner
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner
 
 
 def main() -> None:

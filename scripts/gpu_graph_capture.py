@@ -17,7 +17,8 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.runner import SeqChunk
 from backfill.engine.weights import random_model
-from backfill.serving.build import ServingConfig, build_runner
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner
 
 PROMPT_TOKENS = 197
 STEPS = 20

@@ -20,10 +20,11 @@ import random
 import time
 from dataclasses import replace
 
-from backfill.bench.coserve import _drain, load_and_profile
+from backfill.bench.coserve_bench import _drain, load_and_profile
 from backfill.engine.sampling_params import SamplingParams
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_scheduler
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_scheduler
 
 
 def main() -> None:
@@ -39,7 +40,8 @@ def main() -> None:
     loaded, runner, latency = load_and_profile(serving)
     vocab = runner.config.vocab_size
     configs = [("priority", replace(serving, policy="priority"))] + [
-        (f"coserve, preempt target {t:g} ms", replace(serving, policy="coserve", preempt_target_ms=t))
+        (f"coserve, preempt target {t:g} ms",
+         replace(serving, policy="coserve", coserve=replace(serving.coserve, preempt_target_ms=t)))
         for t in args.preempt_target_ms]
     for name, cfg in configs * args.rounds:
         rng = random.Random(0)  # the same request stream for every policy

@@ -18,10 +18,13 @@ import statistics
 from collections import defaultdict
 from dataclasses import replace
 
-from backfill.bench.coserve import CoserveScenario, _run_round, load_and_profile, make_workload
+from backfill.bench.coserve_bench import _run_round, load_and_profile, make_workload
+from backfill.bench.scenario import CoserveScenario
 from backfill.serving.api import SLO
-from backfill.serving.build import ServingConfig, build_scheduler
-from backfill.serving.engine import AsyncEngine
+from backfill.policy.coserve import CoServeConfig
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_scheduler
+from backfill.serving.async_engine import AsyncEngine
 
 
 def main() -> None:
@@ -32,8 +35,8 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["priority", "coserve"])
     parser.add_argument("--compile-decode", action="store_true")
     args = parser.parse_args()
-    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms),
-                            compile_decode=args.compile_decode)
+    serving = ServingConfig(dtype="bfloat16", kv_cache_gb=0.5, compile_decode=args.compile_decode,
+                            coserve=CoServeConfig(slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms)))
     loaded, runner, latency = load_and_profile(serving)
     for policy in args.policies:
         workload = make_workload(CoserveScenario(duration_s=args.duration), loaded.tokenizer, latency,

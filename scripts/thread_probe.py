@@ -19,8 +19,9 @@ from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.weights import load_model
 from backfill.serving import scheduler as scheduler_module
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner, build_scheduler
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.torch_thread import run_on_torch_thread
 
 STEP_MS: list[float] = []

@@ -20,7 +20,8 @@ import torch
 from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.runner import SeqChunk
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner, build_scheduler
 
 
 def _prompt(n: int, salt: int, vocab: int) -> list[int]:

@@ -9,7 +9,7 @@ from backfill.bench.target import StreamChunk
 from backfill.bench.workload import BenchRequest
 from backfill.engine.sampling_params import SamplingParams
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 
 class InProcessTarget:

@@ -16,17 +16,16 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from backfill.errors import InvalidRequestError
-from backfill.serving.build import ServingConfig
+from backfill.options import build, options_of
+from backfill.policy.coserve import CoServeConfig
+from backfill.serving.config import ServingConfig
 
 POLICIES = ("online-only", "fcfs", "priority", "coserve")
 BASELINE = "online-only"
 TUNABLE = "coserve"  # the policy the knobs belong to
 
-# The ServingConfig fields a variant may set, with the type of each value.
-KNOBS: Mapping[str, type] = MappingProxyType({
-    "interference_slack": float, "rider_cost_share": float, "preempt_target_ms": float,
-    "release_suspended": bool, "online_reserve_fraction": float,
-})
+# The knobs a variant may set, with the type of each value: coserve's options (the SLO is the run's).
+KNOBS: Mapping[str, type] = MappingProxyType({o.name: o.type for o in options_of(CoServeConfig, "coserve")})
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 
@@ -40,7 +39,7 @@ def _read_bool(text: str) -> bool:
 class ModeSpec:
     label: str                                  # as given; names the mode in the report
     policy: str
-    overrides: Mapping[str, float | bool] = field(default_factory=lambda: MappingProxyType({}))
+    overrides: Mapping[str, float | int | bool] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def parse(cls, label: str) -> ModeSpec:
@@ -48,14 +47,14 @@ class ModeSpec:
         if policy not in POLICIES:
             raise InvalidRequestError(f"unknown mode {label!r}; a mode is a policy ({', '.join(POLICIES)}), "
                                       "optionally followed by :knob=value,...")
-        overrides: dict[str, float | bool] = {}
+        overrides: dict[str, float | int | bool] = {}
         for item in filter(None, knobs.split(",")):
             key, eq, text = item.partition("=")
             if not eq or key not in KNOBS:
                 raise InvalidRequestError(f"mode {label!r}: {item!r} is not knob=value with a knob among "
                                           f"{', '.join(KNOBS)}")
             try:
-                overrides[key] = _read_bool(text) if KNOBS[key] is bool else float(text)
+                overrides[key] = _read_bool(text) if KNOBS[key] is bool else KNOBS[key](text)
             except ValueError as e:
                 raise InvalidRequestError(f"mode {label!r}: {key}: {e}") from None
         if overrides and policy != TUNABLE:
@@ -70,7 +69,7 @@ class ModeSpec:
 
     def serving(self, base: ServingConfig, **changes) -> ServingConfig:
         """The run's serving config for this mode (validated again, so a bad value fails here)."""
-        return replace(base, **self.overrides, policy=self.policy, **changes)
+        return build(ServingConfig, dict(self.overrides), base=replace(base, policy=self.policy, **changes))
 
 
 def parse_modes(labels: tuple[str, ...]) -> tuple[ModeSpec, ...]:

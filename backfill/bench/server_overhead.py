@@ -21,13 +21,16 @@ from pathlib import Path
 
 import httpx
 
-from backfill.bench.coserve import (CoserveScenario, _run_round, load_and_profile, make_workload, pool_rounds,
-                                   run_http_bench)
+from backfill.bench.coserve_bench import _run_round, load_and_profile, make_workload, pool_rounds, run_http_bench
+from backfill.bench.scenario import CoserveScenario
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.errors import BackfillError
+from backfill.options import as_flags, options_of
+from backfill.policy.coserve import CoServeConfig
 from backfill.serving.api import SLO
-from backfill.serving.build import ServingConfig, build_scheduler
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.build import build_scheduler
+from backfill.serving.config import ServingConfig
 
 
 def _free_port() -> int:
@@ -53,7 +56,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) ->
 def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig, slo: SLO,
                               out_dir: str | Path = "runs/server", progress: bool = True) -> dict[str, ModeResult]:
     loaded, runner, latency = load_and_profile(serving)
-    cfg = replace(serving, policy="coserve", slo=slo)
+    cfg = replace(serving, policy="coserve", coserve=replace(serving.coserve, slo=slo))
     engine = AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, loaded.config.name, latency),
                          loaded.tokenizer, loaded.config.name)
     workload = make_workload(scenario, loaded.tokenizer, latency, with_offline=True)
@@ -69,9 +72,7 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
                "--kv-cache-gb", str(serving.kv_cache_gb), "--ttft-slo-ms", str(slo.ttft_ms),
                "--tpot-slo-ms", str(slo.tpot_ms), "--db", str(Path(tmp) / "server.db"),
                "--max-online-queue", "100000", "--log-level", "warning",
-               "--preempt-target-ms", str(serving.preempt_target_ms)]
-        if serving.interference_slack is not None:
-            cmd += ["--interference-slack", str(serving.interference_slack)]
+               *as_flags(cfg, options_of(CoServeConfig, "coserve"))]
         if serving.model:
             cmd += ["--model", serving.model]
         proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -180,3 +180,16 @@ class ModelConfig:
                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, name="tiny-random")
         base.update(overrides)
         return ModelConfig(**base)
+
+
+@dataclass(frozen=True)
+class SafepointLayout:
+    """Where a runner's steps can be aborted (ConServe §4.3), as the runner reports it: a policy sizes
+    preemptible steps by the longest stretch between two safepoints and judges a step's pace by layers."""
+
+    num_layers: int
+    longest_stretch_share: float  # the longest stretch between two safepoints, as a share of a layer's work
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or not 0 < self.longest_stretch_share <= 1:
+            raise ValueError(f"bad safepoint layout: {self}")

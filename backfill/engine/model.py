@@ -92,6 +92,9 @@ Safepoint = Callable[[int], bool]
 
 
 LM_HEAD_SLICES = 4  # safepoints inside the LM head of an abortable step (see forward)
+# A layer's work between its three safepoints (before attention, before gate/up, before down):
+# the MLP is three quarters of a Llama layer's weights. The simulator spreads a step's time by it.
+LAYER_STRETCH_SHARES = (0.25, 0.5, 0.25)
 
 
 class LlamaModel:

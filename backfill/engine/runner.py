@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backfill.engine.config import ModelConfig
+from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, PartialForward, PrefillSpan, Safepoint, StepAborted
+from backfill.engine.model import (LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PartialForward, PrefillSpan,
+                                   Safepoint, StepAborted)
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
@@ -32,8 +33,8 @@ def paced_on_gpu(safepoint: Safepoint) -> Safepoint:
     """The safepoint, called only once the GPU has finished all work from before the previous check.
 
     Kernels launch asynchronously: unpaced, the CPU passes every safepoint of a big step within a
-    few milliseconds and then waits in synchronize() for the rest of it, blind to arrivals (the H100
-    co-serving run saw a P99 preemption latency of 146 ms, docs/benchmarks.md). One check of run-ahead
+    few milliseconds and then waits in synchronize() for the rest of it, blind to arrivals (ConServe
+    §4.3 needs the check to see the step's progress). One check of run-ahead
     keeps an interval of work queued, so a GPU-bound step never starves, while an abort leaves at most
     that interval to finish; a launch-bound step finds its events done and never waits.
     """
@@ -117,6 +118,10 @@ class ModelRunner:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def safepoint_layout(self) -> SafepointLayout:
+        return SafepointLayout(self.config.num_layers, max(LAYER_STRETCH_SHARES))
 
     def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None,
                 resume: SuspendedStep | None = None) -> StepOutput:
@@ -221,9 +226,7 @@ class ModelRunner:
             meta.decode_context_lens = lens.view(-1)
             if self.model.paged_decode_attention is None:  # the kernel reads the lengths, SDPA a mask
                 # Additive, in the model's dtype, built once per step: SDPA would turn a boolean
-                # mask into this in every layer. One layer's attention over 32 x 208 tokens (fp32)
-                # went from 1.39 to 1.07 ms in isolation; whole steps gain less than the noise
-                # (scripts/decode_mask_ab.py).
+                # mask into this in every layer (scripts/decode_mask_ab.py).
                 key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
                 padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
                 meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype,

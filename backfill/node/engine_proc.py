@@ -185,7 +185,8 @@ def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | No
     from backfill.engine.weights import load_model, random_model
     from backfill.policy.checkpoint import CheckpointConfig
     from backfill.policy.planner import BatchLimits
-    from backfill.serving.build import ServingConfig, build_scheduler
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_scheduler
 
     torch.set_num_threads(spec.threads)
     if spec.model == "tiny":

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, recompute_cost_order
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
+from backfill.policy.interface import SchedulerState, SchedulingPolicy, SeqView, StepPlan
 
 
 def _serve_in_order(state: SchedulerState, order: list[SeqView], limits: BatchLimits,
@@ -32,17 +32,7 @@ def _serve_in_order(state: SchedulerState, order: list[SeqView], limits: BatchLi
     return plan
 
 
-class _Baseline:
-    """Baselines plan without a latency model and never abort a running step."""
-
-    def should_abort_step(self, *args, **kwargs) -> bool:
-        return False
-
-    def observe_step(self, *args, **kwargs) -> None:
-        return None
-
-
-class OnlineOnlyPolicy(_Baseline):
+class OnlineOnlyPolicy(SchedulingPolicy):
     name = "online-only"
 
     def __init__(self, limits: BatchLimits = BatchLimits()) -> None:
@@ -57,7 +47,7 @@ class OnlineOnlyPolicy(_Baseline):
 VLLM_DEFAULT_LIMITS = BatchLimits(max_batch_tokens=2048, max_batch_seqs=256, prefill_chunk_tokens=2048)
 
 
-class FCFSPolicy(_Baseline):
+class FCFSPolicy(SchedulingPolicy):
     name = "fcfs"
 
     def __init__(self, limits: BatchLimits = VLLM_DEFAULT_LIMITS) -> None:
@@ -69,7 +59,7 @@ class FCFSPolicy(_Baseline):
         return _serve_in_order(state, order, self.limits, victims).plan(mode="fcfs")
 
 
-class PriorityPolicy(_Baseline):
+class PriorityPolicy(SchedulingPolicy):
     name = "priority"
 
     def __init__(self, limits: BatchLimits = VLLM_DEFAULT_LIMITS) -> None:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
-from backfill.policy.state import SchedulerState
+from backfill.policy.interface import SchedulerState
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
+from backfill.options import knob
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
+from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerState, SchedulingPolicy, SeqView,
+                                       StepPlan)
 from backfill.serving.api import SLO
 
 
@@ -45,41 +47,30 @@ from backfill.serving.api import SLO
 class CoServeConfig:
     slo: SLO = SLO()
     limits: BatchLimits = BatchLimits()
-    # Offline batching mode: largest batch whose time between two safepoints stays below this.
-    # An arrival waits for the rest of one stretch, half of one on average, and the estimate is of
-    # the longest stretch. Planned at the co-serving issue's 10 ms bound on P99 preemption latency
-    # itself, 2 of 11 CPU runs went over it (10.7 and 11.3 ms): a stretch planned at 10 ms ran
-    # 10-14 ms in a slow minute. Planned at 8 ms, the bound has a fifth in reserve. Only steps of
-    # prompt chunks are big enough to meet the cap (769 tokens at 10 ms on the Zen 5, 654 at
-    # 8), and a step's fixed cost is 1-2% of such a step, so offline throughput barely moves.
-    preempt_target_ms: float = 8.0
-    # The engine checks 3 safepoints per layer; the longest stretch between two is half a layer.
-    safepoint_gaps_per_layer: float = 2.0
-    offline_batch_max_tokens: int = 2048
-    offline_batch_max_seqs: int = 256  # vLLM's default max_num_seqs
-    # Blocks kept free for online arrivals when offline admits new work.
-    online_reserve_fraction: float = 0.1
-    # Optional cap: a co-serving step may be at most (1 + slack) x the online-only step, and an
-    # online arrival waits for a running offline step at most slack x its own prefill.
-    interference_slack: float | None = None
-    # Plan co-serving steps to this share of the SLO budget, leaving room for estimate error.
-    slo_margin: float = 0.85
-    # Let a decoding online request spend the time it banked by running faster than its TPOT
-    # SLO (see the module doc); False: every step's budget is the TPOT SLO (ConServe §4.5).
-    bank_tpot_slack: bool = True
-    # Bank kept back for this many future online prefills (of the longest recent online prompt).
-    bank_reserve_prefills: float = 1.0
-    # Offline tokens ride in a co-serving step only when they add at most this share of what an
-    # offline batch spends on a token (see riders.Riders.saving_ms).
-    rider_cost_share: float = 0.5
-    # Let co-serving steps take requests of the step an arrival suspended, giving that step up,
-    # when what they save pays for its lost work (see riders.Riders.release_suspended).
-    release_suspended: bool = True
-    num_layers: int = 30
-
+    # An arrival waits for the rest of one stretch between two safepoints (ConServe §4.3); planned
+    # below the bound it promises, as step estimates err on a loaded machine.
+    preempt_target_ms: float = knob(8.0, "longest offline work between two safepoints, ms", group="coserve")
+    offline_batch_max_tokens: int = knob(2048, "largest offline batch, tokens", group="coserve")
+    offline_batch_max_seqs: int = knob(256, "largest offline batch, sequences (vLLM's max_num_seqs)",
+                                       group="coserve")
+    online_reserve_fraction: float = knob(0.1, "share of KV blocks kept free for online arrivals when offline "
+                                          "work is admitted", group="coserve")
+    interference_slack: float | None = knob(0.05, "a co-serving step may take at most (1 + this) x its online "
+                                            "work alone, and an arrival waits for an offline step at most this "
+                                            "share of its own prefill (inf: no cap)", group="coserve")
+    slo_margin: float = knob(0.85, "co-serving steps are planned to this share of the SLO budget",
+                             group="coserve")
+    bank_tpot_slack: bool = knob(True, "a decoding online request may spend the time it banked by running "
+                                 "faster than its TPOT SLO", group="coserve")
+    bank_reserve_prefills: float = knob(1.0, "banked time kept back for this many future online prefills",
+                                        group="coserve")
+    rider_cost_share: float = knob(0.5, "an offline decode rides in a co-serving step only when it adds at most "
+                                   "this share of what an offline batch spends on a token", group="coserve")
+    release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
+                                   "suspended, where that pays for the step's lost work", group="coserve")
     def __post_init__(self) -> None:
-        if self.preempt_target_ms <= 0:
-            raise InvalidRequestError("preempt_target_ms must be positive")
+        if not self.preempt_target_ms > 0:
+            raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
         if not 0.0 <= self.online_reserve_fraction < 1.0:
             raise InvalidRequestError("online_reserve_fraction must be in [0, 1)")
         if self.interference_slack is not None and self.interference_slack < 0:
@@ -90,28 +81,19 @@ class CoServeConfig:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError("rider_cost_share must be >= 0")
+        if self.offline_batch_max_tokens < 1 or self.offline_batch_max_seqs < 1:
+            raise InvalidRequestError("offline_batch_max_tokens and offline_batch_max_seqs must be >= 1")
 
 
-@dataclass(frozen=True)
-class RunningStep:
-    """What the scheduler is executing right now (for Algorithm 2)."""
-
-    shape: BatchShape
-    started_s: float
-    preemptible: bool
-    layer_reached: int = 0  # the last safepoint it passed (0: still in its first layer)
-
-
-class CoServePolicy:
+class CoServePolicy(SchedulingPolicy):
     name = "coserve"
 
-    def __init__(self, latency: LatencyModel, config: CoServeConfig = CoServeConfig()) -> None:
+    def __init__(self, latency: LatencyModel, layout: SafepointLayout, config: CoServeConfig = CoServeConfig()) -> None:
         self.latency = latency
+        self.layout = layout  # the runner's (ModelRunner.safepoint_layout)
         self.config = config
-        # Measured / estimated step time (EWMA) per batch-size bucket: the profile was taken on
-        # another day, maybe under another load, and small and big steps drift differently. A
-        # bucket not seen yet follows the drift of all steps: when the machine slows down, the
-        # rare mixed-step sizes must not keep the profile's (now optimistic) times.
+        # Measured / estimated step time (EWMA) per batch-size bucket, as small and big steps drift
+        # from the profile differently; an unseen bucket follows the drift of all steps.
         self._corrections: dict[int, float] = {}
         self._overall_correction = 1.0
         self._offline_tokens = self._offline_batch_tokens()
@@ -147,8 +129,7 @@ class CoServePolicy:
 
     def _offline_step_budget_ms(self) -> float:
         """Longest offline-batching step whose stretches between safepoints meet the preemption target."""
-        cfg = self.config
-        return cfg.preempt_target_ms * cfg.num_layers * cfg.safepoint_gaps_per_layer
+        return self.config.preempt_target_ms * self.layout.num_layers / self.layout.longest_stretch_share
 
     def _offline_batch_tokens(self) -> int:
         n = self.latency.max_new_tokens(BatchShape(), self._offline_step_budget_ms(), 0,
@@ -228,17 +209,13 @@ class CoServePolicy:
         if cfg.bank_tpot_slack:
             budget_ms = max(budget_ms, self._banked_budget_ms(state))
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
-        # Offline decodes added to the step drift with its online part: they are estimated with
-        # the online step's correction, not with that of the bucket the step lands in. Steps of
-        # one online decode plus a few offline tokens are rare, so their bucket keeps the drift of
-        # all steps (set by big offline batches), and an online step running faster than its
-        # profile could otherwise never carry one.
+        # Offline decodes added to the step drift with its online part, not with the (rarely seen)
+        # bucket the mixed step lands in.
         correction = self.correction_for(plan.shape.num_tokens)
         online_shape, riders_from = plan.shape, plan.mark()
-        # Neither a restore copy nor a prefill span's fixed cost per layer (gathering its context,
-        # building its causal mask) is in the latency model; on CPU a 1-15 token offline chunk
-        # made a 33 ms online step 7-10 ms longer. So offline requests start and resume in offline
-        # batching mode, and co-serving steps carry offline decodes only: one token each.
+        # Neither a restore copy nor a prefill span's fixed cost per layer is in the latency model,
+        # so offline requests start and resume in offline batching mode, and co-serving steps carry
+        # offline decodes only: one token each.
         rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
         self.riders.add(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
         if plan.tokens > online_shape.num_tokens and self.riders.saving_ms(state, online_shape, plan, correction) is None:
@@ -255,13 +232,10 @@ class CoServePolicy:
         cfg = self.config
         if any(s.suspended for s in state.offline):
             # The step an online arrival aborted: continuing it from its safepoint keeps the layers
-            # it already ran (redoing them cost 4-7% of offline-batching time, docs/benchmarks.md).
+            # it already ran instead of redoing them.
             return StepPlan(preemptible=True, mode="offline-batching", resume=True)
         # Prefills first: a decode step's fixed cost is spread over the requests decoding, so
-        # admitting the waiting prompts at once (the backlog starts 48 at a time) beats giving
-        # each step's budget to the few admitted requests' decodes. With decodes first, coserve's
-        # smaller steps took 12.3-14.1 s to get 48 requests decoding, against 10-10.3 s for
-        # priority's 2,048-token steps; prefills first, 11.0-12.7 s (scripts/offline_throughput.py).
+        # admitting the waiting prompts at once beats giving each step to the few admitted decodes.
         offline = prefill_first(state.offline)
         plan = PlanBuilder(state, self._offline_tokens, cfg.offline_batch_max_seqs, self._offline_tokens)
         step_budget_ms = self._offline_step_budget_ms()
@@ -295,10 +269,9 @@ class CoServePolicy:
         elapsed_ms = (state.now_s - step.started_s) * 1e3
         remain_ms = max(self._estimate_ms(step.shape) - elapsed_ms, 0.0)
         if step.layer_reached > 0:
-            # The step's own pace so far (the LM head counted as one more layer). In a slow minute a
-            # step runs past its estimate, which then says it is done: three arrivals in a row let a
-            # 2x slower offline step finish and waited 0.7-0.8 s for their first token.
-            layers_left = self.config.num_layers + 1 - step.layer_reached
+            # The step's own pace so far (the LM head counted as one more layer): on a slowed machine
+            # a step runs past its estimate, which would then say it is done.
+            layers_left = self.layout.num_layers + 1 - step.layer_reached
             remain_ms = max(remain_ms, elapsed_ms * layers_left / step.layer_reached)
         online_shape = BatchShape()
         for seq in state.online:
@@ -306,8 +279,7 @@ class CoServePolicy:
         exec_ms = self._estimate_ms(online_shape)
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         if self.config.interference_slack is not None and remain_ms > self.config.interference_slack * exec_ms:
-            # The cap that bounds co-serving steps bounds the wait for offline work too: the paper
-            # lets the step finish whenever the TTFT SLO still holds, which moves TTFTs up to the
-            # SLO; and a step running slower than its estimate (a noisy machine) then ends past it.
+            # The cap that bounds co-serving steps bounds the wait for offline work too: the paper's
+            # rule (finish while the TTFT SLO holds) moves TTFTs up to the SLO.
             return True
         return remain_ms + exec_ms + waited_ms > self.config.slo_margin * self.config.slo.ttft_ms

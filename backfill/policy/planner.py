@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape
-from backfill.policy.state import Scheduled, SchedulerState, SeqView, StepPlan
+from backfill.policy.interface import Scheduled, SchedulerState, SeqView, StepPlan
 
 
 @dataclass(frozen=True)

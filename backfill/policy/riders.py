@@ -5,8 +5,7 @@ tokens. Here those tokens are decodes only, one per request ("riders"), and they
 they pay: what they add to the step must be at most a share of what an offline batch would spend
 on the same tokens. On a GPU a decode step is bound by reading the weights and a rider costs a few
 percent of a batch's token; on a CPU every token costs compute, and a rider can cost more than the
-batch (docs/benchmarks.md, co-serving, sixth and eighth sessions). What riders add is learned from
-the steps that carried them, apart from the online part's drift.
+batch. What riders add is learned from the steps that carried them, apart from the online part's drift.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import PlanBuilder
-from backfill.policy.state import SchedulerState, SeqView
+from backfill.policy.interface import SchedulerState, SeqView
 
 
 @dataclass(frozen=True)
@@ -38,12 +37,10 @@ class Riders:
         self.cost_share = cost_share
         self.batch_max_seqs = batch_max_seqs
         # What riders really add to a co-serving step, against what the profile says (EWMA): the
-        # step's measured time less its online part's estimate. On the 2-core CPU riders added
-        # 1.3 ms each where the profile said 0.3-0.6 (docs/benchmarks.md, co-serving, eighth session).
+        # step's measured time less its online part's estimate.
         self.correction = 1.0
         self._riding: _RidingStep | None = None  # the last plan that carried riders
-        # batch_ms_per_token of the plan being made: asked for by the riders and again by the release
-        # of a suspended step, and it walks the whole backlog.
+        # batch_ms_per_token of the plan being made (it walks the whole backlog; asked for twice a plan).
         self._priced: tuple[SchedulerState, float] | None = None
 
     def planned(self, online: BatchShape, shape: BatchShape, correction: float) -> None:
@@ -70,10 +67,9 @@ class Riders:
     def add(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
             correction: float, reserve: int) -> None:
         """Add one decode token of each candidate that fits the step within budget_ms."""
-        # Cheapest first: an offline decode costs a token plus its context's attention, and on CPU
-        # the context dominates (3.3 ms per 1,000 tokens against 0.3 ms per token in the SmolLM2
-        # bf16 profile), so the shortest contexts fit the most offline tokens into the budget.
-        # Long contexts lose nothing for it: they advance in offline batching mode.
+        # Cheapest first: an offline decode costs a token plus its context's attention, so the
+        # shortest contexts fit the most offline tokens into the budget; long ones advance in
+        # offline batching mode.
         for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
@@ -86,19 +82,10 @@ class Riders:
         them in an offline batch; None unless they cost the step at most cost_share of that.
 
         On a GPU a decode step is bound by reading the weights and an offline token rides along
-        almost free, as ConServe assumes. On a CPU every token costs compute. A step can jump where
-        a batch size has no compiled path (a compiled decode of three sequences takes 17 ms, an eager
-        step 21 or more, without the small-batch kernel). Even with the kernel, a rider pays for
-        its context's attention (0.3-0.7 ms for an offline request on the 2-core Zen 5), about what
-        offline batching pays for one of its decode tokens. A few offline tokens then lengthen the
-        online step by at least what an offline batch would spend on them, which delays online work
-        and gains no offline throughput (docs/benchmarks.md, co-serving, sixth session).
-
-        Hence the share, a margin for the estimate's error: riders the profile priced at about 0.6 of
-        a batch's cost per token carried 4,252 offline tokens in a 2-core CPU run and gained none
-        (0.742x priority against 0.745x without them), while the median online TPOT rose 13%
-        (docs/benchmarks.md, co-serving, eighth session). On a GPU, a rider added to a decode from
-        CUDA graphs costs a few percent of a batch's token and passes at any share.
+        almost free, as ConServe assumes (§4.2). On a CPU every token costs compute, and a rider pays
+        for its context's attention about what offline batching pays for one of its decode tokens:
+        riders then lengthen the online step and gain no offline throughput. The share is a margin
+        for the estimate's error.
         """
         # What riders add: the profile's difference, corrected by the online step's drift and by
         # what riders were measured to add.
@@ -112,12 +99,9 @@ class Riders:
         together (each at its context): the rate a rider's token is weighed against.
 
         Decodes only: a request's prompt is prefilled once wherever its decodes run, so what riders
-        take over from offline batching is decode steps; a batch priced with its prompt chunks made
-        a GPU rider look dear against 2,048 prompt tokens in one 19 ms eager step. The whole
-        backlog, not only the requests decoding now: at a round's start (a few requests decoding,
-        dozens of prompts waiting) a batch of a few decodes at a lone step's cost made riders look
-        cheap, and four of them doubled a lone online decode on the CPU (10.5 -> 21 ms) for a dozen
-        steps. inf when there is no offline work."""
+        take over from offline batching is decode steps. The whole backlog, not only the requests
+        decoding now: a batch of a few decodes at a lone step's cost would make riders look cheap.
+        inf when there is no offline work."""
         if self._priced is not None and self._priced[0] is state:
             return self._priced[1]
         batch, n = BatchShape(), 0
@@ -131,13 +115,10 @@ class Riders:
                           correction: float, reserve: int) -> None:
         """Let requests of the suspended step ride, giving the step up, where that pays for it.
 
-        An arrival aborts the offline batch, and that step holds every running offline request: from
-        then until no online work is left, nothing can ride. On a GPU, where a co-serving decode
-        step carries a few offline tokens almost free, that left co-serving steps nearly empty. The
-        price of riding is the suspended step's work so far (its tokens are redone in a later
-        batch); the gain is what each step's riders save against running those tokens in an offline
-        batch, over the steps the online work has left (the longest remaining online request's
-        max_tokens: an upper bound when requests stop early).
+        The suspended step holds every running offline request, so nothing could ride until the
+        online work is done. The price is the step's work so far (redone in a later batch); the gain
+        is what the riders save per step, over the steps the online work has left (the longest
+        remaining request's max_tokens, an upper bound).
         """
         before, riders_from = plan.shape, plan.mark()
         self.add(plan, held, state, budget_ms, correction, reserve)

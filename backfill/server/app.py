@@ -33,7 +33,7 @@ from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
 from backfill.server.store import Store
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from backfill.server.errors import APIError, not_found
 from backfill.server.metrics import ServerMetrics
 from backfill.server.schemas import ChatCompletionBody, CompletionBody, validate_body
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 Kind = Literal["chat", "text"]
 # Like vLLM, temperatures this small mean greedy: dividing logits by e.g. 1e-300 overflows to inf.

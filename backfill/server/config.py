@@ -10,31 +10,15 @@ import json
 import math
 import os
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from backfill.server.errors import ServerConfigError
-
-if TYPE_CHECKING:
-    from backfill.serving.build import ServingConfig
+from backfill.errors import ServerConfigError
+from backfill.options import Option, add_arguments, build, knob, options_of
+from backfill.serving.config import ServingConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TINY_KV_CACHE_GB = 0.0625   # the tiny test model needs a few MiB of KV, not the real model's 1 GiB
-
-# Every option of `backfill serve`, with its type (config-file values are checked against it).
-OPTION_TYPES: dict[str, type] = {
-    "host": str, "port": int, "model": str, "dtype": str, "device": str, "policy": str,
-    "ttft_slo_ms": float, "tpot_slo_ms": float, "kv_cache_gb": float, "max_model_len": int,
-    "db": str, "api_key": str, "max_online_queue": int, "max_body_mb": float,
-    "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
-    "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
-    "decode_attention": str, "cuda_graphs": bool, "release_suspended": bool,
-    "rider_cost_share": float,
-}
-_SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
-                 "interference_slack", "compile_decode", "decode_attention", "cuda_graphs", "release_suspended",
-                 "rider_cost_share")
 
 
 def default_db_path(port: int) -> Path:
@@ -46,17 +30,21 @@ def default_db_path(port: int) -> Path:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    db: str | None = None                  # SQLite file; None = default_db_path(port)
-    api_key: str | None = None             # Bearer token required on /v1/* when set
-    max_online_queue: int = 256            # online (and, separately, flex) requests in flight; more get 429
-    max_body_mb: float = 200.0             # OpenAI's batch input limit is 200 MB
-    max_offline_in_flight: int = 64        # batch lines in the engine at once
-    drain_timeout_s: float = 30.0          # SIGTERM: how long in-flight work may take to finish
-    served_model_name: str | None = None   # the model id clients send; default: the engine's model name
-    log_level: str = "info"
-    tiny: bool = False                     # tiny random-weight model (tests only)
+    host: str = knob("127.0.0.1", "address to bind", group="server")
+    port: int = knob(8000, "port to bind", group="server")
+    db: str | None = knob(None, "SQLite file for files and batches; unset: server-<port>.db under "
+                          "$BACKFILL_CACHE_DIR or ~/.cache/backfill", group="server")
+    api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' on /v1/* (also env BACKFILL_API_KEY)",
+                               group="server")
+    max_online_queue: int = knob(256, "online (and, separately, flex) requests in flight before new ones get 429",
+                                 group="server")
+    max_body_mb: float = knob(200.0, "largest request body, MiB (OpenAI's batch input limit); larger get 413",
+                              group="server")
+    max_offline_in_flight: int = knob(64, "batch lines in the engine at once", group="server")
+    drain_timeout_s: float = knob(30.0, "on SIGTERM, time allowed for in-flight work", group="server")
+    served_model_name: str | None = knob(None, "model id clients send; unset: the model's name", group="server")
+    log_level: str = knob("info", "log level", group="server", choices=LOG_LEVELS)
+    tiny: bool = knob(False, "tiny random-weight model (tests only)", group="server")
     serving: ServingConfig | None = None   # the engine config (config_from_args fills it)
 
     def __post_init__(self) -> None:
@@ -92,49 +80,16 @@ def _check_number(name: str, value: object, positive: bool) -> None:
                                 f"got {value!r}")
 
 
+def serve_options() -> tuple[Option, ...]:
+    """Every option of `backfill serve`: the server's own, then the serving config tree's."""
+    return options_of(ServerConfig) + options_of(ServingConfig)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `backfill serve` / `python -m backfill.server` (all default to None = unset)."""
-    p = parser.add_argument
-    p("--config", default=None, metavar="FILE", help="TOML or JSON file with the same keys as these options "
-      "(dashes or underscores); flags given here override it")
-    p("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p("--port", type=int, default=None, help="port to bind (default 8000)")
-    p("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M-Instruct)")
-    p("--served-model-name", default=None, help="model id clients use (default: the model's name)")
-    p("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto (bfloat16 where it has fast matmuls)")
-    p("--device", default=None, help="auto (default), cpu or cuda[:N]")
-    p("--policy", default=None, help="scheduling policy: coserve (default), priority, fcfs or online-only")
-    p("--ttft-slo-ms", type=float, default=None, help="online time-to-first-token SLO (default 1000)")
-    p("--tpot-slo-ms", type=float, default=None, help="online time-per-output-token SLO (default 100)")
-    p("--kv-cache-gb", type=float, default=None, help="KV cache size in GiB (default 1)")
-    p("--preempt-target-ms", type=float, default=None,
-      help="coserve: longest offline work between two safepoints (default 8)")
-    p("--interference-slack", type=float, default=None,
-      help="coserve: a co-serving step may take at most (1 + this) x its online work alone "
-      "(default 0.05; inf: no cap)")
-    p("--no-release-suspended", dest="release_suspended", action="store_false", default=None,
-      help="coserve: co-serving steps never take requests of the offline step an arrival suspended")
-    p("--rider-cost-share", type=float, default=None,
-      help="coserve: an offline decode rides in a co-serving step only when it adds at most this share "
-      "of what an offline batch spends on a token (default 0.5)")
-    p("--compile-decode", action="store_true", default=None,
-      help="CPU: compile single-sequence decode steps with inductor (faster batch-1 decode)")
-    p("--decode-attention", default=None, choices=["auto", "sdpa"],
-      help="auto (default): on CPU, read the paged KV cache in place with a C++ kernel; sdpa: gather + SDPA")
-    p("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
-      help="CUDA: launch every decode kernel from Python instead of replaying captured graphs")
-    p("--max-model-len", type=int, default=None, help="longest prompt + output in tokens (default 2048)")
-    p("--db", default=None, metavar="PATH", help="SQLite file for files and batches "
-      "(default $BACKFILL_CACHE_DIR or ~/.cache/backfill, server-<port>.db)")
-    p("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (also env BACKFILL_API_KEY)")
-    p("--max-online-queue", type=int, default=None, metavar="N",
-      help="online requests in flight before new ones get 429 (default 256)")
-    p("--max-offline-in-flight", type=int, default=None, metavar="N",
-      help="batch lines in the engine at once (default 64)")
-    p("--max-body-mb", type=float, default=None, help="largest request body, MiB (default 200); larger get 413")
-    p("--drain-timeout-s", type=float, default=None, help="on SIGTERM, time allowed for in-flight work (default 30)")
-    p("--log-level", default=None, help=f"one of {', '.join(LOG_LEVELS)} (default info)")
-    p("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
+    """The options of `backfill serve` / `python -m backfill.server`; an absent flag is unset."""
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML or JSON file with the same keys as "
+                        "these options (dashes or underscores); flags given here override it")
+    add_arguments(parser, serve_options(), hidden=("tiny",))
 
 
 def load_config_file(path: str | Path) -> dict[str, object]:
@@ -151,13 +106,14 @@ def load_config_file(path: str | Path) -> dict[str, object]:
         raise ServerConfigError(f"config file {path} is not valid {kind}: {exc}") from None
     if not isinstance(data, dict):
         raise ServerConfigError(f"config file {path} must hold a table/object of options")
+    types = {o.name: o.type for o in serve_options()}
     values: dict[str, object] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
-        expected = OPTION_TYPES.get(key)
+        expected = types.get(key)
         if expected is None:
             raise ServerConfigError(f"config file {path}: unknown option {raw_key!r} "
-                                    f"(known: {', '.join(sorted(OPTION_TYPES))})")
+                                    f"(known: {', '.join(sorted(types))})")
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -169,24 +125,17 @@ def load_config_file(path: str | Path) -> dict[str, object]:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Merge defaults < --config file < BACKFILL_API_KEY < flags into a validated ServerConfig."""
-    from backfill.serving.api import SLO
-    from backfill.serving.build import ServingConfig
-
     values: dict[str, object] = {}
     if getattr(args, "config", None):
         values.update(load_config_file(args.config))
     if os.environ.get("BACKFILL_API_KEY"):
         values["api_key"] = os.environ["BACKFILL_API_KEY"]
-    for key in OPTION_TYPES:
-        flag = getattr(args, key, None)
-        if flag is not None:
-            values[key] = flag
-    serving_defaults = ServingConfig()
-    serving_kwargs = {key: values[key] for key in _SERVING_KEYS if key in values}
-    if values.get("tiny") and "kv_cache_gb" not in serving_kwargs:
-        serving_kwargs["kv_cache_gb"] = TINY_KV_CACHE_GB
-    slo = SLO(ttft_ms=values.get("ttft_slo_ms", serving_defaults.slo.ttft_ms),
-              tpot_ms=values.get("tpot_slo_ms", serving_defaults.slo.tpot_ms))
-    serving = ServingConfig(slo=slo, **serving_kwargs)
-    server_keys = {f.name for f in fields(ServerConfig)} - {"serving"}
+    for option in serve_options():
+        if hasattr(args, option.name):
+            values[option.name] = getattr(args, option.name)
+    server_keys = {o.name for o in options_of(ServerConfig)}
+    serving_values = {k: v for k, v in values.items() if k not in server_keys}
+    if values.get("tiny"):
+        serving_values.setdefault("kv_cache_gb", TINY_KV_CACHE_GB)
+    serving = build(ServingConfig, serving_values)
     return ServerConfig(serving=serving, **{k: v for k, v in values.items() if k in server_keys})

@@ -25,10 +25,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
-class ServerConfigError(BackfillError, ValueError):
-    """A server option (CLI flag, config file key or environment variable) is invalid."""
-
-
 class APIError(BackfillError):
     """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from backfill.serving.api import FinishReason, RequestClass
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.sequence import SeqStatus
 
 CLASSES = tuple(c.value for c in RequestClass)

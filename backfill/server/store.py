@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from backfill.server.errors import ServerConfigError
+from backfill.errors import ServerConfigError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (

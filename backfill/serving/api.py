@@ -1,6 +1,6 @@
 """Types of the in-process serving API, shared by the HTTP server and the benchmark harness.
 
-    engine = AsyncEngine.from_config(ServingConfig(...))   # backfill.serving.engine
+    engine = AsyncEngine.from_config(ServingConfig(...))   # backfill.serving.async_engine
     await engine.start()
     async for event in engine.submit(GenerationRequest(...)):
         ...                                                # TokenEvent per step
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from backfill.engine.sampling_params import SamplingParams
 from backfill.errors import InvalidRequestError
+from backfill.options import knob
 
 _ids = itertools.count()
 
@@ -31,8 +32,8 @@ class RequestClass(str, enum.Enum):
 class SLO:
     """Latency objectives of online requests, in milliseconds."""
 
-    ttft_ms: float = 1000.0
-    tpot_ms: float = 100.0
+    ttft_ms: float = knob(1000.0, "online time-to-first-token SLO, ms", group="slo", option="ttft_slo_ms")
+    tpot_ms: float = knob(100.0, "online time-per-output-token SLO, ms", group="slo", option="tpot_slo_ms")
 
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.linear import cpu_has_bf16_matmul, matmul_kernel_for
+from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.paged_attention import kernel_digest
 from backfill.engine.runner import ModelRunner
@@ -21,118 +21,17 @@ from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
 from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
-from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
-from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
+from backfill.policy.coserve import CoServePolicy
+from backfill.policy.interface import SafepointLayout, SchedulingPolicy
 from backfill.policy.latency_model import LatencyModel
-from backfill.policy.planner import BatchLimits
-from backfill.serving.api import SLO
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.config import ServingConfig
 from backfill.serving.profiler import PROFILE_FORMAT, profile_latency
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread
 
 log = logging.getLogger(__name__)
-
-POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
-DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
-
-
-def auto_dtype(device: str) -> str:
-    """The fastest sound dtype on the device: bf16 on CUDA and on CPUs with bf16 matmul kernels, else fp32."""
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    model: str | None = None          # GGUF file or HF directory; None = embedded default model
-    dtype: str = "float32"            # or auto: see auto_dtype
-    device: str = "auto"              # auto = cuda when present, else cpu
-    kv_cache_gb: float = 1.0
-    block_size: int = 16
-    max_model_len: int = 2048
-    policy: str = "coserve"
-    slo: SLO = SLO(ttft_ms=1000.0, tpot_ms=100.0)
-    limits: BatchLimits | None = None  # None: each policy's own default (baselines: vLLM's)
-    preempt_target_ms: float = CoServeConfig.preempt_target_ms
-    # coserve: a co-serving step takes at most 1.05x its online work alone (inf or None: no cap).
-    interference_slack: float | None = 0.05
-    online_reserve_fraction: float = 0.1
-    # coserve: co-serving steps may take requests of the offline step an arrival suspended (policy/coserve.py).
-    release_suspended: bool = CoServeConfig.release_suspended
-    # coserve: offline decodes ride in co-serving steps only when they add at most this share of what
-    # an offline batch spends on a token (policy/riders.py).
-    rider_cost_share: float = CoServeConfig.rider_cost_share
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    profile_path: str | None = None   # latency profile; measured and saved on first use
-    threads: int | None = None
-    # CPU: decode steps of a few sequences (up to 8 where the CPU has AVX-512 BF16, else 3) through
-    # compiled layer pieces (engine/compiled_decode.py); compiles at load and keeps a second copy
-    # of the matmul weights.
-    compile_decode: bool = False
-    # Decode attention: "auto" reads the paged KV pool in place with a C++ kernel on CPU (built on
-    # first use; engine/paged_attention.py), gather + SDPA elsewhere or if it cannot be built;
-    # "sdpa" always gathers.
-    decode_attention: str = "auto"
-    # CUDA: decode steps of up to 64 sequences replay per-layer graphs, captured at load for every
-    # (batch, context) bucket up to max_model_len (engine/cuda_graphs.py); takes one KV block as the
-    # padding rows' scratch.
-    cuda_graphs: bool = True
-    # cfs: page preempted prompts' KV into memory lent through this offload coordinator (AQUA §6),
-    # host memory whenever none is lent; None: host memory only.
-    offload_coordinator_url: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.policy not in POLICIES:
-            raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.kv_cache_gb > 0:
-            raise InvalidRequestError("kv_cache_gb must be positive")
-        if self.block_size < 1 or self.max_model_len < 2:
-            raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
-        if self.threads is not None and self.threads < 1:
-            raise InvalidRequestError("threads must be >= 1")
-        if not self.preempt_target_ms > 0:
-            raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
-        if self.interference_slack is not None and not self.interference_slack >= 0:
-            raise InvalidRequestError(f"interference_slack must be >= 0, got {self.interference_slack}")
-        if not 0.0 <= self.online_reserve_fraction < 1.0:
-            raise InvalidRequestError(f"online_reserve_fraction must be in [0, 1), got {self.online_reserve_fraction}")
-        if not self.rider_cost_share >= 0:
-            raise InvalidRequestError(f"rider_cost_share must be >= 0, got {self.rider_cost_share}")
-        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
-            raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
-                                      f"got {self.decode_attention!r}")
-
-    @property
-    def resolved_dtype(self) -> str:
-        return auto_dtype(self.resolved_device()) if self.dtype == "auto" else self.dtype
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.resolved_dtype]
-
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
-
-    @property
-    def uses_cuda_graphs(self) -> bool:
-        return self.cuda_graphs and self.resolved_device().startswith("cuda")
-
-    @property
-    def uses_paged_attention_kernel(self) -> bool:
-        return self.decode_attention == "auto" and self.resolved_device() == "cpu"
-
-    def with_policy(self, policy: str) -> "ServingConfig":
-        return replace(self, policy=policy)
 
 
 def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
@@ -168,7 +67,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
     return ModelRunner(model, kv, graphs)
 
 
-def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: int):
+def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
     limits = {} if cfg.limits is None else {"limits": cfg.limits}
     if cfg.policy == "online-only":
         return OnlineOnlyPolicy(**limits)
@@ -181,10 +80,7 @@ def make_policy(cfg: ServingConfig, latency: LatencyModel | None, num_layers: in
         return CFSPolicy(CFSConfig(**limits))
     if latency is None:
         raise InvalidRequestError("the coserve policy needs a latency profile")
-    return CoServePolicy(latency, CoServeConfig(
-        slo=cfg.slo, preempt_target_ms=cfg.preempt_target_ms, **limits,
-        interference_slack=cfg.interference_slack, online_reserve_fraction=cfg.online_reserve_fraction,
-        release_suspended=cfg.release_suspended, rider_cost_share=cfg.rider_cost_share, num_layers=num_layers))
+    return CoServePolicy(latency, layout, cfg.policy_config())
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
@@ -203,7 +99,7 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
                     latency: LatencyModel | None = None) -> Scheduler:
     if cfg.policy == "coserve" and latency is None:
         latency = load_or_profile(runner, cfg, model_name)
-    policy = make_policy(cfg, latency, runner.config.num_layers)
+    policy = make_policy(cfg, latency, runner.safepoint_layout)
     detok = None
     eos: tuple[int, ...] = ()
     if tokenizer is not None:

@@ -7,7 +7,8 @@ from typing import Iterator
 
 from backfill.engine.sampling_params import SamplingParams
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner, build_scheduler
 from backfill.serving.scheduler import Scheduler
 
 

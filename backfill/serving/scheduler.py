@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -24,21 +24,10 @@ from backfill.engine.sampler import sample
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.offload.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
-from backfill.policy.coserve import RunningStep
+from backfill.policy.interface import RunningStep, SchedulerState, SchedulingPolicy, SeqView, StepPlan
 from backfill.policy.latency_model import BatchShape
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.sequence import Detokenizer, HostCheckpoint, Sequence, SeqStatus
-
-
-class SchedulingPolicy(Protocol):
-    name: str
-
-    def schedule(self, state: SchedulerState) -> StepPlan: ...
-
-    def should_abort_step(self, state: SchedulerState, step: RunningStep) -> bool: ...
-
-    def observe_step(self, shape: BatchShape, duration_ms: float) -> None: ...
 
 
 class PreemptionRecord(NamedTuple):
@@ -202,7 +191,7 @@ class Scheduler:
             return False
         if self._abort_requested_s is not None:
             # Also inside the LM head: an aborted step is suspended and continued from here, and
-            # a big batch's LM head is the longest stretch of its step (10+ ms on a 2-core CPU).
+            # a big batch's LM head is the longest stretch of its step.
             self._record_preemption(layer)
         return True
 
@@ -332,8 +321,8 @@ class Scheduler:
             if seqs else []
         events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
         if offline_kv_grew:
-            # Only a step that computed offline KV has any to copy. After an online-only step the
-            # selection alone (a snapshot of every sequence) cost 0.3 ms of a 10 ms online decode.
+            # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot
+            # of every sequence) keeps it out of online-only steps.
             self._checkpoint_selected()
         return events
 

@@ -25,15 +25,12 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from backfill.engine.config import ModelConfig
+from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import LM_HEAD_SLICES, Safepoint
+from backfill.engine.model import LAYER_STRETCH_SHARES, LM_HEAD_SLICES, Safepoint
 from backfill.engine.runner import SeqChunk, StepOutput
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape
-
-# Where a layer's work lies between its three safepoints: attention, gate/up, down.
-LAYER_STAGE_SHARES = (0.25, 0.5, 0.25)
 
 
 class StepCost(Protocol):
@@ -110,6 +107,10 @@ class SimulatedRunner:
     def config(self) -> ModelConfig:
         return self.kv.config
 
+    @property
+    def safepoint_layout(self) -> SafepointLayout:
+        return SafepointLayout(self.real_config.num_layers, max(LAYER_STRETCH_SHARES))
+
     def _noise(self) -> float:
         if self.noise_cv == 0:
             return 1.0
@@ -125,7 +126,7 @@ class SimulatedRunner:
         checks: list[int] = []
         ms: list[float] = []
         for li in range(self.real_config.num_layers):
-            for stage, share in enumerate(LAYER_STAGE_SHARES):
+            for stage, share in enumerate(LAYER_STRETCH_SHARES):
                 checks.append(-1 if li == 0 and stage == 0 else li)
                 ms.append(per_layer_ms * share)
         for _ in range(LM_HEAD_SLICES):

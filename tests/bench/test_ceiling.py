@@ -4,7 +4,7 @@ import pytest
 from bench_helpers import mode_result
 
 from backfill.bench.ceiling import offline_ceiling, offline_ceilings
-from backfill.bench.coserve import headline
+from backfill.bench.coserve_bench import headline
 from backfill.bench.report import ModeResult, write_report
 
 

@@ -6,12 +6,14 @@ from dataclasses import replace
 
 import pytest
 
-from backfill.bench.coserve import CoserveScenario, _run_round, make_workload, pool_rounds, warmup_workload
+from backfill.bench.coserve_bench import _run_round, make_workload, pool_rounds, warmup_workload
+from backfill.bench.scenario import CoserveScenario
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
 from backfill.serving.api import SLO
-from backfill.serving.build import ServingConfig, build_tiny_engine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_tiny_engine
 
 SCENARIO = CoserveScenario(duration_s=2.0, online_load=0.3, prompt_len="uniform:8:16", output_len="uniform:2:4",
                            offline_prompt_len="uniform:8:16", offline_output_len="uniform:4:8",

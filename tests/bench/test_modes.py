@@ -1,21 +1,24 @@
 import math
+from dataclasses import replace
 
 import pytest
 
-from backfill.bench.coserve import CoserveScenario, RoundResult, run_in_rounds
+from backfill.bench.coserve_bench import RoundResult, run_in_rounds
+from backfill.bench.scenario import CoserveScenario
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.modes import ModeSpec, parse_modes
 from backfill.errors import InvalidRequestError
+from backfill.policy.coserve import CoServeConfig
 from backfill.serving.api import RequestClass
-from backfill.serving.build import ServingConfig
+from backfill.serving.config import ServingConfig
 
 
 def test_a_policy_alone_is_a_mode_with_the_runs_options():
     spec = ModeSpec.parse("coserve")
     assert (spec.label, spec.policy, dict(spec.overrides)) == ("coserve", "coserve", {})
-    base = ServingConfig(interference_slack=0.1)
-    assert spec.serving(base, kv_cache_gb=0.25) == ServingConfig(interference_slack=0.1, kv_cache_gb=0.25)
+    base = ServingConfig(coserve=CoServeConfig(interference_slack=0.1))
+    assert spec.serving(base, kv_cache_gb=0.25) == replace(base, kv_cache_gb=0.25)
     assert not ModeSpec.parse("online-only").with_offline and spec.with_offline
 
 
@@ -24,7 +27,7 @@ def test_a_variant_sets_knobs_on_top_of_the_runs_options():
     assert spec.policy == "coserve"
     assert dict(spec.overrides) == {"rider_cost_share": 1.0, "interference_slack": math.inf,
                                     "release_suspended": False}
-    cfg = spec.serving(ServingConfig(rider_cost_share=0.5, preempt_target_ms=6.0))
+    cfg = spec.serving(ServingConfig(coserve=CoServeConfig(rider_cost_share=0.5, preempt_target_ms=6.0))).coserve
     assert (cfg.rider_cost_share, cfg.interference_slack, cfg.release_suspended, cfg.preempt_target_ms) == (
         1.0, math.inf, False, 6.0)
 
@@ -57,7 +60,7 @@ def test_rounds_run_variants_interleaved_with_the_baseline_first():
     calls = []
 
     def run_mode(spec, scenario, slo, k):
-        calls.append((k, spec.label, spec.serving(ServingConfig()).rider_cost_share))
+        calls.append((k, spec.label, spec.serving(ServingConfig()).coserve.rider_cost_share))
         record = RequestRecord("on0", RequestClass.ONLINE, scheduled_s=0.0, send_s=0.0, first_token_s=0.1,
                                chunk_times_s=[0.1, 0.15], chunk_tokens=[1, 1], end_s=0.15, prompt_tokens=8,
                                output_tokens=2)

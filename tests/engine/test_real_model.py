@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backfill.engine.sampling_params import SamplingParams
-from backfill.serving.build import ServingConfig
+from backfill.serving.config import ServingConfig
 from backfill.serving.llm import LLM
 
 pytestmark = pytest.mark.slow

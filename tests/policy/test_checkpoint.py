@@ -1,5 +1,5 @@
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
-from backfill.policy.state import SchedulerState, SeqView
+from backfill.policy.interface import SchedulerState, SeqView
 from backfill.serving.api import RequestClass
 
 

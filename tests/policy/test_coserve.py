@@ -6,10 +6,11 @@ import pytest
 
 from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
-from backfill.policy.coserve import CoServeConfig, CoServePolicy, RunningStep
+from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.interface import RunningStep, SafepointLayout
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import BatchLimits, PlanBuilder
-from backfill.policy.state import SchedulerState, SeqView
+from backfill.policy.interface import SchedulerState, SeqView
 from backfill.serving.api import SLO, RequestClass
 
 ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
@@ -18,6 +19,12 @@ LATENCY = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0))
 # LATENCY prices a rider past 8 tokens at what an offline batch pays a token: with riders allowed
 # up to the full batch cost, the step's budget alone limits them (the tests of budgets use this).
 FILL = {"rider_cost_share": 1.0}
+LAYOUT = SafepointLayout(num_layers=30, longest_stretch_share=0.5)  # SmolLM2-135M on the eager path
+
+
+def uncapped_config(**changes) -> CoServeConfig:
+    """Algorithm 1-2 as the paper has them: no interference cap unless a test sets one."""
+    return CoServeConfig(**({"interference_slack": None} | changes))
 
 
 def seq(i, cls, *, tokens=10, computed=0, blocks=0, running=False, arrival=0.0, ckpt=0) -> SeqView:
@@ -39,7 +46,7 @@ def ids(plan):
 
 
 def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
-    policy = CoServePolicy(LATENCY, CoServeConfig(preempt_target_ms=5.0, num_layers=30))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(preempt_target_ms=5.0))
     plan = policy.schedule(state(*[decoding(i, OFF) for i in range(40)], seq(99, OFF, tokens=248)))
     assert plan.mode == "offline-batching" and plan.preemptible
     # 5 ms between safepoints, 2 such stretches per layer, 30 layers = 300 ms -> 288 tokens.
@@ -50,7 +57,7 @@ def test_offline_batching_mode_when_no_online_is_preemptible_and_big():
 def test_offline_batching_admits_waiting_prompts_before_running_decodes():
     # A step's fixed cost is spread over the requests decoding: a backlog starting at once is
     # best prefilled first, so every later step decodes all of it.
-    policy = CoServePolicy(LATENCY, CoServeConfig(preempt_target_ms=5.0, num_layers=30))  # 288 tokens
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(preempt_target_ms=5.0))  # 288 tokens
     plan = policy.schedule(state(*[decoding(i, OFF, arrival=0.0) for i in range(10)],
                                  *[seq(20 + i, OFF, tokens=100, arrival=1.0) for i in range(3)]))
     assert ids(plan) == {"offline20": 100, "offline21": 100, "offline22": 88}
@@ -59,17 +66,17 @@ def test_offline_batching_admits_waiting_prompts_before_running_decodes():
 def test_offline_batching_counts_decode_context_against_the_preemption_target():
     # 1 ms per 1,000 context tokens: each decode at 1,000 tokens of context adds 1 ms.
     latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), ms_per_kctx=1.0)
-    policy = CoServePolicy(latency, CoServeConfig(preempt_target_ms=1.0, num_layers=30))  # 60 ms steps
+    policy = CoServePolicy(latency, LAYOUT, uncapped_config(preempt_target_ms=1.0))  # 60 ms steps
     plan = policy.schedule(state(*[decoding(i, OFF, ctx=1000) for i in range(40)]))
     # 24 decodes would be 20 + (24 - 8) + 24 x 1.001 > 60 ms.
     assert plan.mode == "offline-batching" and plan.num_tokens == 23
     # Even one decode over the budget still runs: the step must make progress.
-    tight = CoServePolicy(latency, CoServeConfig(preempt_target_ms=0.2, num_layers=30))  # 12 ms steps
+    tight = CoServePolicy(latency, LAYOUT, uncapped_config(preempt_target_ms=0.2))  # 12 ms steps
     assert tight.schedule(state(*[decoding(i, OFF, ctx=1000) for i in range(3)])).num_tokens == 1
 
 
 def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
     offline = [decoding(i, OFF) for i in range(100)]
     plan = policy.schedule(state(*online, *offline))
@@ -82,7 +89,7 @@ def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
 
 
 def test_co_serving_steps_carry_offline_decodes_only():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     # Preempted: no device blocks, 40 tokens of KV on the host; a fresh offline request (prefill);
     # and one decoding.
     preempted = seq(1, OFF, tokens=41, computed=40, ckpt=40, arrival=0.1)
@@ -98,7 +105,7 @@ def test_co_serving_steps_carry_offline_decodes_only():
 def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
     # 2 ms per 1,000 context tokens: a decode at 1,500 tokens costs 3 ms more than one at 100.
     latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), ms_per_kctx=2.0)
-    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=23.5), slo_margin=1.0,
+    policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=23.5), slo_margin=1.0,
                                                   bank_tpot_slack=False))
     long_old = [decoding(i, OFF, ctx=1500, arrival=0.0) for i in range(3)]
     short_young = [decoding(10 + i, OFF, ctx=100, arrival=0.4) for i in range(3)]
@@ -109,7 +116,7 @@ def test_co_serving_fills_the_budget_with_the_cheapest_offline_decodes_first():
 
 
 def test_a_suspended_offline_step_is_continued_in_offline_batching_and_left_alone_when_dear():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
     suspended = [decoding(i, OFF)._replace(suspended=True) for i in range(3)]
     idle = decoding(9, OFF, arrival=0.2)
     batching = policy.schedule(state(*suspended, idle))
@@ -125,7 +132,7 @@ def _suspended_riders_case(suspended_ms: float, online_steps_left: int, **config
     # step (prefilling the waiting prompt: 20 ms floor, +1 ms a token) costs 1.04 ms a token, and
     # a rider adds nothing to the online decode, so each saves that.
     latency = LatencyModel((1, 8, 1024), (20.0, 20.0, 1036.0), decode_grid=(1, 8), decode_ms=(3.0, 3.0))
-    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **config))
+    policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **config))
     online = decoding(0, ON, arrival=0.5)._replace(max_tokens=10 + online_steps_left, num_output_tokens=10)
     suspended = [decoding(i, OFF)._replace(suspended=True) for i in range(3)]
     waiting = seq(20, OFF, tokens=300)  # offline batching would prefill this: its tokens are cheap
@@ -145,13 +152,13 @@ def test_requests_of_the_suspended_step_ride_when_their_savings_pay_for_its_lost
 
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                   interference_slack=0.1))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
     plan = policy.schedule(state(*online, *[decoding(i, OFF) for i in range(100)]))
     assert plan.info["budget_ms"] == pytest.approx(22.0)
     assert plan.num_tokens - 4 == 6  # the 20 ms floor holds up to 8 tokens, then 2 more fit in 2 ms
-    uncapped = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    uncapped = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                     interference_slack=float("inf")))
     assert uncapped.schedule(state(*online, *[decoding(i, OFF) for i in range(100)])).info["budget_ms"] == 50
 
@@ -162,32 +169,33 @@ def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
 
 
 def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
-    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, **FILL)  # target 40 ms per token
+    cfg = uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, **FILL)  # target 40 ms per token
     offline = [decoding(i, OFF) for i in range(100)]
     # 20 tokens in 0.5 s: 25 ms each, 300 ms banked against the 40 ms target. The step may take up
     # to the SLO itself (50 ms), never the whole bank.
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
-    banked = CoServePolicy(LATENCY, cfg).schedule(state(ahead, *offline))
+    banked = CoServePolicy(LATENCY, LAYOUT, cfg).schedule(state(ahead, *offline))
     assert banked.info["budget_ms"] == 50
-    per_step = CoServePolicy(LATENCY, CoServeConfig(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
+    per_step = CoServePolicy(LATENCY, LAYOUT,
+                             uncapped_config(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
     plain = per_step.schedule(state(ahead, *offline))
     assert plain.info["budget_ms"] == pytest.approx(40)
     assert banked.num_tokens - plain.num_tokens == 10  # 10 ms more at 1 ms per token past 8
 
 
 def test_a_request_behind_its_tpot_target_spends_no_bank():
-    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, interference_slack=0.1,
+    cfg = uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, interference_slack=0.1,
                         bank_reserve_prefills=0)
     # 20 tokens in 0.79 s: its mean would pass 40 ms/token after a step of more than 10 ms, so the
     # step gets the interference cap and nothing from the bank: 1.1 x the 20 ms online step.
     behind = online_decoding(0, outputs=20, decode_s=0.79)
-    plan = CoServePolicy(LATENCY, cfg).schedule(state(behind, *[decoding(i, OFF) for i in range(100)]))
+    plan = CoServePolicy(LATENCY, LAYOUT, cfg).schedule(state(behind, *[decoding(i, OFF) for i in range(100)]))
     assert plan.info["budget_ms"] == pytest.approx(22)
     assert plan.num_tokens == 10  # 20 ms up to 8 tokens, then 1 ms per token
 
 
 def test_the_least_banked_decoding_request_sets_the_budget():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8,
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8,
                                                   interference_slack=0.1, bank_reserve_prefills=0))
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
     tight = online_decoding(1, outputs=10, decode_s=0.37)  # 400 - 370 = 30 ms left
@@ -196,7 +204,7 @@ def test_the_least_banked_decoding_request_sets_the_budget():
 
 
 def test_the_bank_keeps_a_reserve_for_the_longest_recent_online_prefill():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=5000, tpot_ms=50), slo_margin=0.8,
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=5000, tpot_ms=50), slo_margin=0.8,
                                                   interference_slack=0.1))
     offline = [decoding(i, OFF) for i in range(100)]
     ahead = online_decoding(0, outputs=20, decode_s=0.5)  # 300 ms banked
@@ -210,7 +218,7 @@ def test_the_bank_keeps_a_reserve_for_the_longest_recent_online_prefill():
 
 
 def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=300, tpot_ms=1000), **FILL))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=300, tpot_ms=1000), **FILL))
     waiting_online = seq(0, ON, tokens=100, arrival=0.9)
     offline = [decoding(i, OFF) for i in range(300)]
     fresh = policy.schedule(state(waiting_online, *offline, now=0.9))
@@ -220,7 +228,7 @@ def test_co_serving_ttft_budget_shrinks_as_the_request_waits():
 
 
 def test_online_takes_blocks_from_checkpointed_offline_first():
-    policy = CoServePolicy(LATENCY, CoServeConfig(online_reserve_fraction=0.0))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(online_reserve_fraction=0.0))
     cheap = decoding(1, OFF, ctx=64, arrival=0.1, ckpt=64)   # fully on the host: free to drop
     costly = decoding(2, OFF, ctx=64, arrival=0.2, ckpt=0)
     plan = policy.schedule(state(cheap, costly, seq(0, ON, tokens=60, arrival=0.9), free=0, total=10))
@@ -229,7 +237,7 @@ def test_online_takes_blocks_from_checkpointed_offline_first():
 
 
 def test_new_offline_work_stays_out_of_the_online_reserve():
-    policy = CoServePolicy(LATENCY, CoServeConfig(online_reserve_fraction=0.2))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(online_reserve_fraction=0.2))
     plan = policy.schedule(state(seq(0, OFF, tokens=30), free=20, total=100))
     assert ids(plan) == {}
     plan = policy.schedule(state(seq(0, OFF, tokens=30), free=40, total=100))
@@ -237,7 +245,7 @@ def test_new_offline_work_stays_out_of_the_online_reserve():
 
 
 def test_algorithm_2_aborts_only_when_ttft_would_be_missed():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=200, tpot_ms=50)))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=200, tpot_ms=50)))
     arrival = state(seq(0, ON, tokens=50, arrival=1.0), now=1.0)   # online prefill: ~62 ms
     long_step = RunningStep(BatchShape(num_tokens=500), started_s=1.0, preemptible=True)   # ~512 ms
     short_step = RunningStep(BatchShape(num_tokens=60), started_s=1.0, preemptible=True)   # ~72 ms
@@ -248,7 +256,7 @@ def test_algorithm_2_aborts_only_when_ttft_would_be_missed():
 
 
 def test_algorithm_2_with_an_interference_cap_lets_an_arrival_wait_only_a_slack_share_of_its_prefill():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), interference_slack=0.1))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=2000, tpot_ms=50), interference_slack=0.1))
     arrival = state(seq(0, ON, tokens=50, arrival=1.0), now=1.0)   # online prefill: ~62 ms
     # Finishing a ~72 ms step keeps the 2 s TTFT SLO, but 72 ms is more than 10% of 62 ms.
     assert policy.should_abort_step(arrival, RunningStep(BatchShape(num_tokens=60), 1.0, True))
@@ -259,7 +267,7 @@ def test_algorithm_2_with_an_interference_cap_lets_an_arrival_wait_only_a_slack_
 
 
 def test_algorithm_2_judges_a_step_that_overran_its_estimate_by_its_own_pace():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=200, tpot_ms=50), num_layers=30))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=200, tpot_ms=50)))
     # A ~512 ms step, 600 ms in: the estimate says it is done, so the arrival would wait for it.
     arrival = state(seq(0, ON, tokens=50, arrival=1.6), now=1.6)   # online prefill: ~62 ms
     overran = RunningStep(BatchShape(num_tokens=500), started_s=1.0, preemptible=True)
@@ -299,7 +307,7 @@ def test_invalid_policy_configs_raise_typed_errors():
 
 
 def test_measured_step_times_correct_the_profile():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0, **FILL))
     busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(100)])
     before = policy.schedule(busy).num_tokens
     for _ in range(40):   # steps of this size run twice as slow as profiled
@@ -312,7 +320,7 @@ def test_measured_step_times_correct_the_profile():
 
 
 def test_a_bucket_keeps_its_own_correction_once_observed():
-    policy = CoServePolicy(LATENCY)
+    policy = CoServePolicy(LATENCY, LAYOUT)
     for _ in range(40):
         policy.observe_step(BatchShape(num_tokens=1), 2 * LATENCY.estimate_ms(BatchShape(num_tokens=1)))
     for _ in range(40):
@@ -325,7 +333,7 @@ def test_offline_tokens_added_to_a_step_drift_with_its_online_part():
     # Lone online decodes run faster than profiled (0.8x), big offline batches slower (1.5x); steps
     # of two tokens are never measured. Offline decodes riding on an online decode must be
     # estimated with the online step's drift, not with the overall drift the big batches set.
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                   interference_slack=0.1))
     for _ in range(40):
         policy.observe_step(BatchShape(num_tokens=300), 1.5 * LATENCY.estimate_ms(BatchShape(num_tokens=300)))
@@ -341,7 +349,7 @@ def test_a_lone_compiled_decode_carries_no_offline_token_that_would_make_it_eage
     # With compiled decode a lone decode takes 15 ms and any 2-token step the eager path's 22 ms:
     # the profile measures 2 tokens, so the first offline token shows its real cost.
     compiled = LatencyModel((1, 2, 8, 1024), (15.0, 22.0, 23.0, 1036.0))
-    policy = CoServePolicy(compiled, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    policy = CoServePolicy(compiled, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                    interference_slack=0.05, bank_tpot_slack=False))
     plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(10)]))
     assert ids(plan) == {"online0": 1}
@@ -353,24 +361,24 @@ def test_offline_tokens_ride_only_where_they_cost_no_more_than_in_an_offline_bat
     # budget fits 14 offline decodes: 18 ms more, 1.29 ms each, where an offline batch of the 100
     # running decodes costs 1.15 ms per token. The online decode goes alone.
     compiled = LatencyModel((1, 2, 8, 1024), (12.0, 21.0, 23.0, 1039.0))
-    cfg = CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=30), slo_margin=1.0, interference_slack=None,
+    cfg = uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=30), slo_margin=1.0, interference_slack=None,
                         bank_tpot_slack=False)
     online = decoding(0, ON, arrival=0.5)
-    plan = CoServePolicy(compiled, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
+    plan = CoServePolicy(compiled, LAYOUT, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
     assert ids(plan) == {"online0": 1} and plan.info["budget_ms"] == 30
     # With three offline requests an offline batch is mostly fixed cost (21.3 ms for 3 tokens); the
     # same three tokens on the online step cost 9.7 ms more, 3.2 ms each: they ride.
-    few = CoServePolicy(compiled, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(3)]))
+    few = CoServePolicy(compiled, LAYOUT, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(3)]))
     assert ids(few) == {"online0": 1, "offline0": 1, "offline1": 1, "offline2": 1}
     # Unless prompts wait too: offline batching would run them with those decodes, 203 tokens for
     # 218 ms, 1.07 ms each. The online decode goes alone.
-    waiting = CoServePolicy(compiled, cfg).schedule(
+    waiting = CoServePolicy(compiled, LAYOUT, cfg).schedule(
         state(online, *[decoding(i, OFF) for i in range(3)], seq(9, OFF, tokens=200, arrival=2.0)))
     assert ids(waiting) == {"online0": 1}
     # Where a step is bound by reading the weights (a GPU), riders are nearly free: they fill the
     # step up to its sequence cap.
     flat = LatencyModel((1, 64, 1024), (12.0, 12.5, 40.0))
-    full = CoServePolicy(flat, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
+    full = CoServePolicy(flat, LAYOUT, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(100)]))
     assert full.num_tokens == BatchLimits().max_batch_seqs
 
 
@@ -387,7 +395,7 @@ def test_rolling_back_a_plan_returns_its_blocks_tokens_and_shape():
 
 
 def test_prefill_steps_are_capped_at_the_tpot_budget_so_bursts_do_not_stack():
-    policy = CoServePolicy(LATENCY, CoServeConfig(slo=SLO(ttft_ms=2000, tpot_ms=50), slo_margin=1.0))
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=2000, tpot_ms=50), slo_margin=1.0))
     plan = policy.schedule(state(seq(0, ON, tokens=20, arrival=1.0), seq(0, OFF, tokens=900), now=1.0))
     assert plan.info["budget_ms"] == 50
     assert LATENCY.estimate_ms(BatchShape(plan.num_tokens)) <= 50
@@ -402,7 +410,7 @@ def test_riders_must_cost_at_most_their_share_of_a_batch_token():
     offline = [decoding(i, OFF) for i in range(64)]
 
     def riders(share: float) -> int:
-        policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+        policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                       rider_cost_share=share))
         return policy.schedule(state(*online, *offline)).num_tokens - len(online)
 
@@ -416,7 +424,7 @@ def test_riders_are_weighed_against_the_whole_backlog_decoding_not_its_prompts()
     # chunks cost 11-19 ms. Against a batch priced with 2,048 cheap prompt tokens a rider looked
     # dear; against the backlog decoding it is nearly free.
     latency = LatencyModel((1, 2048), (11.0, 19.0), ms_per_kctx=0.1, decode_grid=(1, 64), decode_ms=(3.0, 3.5))
-    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                   interference_slack=0.05))
     waiting = [seq(100 + i, OFF, tokens=300) for i in range(40)]
     plan = policy.schedule(state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)], *waiting))
@@ -425,7 +433,7 @@ def test_riders_are_weighed_against_the_whole_backlog_decoding_not_its_prompts()
 
 def test_riders_that_prove_dearer_than_profiled_stop_riding():
     latency = LatencyModel((1, 2048), (11.0, 19.0), ms_per_kctx=0.1, decode_grid=(1, 64), decode_ms=(3.0, 3.5))
-    policy = CoServePolicy(latency, CoServeConfig(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+    policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
                                                   interference_slack=0.05))
     busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)],
                  *[seq(100 + i, OFF, tokens=300) for i in range(40)])

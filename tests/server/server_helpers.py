@@ -22,7 +22,8 @@ import uvicorn
 from backfill.server.app import create_app
 from backfill.server.config import ServerConfig
 from backfill.server.store import Store
-from backfill.serving.build import ServingConfig, build_tiny_engine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_tiny_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ERROR_KEYS = {"message", "type", "param", "code"}

@@ -199,7 +199,8 @@ def test_real_default_model_answers_through_the_chat_template(tmp_path):
     from backfill.server.app import create_app
     from backfill.server.config import ServerConfig
     from backfill.server.store import Store
-    from backfill.serving.build import ServingConfig, build_engine
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_engine
 
     serving = ServingConfig(policy="fcfs")   # fcfs needs no latency profile
     app = create_app(build_engine(serving), ServerConfig(serving=serving, db=str(tmp_path / "r.db")),

@@ -6,9 +6,12 @@ import argparse
 
 import pytest
 
-from backfill.errors import InvalidRequestError
+from backfill.errors import InvalidRequestError, ServerConfigError
+from backfill.options import options_of, value_of
+from backfill.policy.coserve import CoServeConfig
+from backfill.policy.interface import SafepointLayout
 from backfill.server.config import ServerConfig, add_serve_arguments, config_from_args, default_db_path
-from backfill.server.errors import ServerConfigError
+from backfill.serving.config import ServingConfig
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -23,8 +26,8 @@ def test_defaults(monkeypatch, tmp_path):
     config = parse()
     assert (config.host, config.port, config.api_key, config.tiny) == ("127.0.0.1", 8000, None, False)
     assert config.db_path == tmp_path / "server-8000.db" == default_db_path(8000)
-    assert config.serving.policy == "coserve" and config.serving.slo.ttft_ms == 1000.0
-    assert config.serving.interference_slack == 0.05
+    assert config.serving.policy == "coserve" and config.serving.coserve.slo.ttft_ms == 1000.0
+    assert config.serving.coserve.interference_slack == 0.05
 
 
 def test_flags_override_file_and_env(monkeypatch, tmp_path):
@@ -35,7 +38,7 @@ def test_flags_override_file_and_env(monkeypatch, tmp_path):
     config = parse("--config", str(toml), "--port", "9002", "--tpot-slo-ms", "40", "--db", str(tmp_path / "d.db"))
     assert config.port == 9002 and config.max_online_queue == 7 and config.tiny
     assert config.api_key == "from-env"
-    assert config.serving.slo.ttft_ms == 250.0 and config.serving.slo.tpot_ms == 40.0
+    assert config.serving.coserve.slo.ttft_ms == 250.0 and config.serving.coserve.slo.tpot_ms == 40.0
     assert config.serving.policy == "priority"
     assert config.db_path == tmp_path / "d.db"
     assert parse("--config", str(toml), "--api-key", "from-flag").api_key == "from-flag"
@@ -48,7 +51,7 @@ def test_json_config_file(monkeypatch, tmp_path):
     config = parse("--config", str(path))
     assert config.serving.kv_cache_gb == 2.0 and config.serving.max_model_len == 1024 and config.max_body_mb == 5.0
     tuned = parse("--preempt-target-ms", "4", "--interference-slack", "0.05").serving
-    assert (tuned.preempt_target_ms, tuned.interference_slack) == (4.0, 0.05)
+    assert (tuned.coserve.preempt_target_ms, tuned.coserve.interference_slack) == (4.0, 0.05)
 
 
 @pytest.mark.parametrize("text, suffix, message", [
@@ -105,13 +108,13 @@ def test_tiny_is_hidden_from_help():
 
 
 def test_auto_dtype_resolves_per_device(monkeypatch):
-    from backfill.serving import build
+    from backfill.engine import linear
 
     config = parse("--dtype", "auto", "--device", "cpu")
     assert config.serving.dtype == "auto"
-    monkeypatch.setattr(build, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: False)
     assert config.serving.resolved_dtype == "float32" and config.serving.torch_dtype.is_floating_point
-    monkeypatch.setattr(build, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: True)
     assert config.serving.resolved_dtype == "bfloat16"
     assert parse("--dtype", "float16").serving.resolved_dtype == "float16"
 
@@ -123,11 +126,12 @@ def test_auto_dtype_resolves_per_device(monkeypatch):
 ])
 def test_switch_from_flag_or_file(tmp_path, field, flag, default, bad):
     key = field.replace("_", "-")
-    assert getattr(parse().serving, field) is default
-    assert getattr(parse(flag).serving, field) is (not default)
+    option = next(o for o in options_of(ServingConfig) if o.name == field)
+    assert value_of(parse().serving, option) is default
+    assert value_of(parse(flag).serving, option) is (not default)
     toml = tmp_path / "c.toml"
     toml.write_text(f"{key} = {str(not default).lower()}\n")
-    assert getattr(parse("--config", str(toml)).serving, field) is (not default)
+    assert value_of(parse("--config", str(toml)).serving, option) is (not default)
     toml.write_text(f"{key} = {bad}\n")
     with pytest.raises(ServerConfigError, match=f"{key} must be a bool"):
         parse("--config", str(toml))
@@ -151,23 +155,25 @@ def test_decode_attention_from_flag_or_file(tmp_path):
 
 def test_release_suspended_reaches_the_coserve_policy():
     from backfill.policy.latency_model import LatencyModel
-    from backfill.serving.build import ServingConfig, make_policy
+    from backfill.serving.build import make_policy
 
     latency = LatencyModel((1, 64), (1.0, 2.0))
-    assert make_policy(ServingConfig(), latency, 4).config.release_suspended is True
-    assert make_policy(ServingConfig(release_suspended=False), latency, 4).config.release_suspended is False
+    layout = SafepointLayout(4, 0.5)
+    assert make_policy(ServingConfig(), latency, layout).config.release_suspended is True
+    held = ServingConfig(coserve=CoServeConfig(release_suspended=False))
+    assert make_policy(held, latency, layout).config.release_suspended is False
 
 
 def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):
     from backfill.policy.latency_model import LatencyModel
     from backfill.serving.build import make_policy
 
-    assert parse().serving.rider_cost_share == 0.5
-    assert parse("--rider-cost-share", "1").serving.rider_cost_share == 1.0
+    assert parse().serving.coserve.rider_cost_share == 0.5
+    assert parse("--rider-cost-share", "1").serving.coserve.rider_cost_share == 1.0
     toml = tmp_path / "c.toml"
     toml.write_text("rider-cost-share = 0.8\n")
     serving = parse("--config", str(toml)).serving
-    assert make_policy(serving, LatencyModel((1, 64), (1.0, 2.0)), 4).riders.cost_share == 0.8
+    assert make_policy(serving, LatencyModel((1, 64), (1.0, 2.0)), SafepointLayout(4, 0.5)).riders.cost_share == 0.8
     toml.write_text('rider-cost-share = "half"\n')
     with pytest.raises(ServerConfigError, match="rider-cost-share"):
         parse("--config", str(toml))

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from backfill.server.errors import ServerConfigError
+from backfill.errors import ServerConfigError
 from backfill.server.store import LineFailure, Store
 
 

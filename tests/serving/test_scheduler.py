@@ -3,6 +3,7 @@ checkpoint/restore and aborts, and that no offline request is ever dropped."""
 
 import pytest
 
+from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.runner import ModelRunner
 from backfill.engine.sampling_params import SamplingParams
@@ -17,6 +18,7 @@ from backfill.serving.scheduler import Scheduler
 
 GREEDY = SamplingParams.greedy_params(max_tokens=24)
 ONLINE, OFFLINE = RequestClass.ONLINE, RequestClass.OFFLINE
+TINY_LAYOUT = SafepointLayout(ModelConfig.tiny().num_layers, 0.5)  # the tiny_runner's
 FLAT_LATENCY = LatencyModel((1, 4096), (1.0, 1.0 + 4096 * 0.01))
 
 
@@ -49,7 +51,7 @@ def _alone(runner, request) -> list[int]:
 
 
 @pytest.mark.parametrize("policy", [FCFSPolicy(BatchLimits(max_batch_tokens=16, prefill_chunk_tokens=8)),
-                                    PriorityPolicy(), CoServePolicy(FLAT_LATENCY)])
+                                    PriorityPolicy(), CoServePolicy(FLAT_LATENCY, TINY_LAYOUT)])
 def test_batched_and_chunked_generation_equals_alone(tiny_runner, policy):
     reqs = _requests(3, ONLINE) + _requests(4, OFFLINE, prefix="o")
     expected = {r.request_id: _alone(tiny_runner, r) for r in reqs}
@@ -77,7 +79,7 @@ def _offline_with_arrivals_at(tiny_runner, layer: int, num_offline: int, num_onl
     safepoint of each step until num_online have arrived. Returns it and the offline tokens alone."""
     offline = _requests(num_offline, OFFLINE)
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
-    tight = CoServePolicy(FLAT_LATENCY, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
+    tight = CoServePolicy(FLAT_LATENCY, TINY_LAYOUT, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
     scheduler = Scheduler(tiny_runner, tight)
     for r in offline:
         scheduler.add(r)
@@ -150,7 +152,8 @@ def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identica
     offline = _requests(4, OFFLINE)
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
     free_riders = LatencyModel((1, 4096), (1.0, 41.0), decode_grid=(1, 64), decode_ms=(1.0, 1.0))
-    scheduler = Scheduler(tiny_runner, CoServePolicy(free_riders, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0))))
+    policy = CoServePolicy(free_riders, TINY_LAYOUT, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
+    scheduler = Scheduler(tiny_runner, policy)
     for r in offline:
         scheduler.add(r)
     arrivals = iter(_requests(2, ONLINE, params=SamplingParams.greedy_params(max_tokens=16), prefix="on"))
@@ -193,7 +196,7 @@ def _online_burst_on_a_small_pool(tiny_config, tiny_runner, device, checkpoint: 
     offline = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
     online = _requests(2, ONLINE, prompt_len=20, params=SamplingParams.greedy_params(max_tokens=20), prefix="on")
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline + online}
-    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, CoServeConfig(online_reserve_fraction=0.0)),
+    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, TINY_LAYOUT, CoServeConfig(online_reserve_fraction=0.0)),
                           checkpoint_policy=AdaptiveCheckpointPolicy(checkpoint))
     for r in offline:
         scheduler.add(r)
@@ -226,7 +229,7 @@ def test_checkpoints_after_steps_copy_whole_blocks_only(tiny_config, tiny_runner
     step; only blocks that filled up are copied, up to the step before a request's last (after
     its last step a finished request is not checkpointed)."""
     pool = KVBlockPool(tiny_config, num_blocks=64, block_size=8, device=device)
-    scheduler = Scheduler(ModelRunner(tiny_runner.model, pool), CoServePolicy(FLAT_LATENCY),
+    scheduler = Scheduler(ModelRunner(tiny_runner.model, pool), CoServePolicy(FLAT_LATENCY, TINY_LAYOUT),
                           checkpoint_policy=AdaptiveCheckpointPolicy(ALWAYS_CHECKPOINT))
     reqs = _requests(4, OFFLINE, prompt_len=10, params=SamplingParams.greedy_params(max_tokens=30))
     for r in reqs:
@@ -283,7 +286,7 @@ def test_no_offline_request_is_dropped_under_churn(tiny_config, tiny_runner, dev
     small = ModelRunner(tiny_runner.model, KVBlockPool(tiny_config, num_blocks=16, block_size=8, device=device))
     offline = _requests(12, OFFLINE, prompt_len=6, params=SamplingParams.greedy_params(max_tokens=12))
     online = _requests(8, ONLINE, prompt_len=8, params=SamplingParams.greedy_params(max_tokens=6), prefix="on")
-    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY),
+    scheduler = Scheduler(small, CoServePolicy(FLAT_LATENCY, TINY_LAYOUT),
                           checkpoint_policy=AdaptiveCheckpointPolicy())
     for r in offline:
         scheduler.add(r)

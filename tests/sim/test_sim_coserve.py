@@ -5,13 +5,13 @@ import json
 import pytest
 
 from backfill.bench.ceiling import offline_ceilings
-from backfill.bench.coserve import CoserveScenario
+from backfill.bench.scenario import CoserveScenario
 from backfill.cli import main
 from backfill.engine.config import ModelConfig
 from backfill.errors import BackfillError, InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
-from backfill.serving.build import ServingConfig
-from backfill.sim.coserve import SimMachine, load_inputs, simulate_coserve
+from backfill.serving.config import ServingConfig
+from backfill.sim.coserve_sim import SimMachine, load_inputs, simulate_coserve
 
 REAL = ModelConfig.tiny(num_layers=8, max_position_embeddings=2048)
 # CPU-like: a 20 ms floor up to 8 tokens, then +0.5 ms per token; decode attention 1 ms per 1k context.

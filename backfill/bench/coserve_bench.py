@@ -44,45 +44,19 @@ from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, compute_metrics
 from backfill.bench.modes import BASELINE, POLICIES, ModeSpec, parse_modes
 from backfill.bench.prompts import PromptSource
+from backfill.bench.scenario import CoserveScenario
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.serving.api import SLO
-from backfill.serving.build import ServingConfig, build_runner, build_scheduler, load_or_profile
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner, build_scheduler, load_or_profile
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.scheduler import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 
 MODES = POLICIES
-
-
-@dataclass(frozen=True)
-class CoserveScenario:
-    duration_s: float = 90.0
-    online_load: float = 0.3
-    cv: float = 1.0
-    prompt_len: str = "uniform:64:256"
-    output_len: str = "uniform:16:64"
-    offline_prompt_len: str = "uniform:128:384"
-    offline_output_len: str = "uniform:64:192"
-    offline_concurrency: int = 48
-    offline_pool: int = 4000
-    seed: int = 0
-    ttft_slo_ms: float | None = None   # None: online-only's P99 TTFT in this run
-    tpot_slo_ms: float | None = None   # None: online-only's P99 TPOT in this run
-    rounds: int = 1                    # modes interleaved in this many rounds (see the module doc)
-    warmup_s: float = 30.0             # offline work run before the first round, not measured
-
-    def __post_init__(self) -> None:
-        if not self.duration_s > 0 or not 0 < self.online_load <= 1.0 or not self.cv > 0:
-            raise InvalidRequestError("need duration_s > 0, 0 < online_load <= 1 and cv > 0")
-        if self.rounds < 1:
-            raise InvalidRequestError(f"rounds must be >= 1, got {self.rounds}")
-        if not self.warmup_s >= 0:
-            raise InvalidRequestError(f"warmup_s must be >= 0, got {self.warmup_s}")
-        for spec in (self.prompt_len, self.output_len, self.offline_prompt_len, self.offline_output_len):
-            parse_length_spec(spec)
 
 
 def solo_service_s(latency: LatencyModel, prompt_tokens: float, output_tokens: float) -> float:
@@ -260,7 +234,7 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
 
     def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
         workload = make_workload(round_scenario, tokenizer, latency, with_offline=spec.with_offline)
-        cfg = spec.serving(serving, slo=slo)
+        cfg = spec.serving(serving, coserve=replace(serving.coserve, slo=slo))
         engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name)
         label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
         log(f"== {spec.label}{label}: {workload.name}, {len(workload.requests)} online requests, "

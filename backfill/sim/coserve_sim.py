@@ -1,6 +1,6 @@
 """`backfill sim coserve`: the co-serving benchmark's scenario, replayed on the simulated runner.
 
-The same workload as `backfill bench coserve` (backfill/bench/coserve.py: one gamma trace per
+The same workload as `backfill bench coserve` (backfill/bench/coserve_bench.py: one gamma trace per
 round at a share of online capacity, a closed-loop offline backlog, the modes back to back, SLOs
 from online-only's first round) goes through the real Scheduler and policies, with each step
 costed by a StepCost on a virtual clock (backfill/sim/runner.py). A 240-second scenario takes
@@ -16,10 +16,11 @@ lognormal noise_cv gives each step.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backfill.bench.coserve import MODES, CoserveScenario, RoundResult, engine_counters, make_workload, run_in_rounds
+from backfill.bench.coserve_bench import MODES, RoundResult, engine_counters, make_workload, run_in_rounds
+from backfill.bench.scenario import CoserveScenario
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.modes import ModeSpec
@@ -33,7 +34,8 @@ from backfill.engine.weights import read_model_config
 from backfill.errors import BackfillError, InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
 from backfill.serving.api import SLO, GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_scheduler, default_profile_path
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_scheduler, default_profile_path
 from backfill.serving.scheduler import Scheduler
 from backfill.sim.runner import SimulatedRunner, StepCost, VirtualClock
 
@@ -156,7 +158,7 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
     def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
         # Load is a share of the simulated machine's capacity, as the benchmark's is of the real one's.
         workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=spec.with_offline)
-        cfg = spec.serving(serving, slo=slo, block_size=machine.block_size)
+        cfg = spec.serving(serving, coserve=replace(serving.coserve, slo=slo), block_size=machine.block_size)
 
         def make_scheduler(runner):
             return build_scheduler(runner, cfg, None, real_config.name, latency)

@@ -74,11 +74,10 @@ class AsyncEngine:
             return
         self._loop = asyncio.get_running_loop()
         # The scheduler thread and the event loop share the GIL; a short switch interval lets an
-        # arriving online request reach the safepoint flag within a layer, not 5 ms later.
+        # arriving online request reach the safepoint flag within a layer, not a default 5 ms later.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
-        # A full collection holds the GIL while it scans every tracked object: with the model,
-        # tokenizer and a benchmark's workload loaded that took 30-130 ms, stalling the step loop
-        # and the arrival path alike (preemption outliers of 55-75 ms). What exists now lives as
+        # A full collection holds the GIL while it scans every tracked object, stalling the step
+        # loop and the arrival path alike (preemption outliers). What exists now lives as
         # long as the engine; freezing it leaves full collections only the objects made since.
         gc.collect()
         gc.freeze()

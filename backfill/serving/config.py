@@ -1,0 +1,111 @@
+"""The serving stack's one config tree: engine options here, the co-serving policy's in CoServeConfig.
+
+Free of torch at import time: `backfill --help` and the server's option parsing read these
+fields (backfill/options.py generates the flags from them) without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from backfill.errors import InvalidRequestError
+from backfill.options import knob
+from backfill.policy.checkpoint import CheckpointConfig
+from backfill.policy.coserve import CoServeConfig
+from backfill.policy.planner import BatchLimits
+
+POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
+
+
+def auto_dtype(device: str) -> str:
+    """The fastest sound dtype on the device: bf16 on CUDA and on CPUs with bf16 matmul kernels, else fp32."""
+    import torch
+
+    from backfill.engine.linear import cpu_has_bf16_matmul
+
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: str | None = knob(None, "GGUF file or HF directory; unset: the embedded SmolLM2-135M-Instruct",
+                             group="engine")
+    dtype: str = knob("float32", "weights and activations; auto: bfloat16 on CUDA and on CPUs with bf16 "
+                      "matmul kernels, else float32", group="engine", choices=DTYPE_CHOICES)
+    device: str = knob("auto", "auto (cuda when present, else cpu), cpu or cuda[:N]", group="engine")
+    kv_cache_gb: float = knob(1.0, "KV cache size, GiB", group="engine")
+    # CPU: decode steps of a few sequences (up to 8 where the CPU has AVX-512 BF16, else 3) run
+    # through compiled layer pieces (engine/compiled_decode.py), a second copy of the weights.
+    compile_decode: bool = knob(False, "CPU: compile decode steps of a few sequences with inductor "
+                                "(compiled at load; the matmul weights held twice)", group="engine")
+    decode_attention: str = knob("auto", "auto: on CPU read the paged KV cache in place with a C++ kernel "
+                                 "(engine/paged_attention.py, built on first use); sdpa: gather blocks, run SDPA",
+                                 group="engine", choices=DECODE_ATTENTION_CHOICES)
+    # CUDA: per-layer graphs captured at load for every (batch, context) bucket (engine/cuda_graphs.py).
+    cuda_graphs: bool = knob(True, "CUDA: replay captured graphs for decode steps of up to 64 sequences",
+                             group="engine")
+    policy: str = knob("coserve", "scheduling policy", group="serving", choices=POLICIES)
+    max_model_len: int = knob(2048, "longest prompt + output, tokens", group="serving")
+    block_size: int = 16
+    limits: BatchLimits | None = None  # every policy's batch limits; None: each policy's own default
+    coserve: CoServeConfig = field(default_factory=CoServeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile_path: str | None = None   # latency profile; measured and saved on first use
+    threads: int | None = None
+    # AQUA §6: cfs pages preempted prompts' KV into memory lent through this coordinator.
+    offload_coordinator_url: str | None = knob(None, "cfs: page preempted prompts' KV into memory lent "
+                                               "through this offload coordinator; unset: host memory only",
+                                               group="serving")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.kv_cache_gb > 0:
+            raise InvalidRequestError("kv_cache_gb must be positive")
+        if self.block_size < 1 or self.max_model_len < 2:
+            raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidRequestError("threads must be >= 1")
+        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
+            raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
+                                      f"got {self.decode_attention!r}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return auto_dtype(self.resolved_device()) if self.dtype == "auto" else self.dtype
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.resolved_dtype)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.cuda_graphs and self.resolved_device().startswith("cuda")
+
+    @property
+    def uses_paged_attention_kernel(self) -> bool:
+        return self.decode_attention == "auto" and self.resolved_device() == "cpu"
+
+    def with_policy(self, policy: str) -> ServingConfig:
+        return replace(self, policy=policy)
+
+    def policy_config(self) -> CoServeConfig:
+        """The co-serving policy's config, with the serving-wide batch limits where they are set."""
+        return self.coserve if self.limits is None else replace(self.coserve, limits=self.limits)
