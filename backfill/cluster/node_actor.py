@@ -80,7 +80,8 @@ class NodeServer:
         from backfill.server.app import create_app
         from backfill.server.config import ServerConfig
         from backfill.server.store import Store
-        from backfill.serving.build import ServingConfig, build_engine, build_tiny_engine
+        from backfill.serving.config import ServingConfig
+        from backfill.serving.build import build_engine, build_tiny_engine
 
         try:
             # sdpa decode attention: several node processes building the C++ kernel at once would queue

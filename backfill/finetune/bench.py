@@ -57,12 +57,13 @@ def _ft_config(args):
 def cmd_bench_finetune(args) -> int:
     import torch
 
-    from backfill.bench.coserve import CoserveScenario, load_and_profile, make_workload
+    from backfill.bench.scenario import CoserveScenario
+    from backfill.bench.coserve_bench import load_and_profile, make_workload
     from backfill.cli import _model_options
     from backfill.errors import InvalidRequestError
     from backfill.finetune.colocate import load_saved_latency
     from backfill.finetune.profile import synthetic_training_file
-    from backfill.serving.build import ServingConfig
+    from backfill.serving.config import ServingConfig
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if unknown := [m for m in modes if m not in MODES]:
@@ -111,8 +112,9 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
     from backfill.finetune.colocate import attach_finetune
     from backfill.finetune.job import FinetuneJob
     from backfill.policy.harli import make_colo_policy
-    from backfill.serving.build import ServingConfig, build_scheduler
-    from backfill.serving.engine import AsyncEngine
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_scheduler
+    from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.torch_thread import run_on_torch_thread
     import torch
 
@@ -233,7 +235,7 @@ def _run_sim(args, modes, loaded, latency) -> int:
     import numpy as np
 
     from backfill.bench.arrivals import gamma_arrivals
-    from backfill.bench.coserve import CoserveScenario
+    from backfill.bench.scenario import CoserveScenario
     from backfill.bench.lengths import parse_length_spec
     from backfill.finetune.sim import SimCosts, SimRequest, simulate
     from backfill.policy.harli import make_colo_policy

@@ -63,7 +63,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from backfill.cli import _model_options
     from backfill.engine.weights import load_model
     from backfill.errors import FinetuneConfigError
-    from backfill.serving.build import ServingConfig, build_runner
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)

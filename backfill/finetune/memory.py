@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.policy.state import SchedulerState
+from backfill.policy.interface import SchedulerState
 
 
 def reserve_blocks(release_ms: float, tpot_target_ms: float, max_batch: int, block_size: int) -> int:

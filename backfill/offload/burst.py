@@ -36,7 +36,7 @@ from backfill.errors import OffloadError, WorkloadError
 from backfill.offload.pager import KVPager, make_pager
 from backfill.policy.baselines import FCFSPolicy
 from backfill.policy.cfs import CFSConfig, CFSPolicy
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread
 
@@ -216,7 +216,8 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
     if "cfs-lent" in modes and not scenario.producer:
         raise WorkloadError("cfs-lent needs the producer engine (drop --no-producer)")
     from backfill.engine.weights import load_model
-    from backfill.serving.build import ServingConfig, build_runner
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_runner
 
     loaded = load_model(None)
     tokenizer = loaded.tokenizer

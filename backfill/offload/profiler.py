@@ -113,8 +113,9 @@ def run_profile(config: ProfileConfig = ProfileConfig(), log=print) -> Profile:
     from backfill.offload.pager import make_pager
     from backfill.policy.baselines import FCFSPolicy
     from backfill.policy.cfs import CFSPolicy
-    from backfill.serving.build import ServingConfig, build_runner
-    from backfill.serving.engine import AsyncEngine
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_runner
+    from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.scheduler import Scheduler
     from backfill.serving.torch_thread import run_on_torch_thread
 

@@ -24,7 +24,7 @@ from backfill.offload.pager import SwapReport
 from backfill.policy.baselines import VLLM_DEFAULT_LIMITS, FCFSPolicy
 from backfill.policy.latency_model import BatchShape
 from backfill.policy.planner import BatchLimits, PlanBuilder
-from backfill.policy.state import SchedulerState, SeqView, StepPlan
+from backfill.policy.interface import SchedulerState, SchedulingPolicy, SeqView, StepPlan
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def is_prefill(seq: SeqView) -> bool:
 
 
 @dataclass
-class CFSPolicy:
+class CFSPolicy(SchedulingPolicy):
     config: CFSConfig = field(default_factory=CFSConfig)
     name: str = "cfs"
 
@@ -61,9 +61,6 @@ class CFSPolicy:
         self.slices = 0
 
     # --- what the scheduler reports -------------------------------------------------------------
-
-    def should_abort_step(self, *args, **kwargs) -> bool:
-        return False
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         self._forward_ms += duration_ms

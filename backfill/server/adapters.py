@@ -17,7 +17,7 @@ from pydantic import Field
 from backfill.errors import AdapterLoadError
 from backfill.server.errors import bad_request, not_found
 from backfill.server.schemas import _Strict, parse_json, validate_body
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 
 class LoadAdapterBody(_Strict):

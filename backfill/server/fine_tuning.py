@@ -38,7 +38,7 @@ from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.fine_tuning_store import ACTIVE_STATUSES, FineTuningStore, fine_tuned_model_name
 from backfill.server.schemas import _Strict, parse_json, validate_body
 from backfill.server.store import Store
-from backfill.serving.engine import AsyncEngine
+from backfill.serving.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

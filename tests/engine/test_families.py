@@ -18,7 +18,8 @@ from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.weights import load_model, random_model, read_model_config
 from backfill.errors import CorruptModelError, UnsupportedModelError
-from backfill.serving.build import ServingConfig, build_runner
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_runner
 from backfill.serving.llm import LLM
 
 PROMPTS = [[5, 17, 40, 99, 123], list(range(30, 70)), [301, 250, 12, 12, 12, 9, 81, 140]]

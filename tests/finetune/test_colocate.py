@@ -15,7 +15,8 @@ from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.job import FinetuneJob
 from backfill.policy.harli import HarliLatencyModel, HarliPolicy, SoloFit
 from backfill.serving.api import FinishReason, GenerationRequest
-from backfill.serving.build import ServingConfig, build_tiny_engine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_tiny_engine
 from tests.finetune.helpers import TOKENIZER, write_chat_file
 
 CONFIG = FinetuneConfig(rank=4, alpha=8, batch_size=4, micro_batch_size=2, max_steps=4, checkpoint_every_steps=2,

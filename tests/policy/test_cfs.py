@@ -12,7 +12,7 @@ from backfill.offload.pager import KVPager, SwapReport
 from backfill.policy.baselines import FCFSPolicy
 from backfill.policy.cfs import CFSConfig, CFSPolicy
 from backfill.policy.planner import BatchLimits
-from backfill.policy.state import SchedulerState, SeqView
+from backfill.policy.interface import SchedulerState, SeqView
 from backfill.serving.api import GenerationRequest, RequestClass
 from backfill.serving.scheduler import Scheduler
 

@@ -298,7 +298,8 @@ def test_real_model_learns_the_training_answer(tmp_path):
     from backfill.server.app import create_app
     from backfill.server.config import ServerConfig
     from backfill.server.store import Store
-    from backfill.serving.build import ServingConfig, build_engine
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import build_engine
 
     serving = ServingConfig(policy="priority", kv_cache_gb=0.5, max_model_len=512)
     db = tmp_path / "real.db"

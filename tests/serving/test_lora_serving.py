@@ -9,7 +9,8 @@ from backfill.engine.sampling_params import SamplingParams
 from backfill.engine.weights import random_model
 from backfill.errors import UnknownAdapterError
 from backfill.serving.api import GenerationRequest, RequestClass
-from backfill.serving.build import ServingConfig, build_tiny_engine
+from backfill.serving.config import ServingConfig
+from backfill.serving.build import build_tiny_engine
 
 pytest.importorskip("peft")
 from lora_helpers import ALL_TARGETS, hf_llama, make_peft_adapter  # noqa: E402
