@@ -28,6 +28,9 @@ from backfill.serving.api import FinishReason, RequestClass
 log = logging.getLogger(__name__)
 
 MAX_BATCH_LINES = 50_000   # OpenAI's limit per batch
+RECORD_ATTEMPTS = 3        # tries to commit one line's result before marking the line failed
+RECORD_RETRY_DELAY_S = 0.2
+MAX_LINE_ATTEMPTS = 3      # runs of one line that end without an answer before it is marked failed
 _KIND = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 
 
@@ -104,6 +107,8 @@ class BatchWorker:
         self.max_in_flight = max_in_flight
         self.poll_interval_s = poll_interval_s
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._attempts: dict[tuple[str, int], int] = {}   # runs of a line without a stored result
+        self.unwritable: set[tuple[str, int]] = set()     # lines whose result the store refused for good
         self._wake = asyncio.Event()
         self._accepting = True
         self._stopped = False
@@ -173,7 +178,8 @@ class BatchWorker:
                 await asyncio.to_thread(store.finish_batch, batch_id, "completed")
         free = self.max_in_flight - len(self._tasks)
         if self._accepting and free > 0 and self.service.engine.running:
-            for line in await asyncio.to_thread(store.pending_lines, free, set(self._tasks)):
+            skip = set(self._tasks) | self.unwritable
+            for line in await asyncio.to_thread(store.pending_lines, free, skip):
                 key = (line.batch_id, line.line)
                 self._tasks[key] = asyncio.create_task(self._run_line(line), name=f"batch-line-{key}")
 
@@ -213,12 +219,16 @@ class BatchWorker:
     async def _run_line(self, line: PendingLine) -> None:
         key = (line.batch_id, line.line)
         try:
+            self._attempts[key] = self._attempts.get(key, 0) + 1
             result = await self._execute(line)
+            if result is None and self._attempts[key] >= MAX_LINE_ATTEMPTS:
+                # Each run ended without an answer (the engine stopping under it): give up on the
+                # line rather than run its inference without end.
+                result = (False, error_record(line.custom_id, "line_attempts_exhausted",
+                                              f"the request ran {MAX_LINE_ATTEMPTS} times without finishing"),
+                          0, 0)
             if result is not None:
-                ok, record, input_tokens, output_tokens = result
-                write = asyncio.ensure_future(asyncio.to_thread(
-                    self.store.record_result, line.batch_id, line.line, line.custom_id, ok, record,
-                    input_tokens, output_tokens))
+                write = asyncio.ensure_future(self._record(line, result))
                 try:
                     await asyncio.shield(write)
                 except asyncio.CancelledError:
@@ -227,11 +237,37 @@ class BatchWorker:
                     raise
         except asyncio.CancelledError:
             raise
-        except Exception:  # the database write failed: the line stays pending and runs again
-            log.exception("could not record batch %s line %d; it will run again", line.batch_id, line.line)
         finally:
             self._tasks.pop(key, None)
             self._wake.set()
+
+    async def _record(self, line: PendingLine, result: tuple[bool, str, int, int]) -> None:
+        """Commit a line's result with bounded retries; if the store keeps refusing it, mark the line
+        failed instead; if even that fails, never run the line again in this process (its inference
+        is not repeated without end; /health reports the store's error)."""
+        key = (line.batch_id, line.line)
+        ok, record, input_tokens, output_tokens = result
+        for attempt in range(RECORD_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.store.record_result, line.batch_id, line.line, line.custom_id, ok,
+                                        record, input_tokens, output_tokens)
+                self._attempts.pop(key, None)
+                return
+            except Exception as exc:
+                log.warning("batch %s line %d: storing the result failed (attempt %d of %d): %s",
+                            line.batch_id, line.line, attempt + 1, RECORD_ATTEMPTS, exc)
+                await asyncio.sleep(RECORD_RETRY_DELAY_S * 2 ** attempt)
+        failure = error_record(line.custom_id, "result_not_stored",
+                               f"the result could not be stored after {RECORD_ATTEMPTS} attempts")
+        try:
+            await asyncio.to_thread(self.store.record_result, line.batch_id, line.line, line.custom_id, False,
+                                    failure)
+            log.error("batch %s line %d marked failed: its result could not be stored", line.batch_id, line.line)
+            self._attempts.pop(key, None)
+        except Exception:
+            self.unwritable.add(key)
+            log.exception("batch %s line %d: the store refuses even its failure; the line will not run again "
+                          "until the server restarts on a repaired database", line.batch_id, line.line)
 
     async def _execute(self, line: PendingLine) -> tuple[bool, str, int, int] | None:
         """(ok, record, input tokens, output tokens), or None to leave the line pending."""

@@ -30,7 +30,7 @@ OPTION_TYPES: dict[str, type] = {
     "max_offline_in_flight": int, "drain_timeout_s": float, "served_model_name": str,
     "log_level": str, "tiny": bool, "preempt_target_ms": float, "interference_slack": float, "compile_decode": bool,
     "decode_attention": str, "cuda_graphs": bool, "release_suspended": bool,
-    "rider_cost_share": float,
+    "rider_cost_share": float, "fresh_db": bool, "header_timeout_s": float, "body_timeout_s": float,
 }
 _SERVING_KEYS = ("model", "dtype", "device", "policy", "kv_cache_gb", "max_model_len", "preempt_target_ms",
                  "interference_slack", "compile_decode", "decode_attention", "cuda_graphs", "release_suspended",
@@ -56,6 +56,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0          # SIGTERM: how long in-flight work may take to finish
     served_model_name: str | None = None   # the model id clients send; default: the engine's model name
     log_level: str = "info"
+    fresh_db: bool = False                 # a damaged or 0-byte database is moved aside, not refused
+    header_timeout_s: float = 10.0         # a client must finish its request headers within this
+    body_timeout_s: float = 30.0           # longest wait for the next piece of a request body
     tiny: bool = False                     # tiny random-weight model (tests only)
     serving: ServingConfig | None = None   # the engine config (config_from_args fills it)
 
@@ -67,6 +70,8 @@ class ServerConfig:
         _check_int("max_offline_in_flight", self.max_offline_in_flight, 1)
         _check_number("max_body_mb", self.max_body_mb, positive=True)
         _check_number("drain_timeout_s", self.drain_timeout_s, positive=False)
+        _check_number("header_timeout_s", self.header_timeout_s, positive=True)
+        _check_number("body_timeout_s", self.body_timeout_s, positive=True)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ServerConfigError("api_key must be a non-empty string")
         if self.served_model_name is not None and not self.served_model_name:
@@ -133,6 +138,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
       help="batch lines in the engine at once (default 64)")
     p("--max-body-mb", type=float, default=None, help="largest request body, MiB (default 200); larger get 413")
     p("--drain-timeout-s", type=float, default=None, help="on SIGTERM, time allowed for in-flight work (default 30)")
+    p("--fresh-db", action="store_true", default=None,
+      help="start even if the database is damaged or an empty file: move it aside (PATH.damaged-<time>) "
+      "and start with an empty one (default: refuse to start, exit 2)")
+    p("--header-timeout-s", type=float, default=None,
+      help="close a connection whose request headers are not complete after this long (default 10)")
+    p("--body-timeout-s", type=float, default=None,
+      help="answer 408 when a request body stalls this long between reads (default 30)")
     p("--log-level", default=None, help=f"one of {', '.join(LOG_LEVELS)} (default info)")
     p("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
 
