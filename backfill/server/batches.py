@@ -304,6 +304,6 @@ class BatchWorker:
             api = APIError(500, "internal server error while running this request", code="internal_error",
                            type="server_error")
             return False, response_record(line.custom_id, 500, f"req_{uuid.uuid4().hex}", api.body()), 0, 0
-        body = response_body(prepared, outcome)
+        body = response_body(prepared, outcome, self.service.token_text)
         return (True, response_record(line.custom_id, 200, prepared.response_id, body),
                 outcome.num_prompt_tokens, outcome.num_output_tokens)
