@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from backfill.server.access_log import AccessLogMiddleware
 from backfill.server.batches import BatchWorker
 from backfill.server.completions import CompletionService, Kind
 from backfill.server.config import ServerConfig
@@ -73,6 +74,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     service = CompletionService(engine, metrics, served_model)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
     metrics.batch_lines_in_flight = lambda: worker.in_flight
+    metrics.backlog = store.backlog
     state = ServerState(engine, config, store, service, metrics, worker)
 
     @asynccontextmanager
@@ -89,6 +91,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     app = FastAPI(title="backfill", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible co-serving of online and offline LLM requests")
     app.state.backfill = state
+    app.add_middleware(AccessLogMiddleware)
     install_error_handlers(app)
 
     async def authorize(request: Request) -> None:
@@ -113,7 +116,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await asyncio.to_thread(metrics.render), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict:
         return {"id": served_model, "object": "model", "created": state.started_at, "owned_by": "backfill",
@@ -134,12 +137,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         data = parse_json(await read_body(request, limit_bytes, config.body_timeout_s))
         prepared = service.prepare(kind, data, arrival_time=arrived)
         request_class = prepared.request.request_class.value
+        request.state.request_class = request_class
         state.admit(request_class)
         try:
             generation = service.submit(prepared)
         except BaseException:
             state.release(request_class)
             raise
+        request.state.generation = generation   # for the access log
 
         async def close() -> None:
             await generation.aclose()

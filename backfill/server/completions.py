@@ -289,6 +289,8 @@ class Generation:
             self._metrics.observe_finish(self._class, self.finish_reasons[index] or FinishReason.CANCELLED,
                                          self.first_of[index], self.last_token_s[index], self.output_tokens[index])
         self._metrics.in_flight.labels(self._class).dec()
+        self._metrics.observe_request(self._class, len(self.request.prompt_token_ids),
+                                      time.monotonic() - self.request.arrival_time)
 
 
 async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:

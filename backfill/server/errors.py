@@ -96,8 +96,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # A damaged or unwritable database is the server's problem, said plainly (the connection
         # stays usable) rather than a bare 500.
         log.error("database error on %s %s: %s", request.method, request.url.path, exc)
-        return error_response(APIError(503, f"the server's database failed: {exc}", code="store_error",
-                                       headers={"Retry-After": "30"}), {"Retry-After": "30"})
+        api = APIError(503, f"the server's database failed: {exc}", code="store_error",
+                       headers={"Retry-After": "30"})
+        return error_response(api, api.headers)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}",

@@ -296,6 +296,14 @@ class Store:
     def batch_row(self, batch_id: str) -> sqlite3.Row | None:
         return self._conn().execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
 
+    def backlog(self) -> tuple[int, dict[str, int]]:
+        """(batch lines waiting to run, batches by status), for the metrics."""
+        conn = self._conn()
+        waiting = conn.execute("SELECT COUNT(*) FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
+                               "WHERE l.done = 0 AND b.status = 'in_progress'").fetchone()[0]
+        by_status = dict(conn.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())
+        return waiting, by_status
+
     def request_cancel(self, batch_id: str) -> str | None:
         """Move an active batch to cancelling; returns the status it is in afterwards (None: unknown)."""
         with self._write() as conn:
