@@ -39,14 +39,14 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    def check_supported(self) -> None:
+        """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
+
 
 class _Open(_Strict):
     """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-
-    def check_supported(self) -> None:
-        """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
 
 
 class TextPart(_Strict):
