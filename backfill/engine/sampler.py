@@ -12,20 +12,11 @@ from typing import Sequence
 
 import torch
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 
 
 # Below this, logits / temperature overflows float32; such a temperature means greedy (as in vLLM).
 _MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log probability and the most likely alternatives (token id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

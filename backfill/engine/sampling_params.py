@@ -90,5 +90,14 @@ class SamplingParams:
         return cls(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and the most likely alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -13,8 +13,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncGenerator, AsyncIterator, Callable, Literal, Sequence
 
-from backfill.engine.sampler import TokenLogprob
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import ContextLengthError
 from backfill.server.errors import APIError, not_found
 from backfill.server.metrics import ServerMetrics

@@ -16,8 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from backfill.engine.sampler import TokenLogprob
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import InvalidRequestError
 
 _ids = itertools.count()
