@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from backfill.errors import InvalidSamplingError
 
+MAX_LOGPROBS = 20   # OpenAI's top_logprobs limit
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,14 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 disables top-p.
     stop_token_ids end generation without being shown; stop strings end it and are cut from
     the text. max_tokens counts output tokens.
+
+    Penalties follow vLLM: repetition_penalty (1.0 = off) divides the positive logits and
+    multiplies the negative ones of every token already in the prompt or the output;
+    presence_penalty / frequency_penalty (0 = off) subtract from the logits of tokens already in
+    the output, once / once per occurrence. min_p (0 = off) drops tokens whose probability is
+    below min_p x the top token's. logprobs (None = off) returns the sampled token's log
+    probability under the model and the logprobs most likely ones (vLLM's raw logprobs: before
+    penalties and temperature).
     """
 
     max_tokens: int = 16
@@ -26,6 +36,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the object stays hashable and immutable.
@@ -47,6 +62,17 @@ class SamplingParams:
             raise InvalidSamplingError(f"at most 16 stop strings, got {len(self.stop)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidSamplingError("stop_token_ids must be non-negative")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not -2.0 <= value <= 2.0:
+                raise InvalidSamplingError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidSamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidSamplingError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
@@ -54,9 +80,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens seen so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     @classmethod
     def greedy_params(cls, max_tokens: int = 16, **kw) -> "SamplingParams":
         return cls(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and the most likely alternatives (token id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _finite(x: object) -> bool:

@@ -19,10 +19,10 @@ from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from backfill.server.adapters import add_adapter_routes
+from backfill.server.access_log import AccessLogMiddleware
 from backfill.server.batches import BatchWorker
 from backfill.server.completions import CompletionService, Kind
 from backfill.server.config import ServerConfig
@@ -78,6 +78,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     service = CompletionService(engine, metrics, served_model)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
     metrics.batch_lines_in_flight = lambda: worker.in_flight
+    metrics.backlog = store.backlog
     fine_tuning = FineTuningWorker(FineTuningStore(store), store, engine, served_model,
                                    config.db_path.with_name(config.db_path.name + ".fine_tuning"))
     state = ServerState(engine, config, store, service, metrics, worker, fine_tuning)
@@ -98,6 +99,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     app = FastAPI(title="backfill", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible co-serving of online and offline LLM requests")
     app.state.backfill = state
+    app.add_middleware(AccessLogMiddleware)
     install_error_handlers(app)
 
     async def authorize(request: Request) -> None:
@@ -113,12 +115,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.running and not state.draining
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        store_health = await asyncio.to_thread(store.health)
+        store_health["unwritable_batch_lines"] = len(worker.unwritable)
+        ok = engine.running and not state.draining and store_health["status"] != "error"
+        return JSONResponse({"status": "ok" if ok else "unavailable", "engine": "running" if engine.running
+                             else "stopped", "draining": state.draining, "store": store_health},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await asyncio.to_thread(metrics.render), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(model_id: str = served_model) -> dict:
         card = {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "backfill",
@@ -139,15 +145,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
 
     async def generate(request: Request, kind: Kind) -> Response:
         arrived = time.monotonic()
-        data = parse_json(await read_body(request, limit_bytes))
+        data = parse_json(await read_body(request, limit_bytes, config.body_timeout_s))
         prepared = service.prepare(kind, data, arrival_time=arrived)
         request_class = prepared.request.request_class.value
+        request.state.request_class = request_class
         state.admit(request_class)
         try:
             generation = service.submit(prepared)
         except BaseException:
             state.release(request_class)
             raise
+        request.state.generation = generation   # for the access log
 
         async def close() -> None:
             await generation.aclose()
@@ -172,7 +180,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
 
     @v1.post("/files")
     async def upload_file(request: Request) -> dict:
-        body = await read_body(request, limit_bytes)
+        body = await read_body(request, limit_bytes, config.body_timeout_s)
         parts = parse_multipart(body, request.headers.get("content-type", ""))
         purpose = parts.get("purpose")
         if purpose is None:
@@ -231,7 +239,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
 
     @v1.post("/batches")
     async def create_batch(request: Request) -> dict:
-        body = validate_body(BatchCreateBody, parse_json(await read_body(request, limit_bytes)))
+        body = validate_body(BatchCreateBody, parse_json(await read_body(request, limit_bytes, config.body_timeout_s)))
         file = await asyncio.to_thread(store.get_file, body.input_file_id)
         if file is None:
             raise not_found(f"no file with id {body.input_file_id!r}", param="input_file_id",
@@ -297,22 +305,29 @@ def int_param(raw: str | None, name: str, default: int, low: int, high: int) -> 
     return value
 
 
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The whole body, or 413 as soon as it passes the limit (before reading it all when declared)."""
+async def read_body(request: Request, limit_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, or 413 as soon as it passes the limit (before reading it all when declared),
+    or 408 (and the connection closed) when the client stalls for timeout_s between two pieces."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(limit_bytes)
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit_bytes:
-                raise _too_large(limit_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise bad_request("the client disconnected while sending the body") from None
-    return b"".join(chunks)
+    while True:
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None
+        if message["type"] == "http.disconnect":
+            raise bad_request("the client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit_bytes:
+            raise _too_large(limit_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _too_large(limit_bytes: int) -> APIError:

@@ -3,7 +3,7 @@ and records each result durably (ConServe §3: offline work is submitted as a ba
 capacity online requests leave idle).
 
 Statuses: validating -> in_progress -> finalizing -> completed; cancelling -> cancelled; failed
-(the input file is unusable as a whole); expired (the 24 h window passed). A batch line is
+(the input file fails validation: every reason is listed in the batch's errors); expired (the 24 h window passed). A batch line is
 recorded exactly once (see store.py); lines in flight when the process dies run again on restart.
 At most max_in_flight lines are in the engine at once, so offline work never fills the
 scheduler's queue or KV pool ahead of online arrivals.
@@ -28,6 +28,10 @@ from backfill.serving.api import FinishReason, RequestClass
 log = logging.getLogger(__name__)
 
 MAX_BATCH_LINES = 50_000   # OpenAI's limit per batch
+RECORD_ATTEMPTS = 3        # tries to commit one line's result before marking the line failed
+RECORD_RETRY_DELAY_S = 0.2
+MAX_LISTED_ERRORS = 1000  # validation errors listed in a failed batch's errors
+MAX_LINE_ATTEMPTS = 3      # runs of one line that end without an answer before it is marked failed
 _KIND = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 
 
@@ -47,53 +51,68 @@ def response_record(custom_id: str, status_code: int, request_id: str, body: dic
 
 
 def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict], None]
-                      ) -> tuple[list[tuple[int, str, str]], list[LineFailure], str | None]:
-    """(runnable lines, failed lines, fatal error). Bad lines fail alone; the rest still runs."""
+                      ) -> tuple[list[tuple[int, str, str]], list[LineFailure], list[dict]]:
+    """(runnable lines, failed lines, validation errors), as OpenAI validates a batch's input file.
+
+    A file with any malformed line (not JSON, not a request object, a url other than the batch's
+    endpoint, a repeated custom_id, an unknown model) fails validation as a whole, with every
+    reason in the batch's `errors` (at most MAX_LISTED_ERRORS); nothing of it runs. A well-formed
+    line whose body the endpoint refuses (a bad temperature, a prompt too long) runs as OpenAI
+    runs it: its 4xx response goes to the error file and the other lines go on.
+    """
     raw_lines = content.split(b"\n")
     numbered = [(i, raw) for i, raw in enumerate(raw_lines) if raw.strip()]
     if not numbered:
-        return [], [], "the input file has no requests"
+        return [], [], [validation_entry("empty_file", "the input file has no requests")]
     if len(numbered) > MAX_BATCH_LINES:
-        return [], [], f"the input file has {len(numbered)} requests; at most {MAX_BATCH_LINES} are allowed"
+        return [], [], [validation_entry("too_many_requests", f"the input file has {len(numbered)} requests; "
+                                         f"at most {MAX_BATCH_LINES} are allowed")]
     runnable: list[tuple[int, str, str]] = []
     failures: list[LineFailure] = []
+    errors: list[dict] = []
     seen: set[str] = set()
     for index, raw in numbered:
         number = index + 1
         try:
             data = parse_json(raw)
         except APIError as exc:
-            failures.append(LineFailure(index, "", error_record(None, "invalid_json", f"line {number}: {exc.message}",
-                                                                number)))
+            errors.append(validation_entry("invalid_json_line", f"line {number}: {exc.message}", number))
             continue
-        custom_id = data.get("custom_id") if isinstance(data, dict) else None
-        custom_id = custom_id if isinstance(custom_id, str) else None
         try:
             line = validate_body(BatchLine, data)
         except APIError as exc:
-            failures.append(LineFailure(index, custom_id or "", error_record(
-                custom_id, "invalid_request", f"line {number}: {exc.message}", number)))
+            errors.append(validation_entry("invalid_request", f"line {number}: {exc.message}", number, exc.param))
             continue
         if line.url != endpoint:
-            failures.append(LineFailure(index, line.custom_id, error_record(
-                line.custom_id, "mismatched_endpoint",
-                f"line {number}: url {line.url!r} differs from the batch's endpoint {endpoint!r}", number)))
+            errors.append(validation_entry("invalid_url", f"line {number}: url {line.url!r} differs from the "
+                                           f"batch's endpoint {endpoint!r}", number, "url"))
             continue
         if line.custom_id in seen:
-            failures.append(LineFailure(index, line.custom_id, error_record(
-                line.custom_id, "duplicate_custom_id", f"line {number}: custom_id {line.custom_id!r} is repeated",
-                number)))
+            errors.append(validation_entry("duplicate_custom_id", f"line {number}: custom_id {line.custom_id!r} "
+                                           "is repeated; each line needs its own", number, "custom_id"))
             continue
         seen.add(line.custom_id)
         try:
             check_body(line.body)
         except BackfillError as exc:
             api = from_backfill_error(exc)
+            if api.code == "model_not_found":
+                errors.append(validation_entry("model_not_found", f"line {number}: {api.message}", number,
+                                               "body.model"))
+                continue
             failures.append(LineFailure(index, line.custom_id, response_record(
                 line.custom_id, api.status_code, f"req_{uuid.uuid4().hex}", api.body())))
             continue
         runnable.append((index, line.custom_id, json.dumps(line.body, ensure_ascii=False)))
-    return runnable, failures, None
+    if len(errors) > MAX_LISTED_ERRORS:
+        more = len(errors) - MAX_LISTED_ERRORS
+        errors = errors[:MAX_LISTED_ERRORS] + [validation_entry("too_many_errors", f"and {more} more invalid lines")]
+    return runnable, failures, errors
+
+
+def validation_entry(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
+    """One entry of a failed batch's errors.data (OpenAI's shape)."""
+    return {"code": code, "message": message, "param": param, "line": line}
 
 
 class BatchWorker:
@@ -104,6 +123,8 @@ class BatchWorker:
         self.max_in_flight = max_in_flight
         self.poll_interval_s = poll_interval_s
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._attempts: dict[tuple[str, int], int] = {}   # runs of a line without a stored result
+        self.unwritable: set[tuple[str, int]] = set()     # lines whose result the store refused for good
         self._wake = asyncio.Event()
         self._accepting = True
         self._stopped = False
@@ -173,7 +194,8 @@ class BatchWorker:
                 await asyncio.to_thread(store.finish_batch, batch_id, "completed")
         free = self.max_in_flight - len(self._tasks)
         if self._accepting and free > 0 and self.service.engine.running:
-            for line in await asyncio.to_thread(store.pending_lines, free, set(self._tasks)):
+            skip = set(self._tasks) | self.unwritable
+            for line in await asyncio.to_thread(store.pending_lines, free, skip):
                 key = (line.batch_id, line.line)
                 self._tasks[key] = asyncio.create_task(self._run_line(line), name=f"batch-line-{key}")
 
@@ -197,11 +219,10 @@ class BatchWorker:
                  "param": "input_file_id", "line": None}])
             return
         kind = _KIND[row["endpoint"]]
-        lines, failures, fatal = await asyncio.to_thread(
+        lines, failures, errors = await asyncio.to_thread(
             parse_batch_input, content, row["endpoint"], lambda body: self._check_body(kind, body))
-        if fatal is not None:
-            await asyncio.to_thread(self.store.fail_batch, batch_id, [
-                {"code": "invalid_file", "message": fatal, "param": "input_file_id", "line": None}])
+        if errors:
+            await asyncio.to_thread(self.store.fail_batch, batch_id, errors)
             return
         await asyncio.to_thread(self.store.start_batch, batch_id, lines, failures)
 
@@ -213,12 +234,16 @@ class BatchWorker:
     async def _run_line(self, line: PendingLine) -> None:
         key = (line.batch_id, line.line)
         try:
+            self._attempts[key] = self._attempts.get(key, 0) + 1
             result = await self._execute(line)
+            if result is None and self._attempts[key] >= MAX_LINE_ATTEMPTS:
+                # Each run ended without an answer (the engine stopping under it): give up on the
+                # line rather than run its inference without end.
+                result = (False, error_record(line.custom_id, "line_attempts_exhausted",
+                                              f"the request ran {MAX_LINE_ATTEMPTS} times without finishing"),
+                          0, 0)
             if result is not None:
-                ok, record, input_tokens, output_tokens = result
-                write = asyncio.ensure_future(asyncio.to_thread(
-                    self.store.record_result, line.batch_id, line.line, line.custom_id, ok, record,
-                    input_tokens, output_tokens))
+                write = asyncio.ensure_future(self._record(line, result))
                 try:
                     await asyncio.shield(write)
                 except asyncio.CancelledError:
@@ -227,11 +252,37 @@ class BatchWorker:
                     raise
         except asyncio.CancelledError:
             raise
-        except Exception:  # the database write failed: the line stays pending and runs again
-            log.exception("could not record batch %s line %d; it will run again", line.batch_id, line.line)
         finally:
             self._tasks.pop(key, None)
             self._wake.set()
+
+    async def _record(self, line: PendingLine, result: tuple[bool, str, int, int]) -> None:
+        """Commit a line's result with bounded retries; if the store keeps refusing it, mark the line
+        failed instead; if even that fails, never run the line again in this process (its inference
+        is not repeated without end; /health reports the store's error)."""
+        key = (line.batch_id, line.line)
+        ok, record, input_tokens, output_tokens = result
+        for attempt in range(RECORD_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.store.record_result, line.batch_id, line.line, line.custom_id, ok,
+                                        record, input_tokens, output_tokens)
+                self._attempts.pop(key, None)
+                return
+            except Exception as exc:
+                log.warning("batch %s line %d: storing the result failed (attempt %d of %d): %s",
+                            line.batch_id, line.line, attempt + 1, RECORD_ATTEMPTS, exc)
+                await asyncio.sleep(RECORD_RETRY_DELAY_S * 2 ** attempt)
+        failure = error_record(line.custom_id, "result_not_stored",
+                               f"the result could not be stored after {RECORD_ATTEMPTS} attempts")
+        try:
+            await asyncio.to_thread(self.store.record_result, line.batch_id, line.line, line.custom_id, False,
+                                    failure)
+            log.error("batch %s line %d marked failed: its result could not be stored", line.batch_id, line.line)
+            self._attempts.pop(key, None)
+        except Exception:
+            self.unwritable.add(key)
+            log.exception("batch %s line %d: the store refuses even its failure; the line will not run again "
+                          "until the server restarts on a repaired database", line.batch_id, line.line)
 
     async def _execute(self, line: PendingLine) -> tuple[bool, str, int, int] | None:
         """(ok, record, input tokens, output tokens), or None to leave the line pending."""
@@ -253,6 +304,6 @@ class BatchWorker:
             api = APIError(500, "internal server error while running this request", code="internal_error",
                            type="server_error")
             return False, response_record(line.custom_id, 500, f"req_{uuid.uuid4().hex}", api.body()), 0, 0
-        body = response_body(prepared, outcome)
+        body = response_body(prepared, outcome, self.service.token_text)
         return (True, response_record(line.custom_id, 200, prepared.response_id, body),
                 outcome.num_prompt_tokens, outcome.num_output_tokens)

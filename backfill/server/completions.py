@@ -6,13 +6,14 @@ byte what the same body would get from POST /v1/chat/completions (bar ids and ti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncGenerator, AsyncIterator, Literal
+from dataclasses import dataclass, field, replace
+from typing import AsyncGenerator, AsyncIterator, Callable, Literal, Sequence
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import ContextLengthError
 from backfill.server.errors import APIError, not_found
 from backfill.server.metrics import ServerMetrics
@@ -28,10 +29,11 @@ DEFAULT_TEXT_MAX_TOKENS = 16   # OpenAI's legacy completions default; chat defau
 
 @dataclass
 class Prepared:
-    """A validated request, tokenized, with what its response needs to echo."""
+    """A validated request, tokenized, with what its response needs to echo. It runs as one
+    engine request per choice (n), all with the same prompt."""
 
     kind: Kind
-    request: GenerationRequest
+    requests: list[GenerationRequest]
     model: str
     response_id: str
     created: int
@@ -39,16 +41,38 @@ class Prepared:
     include_usage: bool
 
     @property
+    def request(self) -> GenerationRequest:
+        return self.requests[0]
+
+    @property
     def service_tier(self) -> str:
         return "flex" if self.request.request_class is RequestClass.OFFLINE else "default"
 
 
 @dataclass
-class Outcome:
+class Choice:
     text: str
     finish_reason: FinishReason | None
-    num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    choices: list[Choice]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The first reason that has no answer (error, cancel), else the first choice's."""
+        for choice in self.choices:
+            if outcome_error(choice.finish_reason) is not None:
+                return choice.finish_reason
+        return self.choices[0].finish_reason
 
 
 class CompletionService:
@@ -77,12 +101,15 @@ class CompletionService:
             params = self._sampling(body, len(prompt_ids), default_max)
         except ContextLengthError as exc:
             raise context_error(kind, exc) from None
-        request = GenerationRequest(prompt_ids, params, request_class,
-                                    request_id=f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
-                                    arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                                    adapter=self.adapter_for(body.model))
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        arrived = time.monotonic() if arrival_time is None else arrival_time
+        adapter = self.adapter_for(body.model)
+        n = body.n or 1
+        requests = [GenerationRequest(prompt_ids, params if n == 1 else choice_params(params, i), request_class,
+                                      request_id=response_id if n == 1 else f"{response_id}-{i}",
+                                      arrival_time=arrived, adapter=adapter) for i in range(n)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(kind, request, request.adapter or self.served_model, request.request_id, int(time.time()),
+        return Prepared(kind, requests, adapter or self.served_model, response_id, int(time.time()),
                         bool(body.stream), include_usage)
 
     def validate(self, kind: Kind, data: object) -> ChatCompletionBody | CompletionBody:
@@ -135,6 +162,11 @@ class CompletionService:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
             min_tokens=body.min_tokens or 0,
+            presence_penalty=float(body.presence_penalty or 0.0),
+            frequency_penalty=float(body.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+            min_p=float(body.min_p or 0.0),
+            logprobs=body.num_logprobs(),
         )
 
     # --- running ---------------------------------------------------------------------------------
@@ -158,78 +190,154 @@ class CompletionService:
         """The non-streaming response body of a submitted request (APIError if the engine gave up)."""
         outcome = await collect(prepared, generation)
         check_outcome(outcome.finish_reason)
-        return response_body(prepared, outcome)
+        return response_body(prepared, outcome, self.token_text)
 
     async def stream_sse(self, prepared: Prepared, events: "Generation") -> AsyncGenerator[bytes, None]:
-        """Server-sent events: chunks, an optional usage chunk, then [DONE]."""
+        """Server-sent events: chunks (each names its choice index), an optional usage chunk, [DONE]."""
         num_prompt = len(prepared.request.prompt_token_ids)
-        num_output = 0
+        num_choices = len(prepared.requests)
         if prepared.kind == "chat":
-            yield _sse(chunk_body(prepared, {"role": "assistant", "content": ""}, None))
-        async for event in events:
-            num_output = max(num_output, event.num_output_tokens)
+            for index in range(num_choices):
+                yield _sse(chunk_body(prepared, {"role": "assistant", "content": ""}, None, index))
+        unfinished = num_choices
+        async for index, event in events:
+            logprobs = self.logprobs_object(prepared.kind, event.logprobs) if event.logprobs else None
             if event.finished:
                 error = outcome_error(event.finish_reason)
                 if error is not None:
                     yield _sse(error.body())
                     break
-                yield _sse(chunk_body(prepared, event.text, event.finish_reason.value))
-                if prepared.include_usage:
-                    yield _sse(usage_chunk(prepared, num_prompt, num_output))
-                break
-            if event.text:
-                yield _sse(chunk_body(prepared, event.text, None))
+                yield _sse(chunk_body(prepared, event.text, event.finish_reason.value, index, logprobs))
+                unfinished -= 1
+                if unfinished == 0:
+                    if prepared.include_usage:
+                        yield _sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                    break
+            elif event.text or logprobs:
+                yield _sse(chunk_body(prepared, event.text, None, index, logprobs))
         yield b"data: [DONE]\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs_object(self, kind: Kind, logprobs: Sequence[TokenLogprob]) -> dict:
+        return logprobs_object(kind, logprobs, self.token_text)
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice index's sampling: a seeded request's choices differ from each other, reproducibly."""
+    if params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index) % 2**64 if params.seed >= 0 else params.seed - index)
 
 
 class Generation:
-    """One request on the engine, observed for the metrics; aclose() always (it cancels if unfinished)."""
+    """The engine requests of one API request (one per choice), observed for the metrics and the
+    access log; iterating yields (choice index, event); aclose() always (it cancels what is unfinished)."""
 
     def __init__(self, service: CompletionService, prepared: Prepared) -> None:
+        self.requests = prepared.requests
         self.request = prepared.request
         self._engine = service.engine
         self._metrics = service.metrics
-        self._events = service.engine.submit(prepared.request)
+        self._streams = []
+        try:
+            for request in self.requests:
+                self._streams.append(service.engine.submit(request))
+        except BaseException:
+            for request in self.requests[:len(self._streams)]:
+                service.engine.cancel(request.request_id)
+            raise
         self._class = prepared.request.request_class.value
         self._metrics.in_flight.labels(self._class).inc()
         self._closed = False
-        self.finish_reason: FinishReason | None = None
-        self.num_output_tokens = 0
+        self.finish_reasons: list[FinishReason | None] = [None] * len(self.requests)
+        self.output_tokens: list[int] = [0] * len(self.requests)
         self.first_token_s: float | None = None
-        self.last_token_s: float | None = None
+        self.last_token_s: list[float | None] = [None] * len(self.requests)
+        self.first_of: list[float | None] = [None] * len(self.requests)
 
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_tokens)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.finish_reasons[0]
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TokenEvent]]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[TokenEvent]:
-        async for event in self._events:
+    async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        merged = self._streams[0] if len(self._streams) == 1 else _merge(self._streams)
+        async for item in merged:
+            index, event = (0, item) if len(self._streams) == 1 else item
             if event.token_ids:
                 if self.first_token_s is None:
                     self.first_token_s = event.time
                     self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
-                self.last_token_s = event.time
-                self.num_output_tokens = max(self.num_output_tokens, event.num_output_tokens)
+                if self.first_of[index] is None:
+                    self.first_of[index] = event.time
+                self.last_token_s[index] = event.time
+                self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
             if event.finished:
-                self.finish_reason = event.finish_reason
-            yield event
+                self.finish_reasons[index] = event.finish_reason
+            yield index, event
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        await self._events.aclose()
-        if self.finish_reason is None:
-            # The stream may never have started (so its own cleanup never ran): cancel explicitly.
-            self._engine.cancel(self.request.request_id)
+        for stream in self._streams:
+            await stream.aclose()
+        for index, request in enumerate(self.requests):
+            if self.finish_reasons[index] is None:
+                # The stream may never have started (so its own cleanup never ran): cancel explicitly.
+                self._engine.cancel(request.request_id)
+            self._metrics.observe_finish(self._class, self.finish_reasons[index] or FinishReason.CANCELLED,
+                                         self.first_of[index], self.last_token_s[index], self.output_tokens[index])
         self._metrics.in_flight.labels(self._class).dec()
-        self._metrics.observe_finish(self._class, self.finish_reason or FinishReason.CANCELLED,
-                                     self.first_token_s, self.last_token_s, self.num_output_tokens)
+        self._metrics.observe_request(self._class, len(self.request.prompt_token_ids),
+                                      time.monotonic() - self.request.arrival_time)
+
+
+async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """Events of several streams as they come, tagged with their stream's index."""
+    queue: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, event = await queue.get()
+            if event is None:
+                remaining -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def collect(prepared: Prepared, generation: Generation) -> Outcome:
-    parts = [event.text async for event in generation]
-    return Outcome("".join(parts), generation.finish_reason, len(prepared.request.prompt_token_ids),
-                   generation.num_output_tokens)
+    choices = [Choice("", None, 0) for _ in prepared.requests]
+    parts: list[list[str]] = [[] for _ in prepared.requests]
+    async for index, event in generation:
+        parts[index].append(event.text)
+        choices[index].logprobs.extend(event.logprobs)
+    for index, choice in enumerate(choices):
+        choice.text = "".join(parts[index])
+        choice.finish_reason = generation.finish_reasons[index]
+        choice.num_output_tokens = generation.output_tokens[index]
+    return Outcome(choices, len(prepared.request.prompt_token_ids))
 
 
 def context_error(kind: Kind, exc: ContextLengthError) -> APIError:
@@ -257,28 +365,52 @@ def usage(num_prompt: int, num_output: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
 
 
-def response_body(prepared: Prepared, outcome: Outcome) -> dict:
-    reason = outcome.finish_reason.value if outcome.finish_reason else None
-    if prepared.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
-                  "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": prepared.response_id, "object": obj, "created": prepared.created, "model": prepared.model,
-            "choices": [choice], "usage": usage(outcome.num_prompt_tokens, outcome.num_output_tokens),
+def response_body(prepared: Prepared, outcome: Outcome,
+                  token_text: Callable[[int], str] | None = None) -> dict:
+    choices = []
+    for index, choice in enumerate(outcome.choices):
+        reason = choice.finish_reason.value if choice.finish_reason else None
+        logprobs = None
+        if prepared.request.sampling.logprobs is not None and token_text is not None:
+            logprobs = logprobs_object(prepared.kind, choice.logprobs, token_text)
+        if prepared.kind == "chat":
+            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                            "logprobs": logprobs, "finish_reason": reason})
+        else:
+            choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
+    return {"id": prepared.response_id, "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
+            "created": prepared.created, "model": prepared.model, "choices": choices,
+            "usage": usage(outcome.num_prompt_tokens, outcome.num_output_tokens),
             "service_tier": prepared.service_tier, "system_fingerprint": None}
 
 
-def chunk_body(prepared: Prepared, delta: str | dict, finish_reason: str | None) -> dict:
+def logprobs_object(kind: Kind, logprobs: Sequence[TokenLogprob], text: Callable[[int], str]) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's tokens), in the endpoint's shape."""
+    if kind == "chat":
+        def entry(token_id: int, logprob: float) -> dict:
+            token = text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs],
+                "refusal": None}
+    tokens = [text(lp.token_id) for lp in logprobs]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+
+def chunk_body(prepared: Prepared, delta: str | dict, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     if prepared.kind == "chat":
         if isinstance(delta, str):
             delta = {"content": delta} if delta else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": prepared.response_id, "object": obj, "created": prepared.created, "model": prepared.model,
             "choices": [choice], "service_tier": prepared.service_tier, "system_fingerprint": None}

@@ -45,6 +45,13 @@ class ServerConfig:
     served_model_name: str | None = knob(None, "model id clients send; unset: the model's name", group="server")
     log_level: str = knob("info", "log level", group="server", choices=LOG_LEVELS)
     tiny: bool = knob(False, "tiny random-weight model (tests only)", group="server")
+    fresh_db: bool = knob(False, "start even if the database is damaged or an empty file: move it aside "
+                          "(PATH.damaged-<time>) and start with an empty one (default: refuse to start, exit 2)",
+                          group="server")
+    header_timeout_s: float = knob(10.0, "close a connection whose request headers are not complete after this "
+                                   "long, s", group="server")
+    body_timeout_s: float = knob(30.0, "answer 408 when a request body stalls this long between reads, s",
+                                 group="server")
     serving: ServingConfig | None = None   # the engine config (config_from_args fills it)
 
     def __post_init__(self) -> None:
@@ -55,6 +62,8 @@ class ServerConfig:
         _check_int("max_offline_in_flight", self.max_offline_in_flight, 1)
         _check_number("max_body_mb", self.max_body_mb, positive=True)
         _check_number("drain_timeout_s", self.drain_timeout_s, positive=False)
+        _check_number("header_timeout_s", self.header_timeout_s, positive=True)
+        _check_number("body_timeout_s", self.body_timeout_s, positive=True)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ServerConfigError("api_key must be a non-empty string")
         if self.served_model_name is not None and not self.served_model_name:

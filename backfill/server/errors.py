@@ -9,6 +9,7 @@ ever a bug in backfill (logged with its traceback, never shown to the client).
 from __future__ import annotations
 
 import logging
+import sqlite3
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,16 +22,25 @@ from backfill.errors import (AdapterLoadError, BackfillError, ContextLengthError
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+DEFAULT_RETRY_AFTER_S = 1
 
 
 class APIError(BackfillError):
     """A request the server refuses; carries the HTTP status and OpenAI's error fields."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
+        if status_code == 429:
+            # Every 429 says when to come back (clients such as openai-python honour it).
+            self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -78,8 +88,18 @@ def error_response(exc: APIError, headers: dict[str, str] | None = None) -> JSON
 def install_error_handlers(app: FastAPI) -> None:
     async def on_backfill_error(request: Request, exc: BackfillError) -> JSONResponse:
         api = from_backfill_error(exc)
-        headers = {"WWW-Authenticate": "Bearer"} if api.status_code == 401 else None
-        return error_response(api, headers)
+        headers = dict(api.headers)
+        if api.status_code == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return error_response(api, headers or None)
+
+    async def on_store_error(request: Request, exc: sqlite3.Error) -> JSONResponse:
+        # A damaged or unwritable database is the server's problem, said plainly (the connection
+        # stays usable) rather than a bare 500.
+        log.error("database error on %s %s: %s", request.method, request.url.path, exc)
+        api = APIError(503, f"the server's database failed: {exc}", code="store_error",
+                       headers={"Retry-After": "30"})
+        return error_response(api, api.headers)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}",
@@ -96,6 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, "internal server error", code="internal_error"))
 
     app.add_exception_handler(BackfillError, on_backfill_error)
+    app.add_exception_handler(sqlite3.Error, on_store_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(Exception, on_unexpected)

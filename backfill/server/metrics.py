@@ -19,8 +19,11 @@ from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.sequence import SeqStatus
 
 CLASSES = tuple(c.value for c in RequestClass)
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                  "cancelled")
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _PREEMPT_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TPOT_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -29,12 +32,18 @@ class ServerMetrics:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.batch_lines_in_flight: Callable[[], int] = lambda: 0   # set by the app once its worker exists
+        self.backlog: Callable[[], tuple[int, dict[str, int]]] = lambda: (0, {})   # set by the app: the store
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft_s = Histogram("backfill_time_to_first_token_seconds", "Time to first token, per request class",
                                 ["class"], buckets=_TTFT_BUCKETS_S, registry=self.registry)
         self.tpot_s = Histogram("backfill_time_per_output_token_seconds",
                                 "Time per output token after the first, per request class", ["class"],
                                 buckets=_TPOT_BUCKETS_S, registry=self.registry)
+        self.e2e_s = Histogram("backfill_e2e_request_latency_seconds",
+                               "From a request's arrival to its last token (or its end), per request class",
+                               ["class"], buckets=_E2E_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter("backfill_prompt_tokens", "Prompt tokens of finished requests, per class",
+                                     ["class"], registry=self.registry)
         self.requests = Counter("backfill_requests", "Finished requests by class and finish reason",
                                 ["class", "finish_reason"], registry=self.registry)
         self.in_flight = Gauge("backfill_requests_in_flight", "Requests admitted and not yet finished",
@@ -43,6 +52,8 @@ class ServerMetrics:
                                 ["class"], registry=self.registry)
         for cls in CLASSES:  # export zeros from the start so dashboards see every series
             self.ttft_s.labels(cls)
+            self.e2e_s.labels(cls)
+            self.prompt_tokens.labels(cls)
             self.tpot_s.labels(cls)
             self.in_flight.labels(cls)
             self.rejected.labels(cls)
@@ -58,6 +69,11 @@ class ServerMetrics:
         self.requests.labels(request_class, (reason or FinishReason.CANCELLED).value).inc()
         if first_token_s is not None and last_token_s is not None and num_output_tokens > 1:
             self.tpot_s.labels(request_class).observe((last_token_s - first_token_s) / (num_output_tokens - 1))
+
+    def observe_request(self, request_class: str, num_prompt_tokens: int, e2e_s: float) -> None:
+        """Once per API request (its n choices share one prompt)."""
+        self.prompt_tokens.labels(request_class).inc(num_prompt_tokens)
+        self.e2e_s.labels(request_class).observe(max(e2e_s, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -118,6 +134,16 @@ class _EngineCollector(Collector):
                          [ms / 1e3 for ms in list(stats.preemption_latencies_ms)], _PREEMPT_BUCKETS_S)
         yield GaugeMetricFamily("backfill_batch_lines_in_flight", "Batch API lines submitted to the engine",
                                 value=self.owner.batch_lines_in_flight())
+        try:
+            waiting, by_status = self.owner.backlog()
+        except Exception:   # a failing store must not take /metrics down with it (/health reports it)
+            return
+        yield GaugeMetricFamily("backfill_batch_lines_waiting", "Batch API lines of in-progress batches not yet "
+                                "run (the offline backlog)", value=waiting)
+        batches = GaugeMetricFamily("backfill_batches", "Batches by status", labels=["status"])
+        for status in BATCH_STATUSES:
+            batches.add_metric([status], by_status.get(status, 0))
+        yield batches
 
 
 def _histogram(name: str, doc: str, values: list[float], bounds: tuple[float, ...]) -> HistogramMetricFamily:

@@ -2,8 +2,8 @@
 
 Strict mode: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
 fields are ignored (as vLLM does) so clients that send newer OpenAI fields keep working; fields
-backfill cannot honour (n > 1, logprobs, penalties, tools, ...) are refused with a 400 that
-names them rather than silently ignored.
+OpenAI or vLLM define that backfill cannot honour (tools, guided decoding, prompt logprobs,
+custom chat templates, ...) are refused with a 400 that names them rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +18,21 @@ from backfill.server.errors import bad_request, validation_error
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 16
+MAX_N = 16                  # choices per request
+MAX_LOGPROBS = 20           # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
+# Fields of OpenAI's or vLLM's API that backfill does not implement, with the values that mean
+# "not used" (anything else is refused with a 400 naming the field, never silently ignored).
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "functions": (None, []), "function_call": (None, "none"),
+    "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "prompt_logprobs": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "web_search_options": (None,), "logits_processors": (None, []), "bad_words": (None, []),
+    "allowed_token_ids": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "truncate_prompt_tokens": (None,), "lora_request": (None,),
+}
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -26,6 +41,12 @@ class _Strict(BaseModel):
 
     def check_supported(self) -> None:
         """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
+
+
+class _Open(_Strict):
+    """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
 
 class TextPart(_Strict):
@@ -54,7 +75,7 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
-class _GenerationBody(_Strict):
+class _GenerationBody(_Open):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -67,22 +88,23 @@ class _GenerationBody(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None           # vLLM extension
     ignore_eos: bool | None = None                    # vLLM extension
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM extension; 1 = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)                # vLLM extension; 0 = off
     logit_bias: dict[str, float] | None = None
     # OpenAI's name for the cheaper best-effort tier: "flex" runs as an offline request.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported (send 0 or omit it)", param=name)
+        for name, unused in UNSUPPORTED_FIELDS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not any(value == u and type(value) is type(u) for u in unused):
+                raise bad_request(f"{name} is not supported by this server (omit it)", param=name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -112,19 +134,23 @@ class ChatCompletionBody(_GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", param="tools")
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported", param="tool_choice")
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives each token's logprobs list (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -132,21 +158,22 @@ class ChatCompletionBody(_GenerationBody):
 
 class CompletionBody(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs")
         if self.echo:
             raise bad_request("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("only best_of=1 is supported", param="best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise bad_request("best_of other than n is not supported", param="best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", param="suffix")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""

@@ -44,12 +44,13 @@ def run_server(args: argparse.Namespace) -> int:
 
 def serve(config: ServerConfig) -> int:
     from backfill.server.app import create_app
+    from backfill.server.http_timeouts import header_timeout_protocol
     from backfill.server.store import Store
     from backfill.serving.build import build_engine, build_tiny_engine
 
     logging.basicConfig(level=logging.INFO if config.log_level in ("info", "debug", "trace") else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = Store(config.db_path)
+    store = Store(config.db_path, fresh=config.fresh_db)
     try:
         engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
         app = create_app(engine, config, store)
@@ -57,7 +58,7 @@ def serve(config: ServerConfig) -> int:
                  config.host, config.port, config.db_path)
         uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                         timeout_graceful_shutdown=config.drain_timeout_s, lifespan="on",
-                                        access_log=False)
+                                        access_log=False, http=header_timeout_protocol(config.header_timeout_s))
         server = DrainingServer(uvicorn_config, on_exit=app.state.backfill.begin_drain)
         try:
             server.run()

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Iterator
 
 from backfill.errors import ServerConfigError
+from backfill.server import store_integrity
+from backfill.server.store_integrity import StoreIntegrityError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -113,7 +115,9 @@ class LineFailure:
 
 
 class Store:
-    def __init__(self, path: str | Path, exclusive: bool = True) -> None:
+    def __init__(self, path: str | Path, exclusive: bool = True, fresh: bool = False) -> None:
+        """Open (or create) the database; StoreIntegrityError if it is damaged or empty where a
+        database was expected, unless fresh (then the damaged file is moved aside, not deleted)."""
         self.path = Path(path).expanduser()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,16 +127,45 @@ class Store:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self.last_error: str | None = None   # the last failed read or write, for /health
+        try:
+            store_integrity.preflight(self.path, fresh)
+            try:
+                self._open()
+            except StoreIntegrityError:
+                if not fresh:
+                    raise
+                self._close_connections()
+                store_integrity.move_aside(self.path)
+                self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
         try:
             conn = self._conn()
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
+        store_integrity.check(conn, self.path)
+        try:
             conn.executescript(SCHEMA)
         except sqlite3.DatabaseError as exc:
-            self.close()
-            raise ServerConfigError(f"cannot use {self.path} as the server database: {exc}") from None
+            raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
         if str(mode).lower() != "wal":
-            self.close()
             raise ServerConfigError(f"{self.path}: SQLite refused WAL mode (got {mode})")
+
+    def health(self) -> dict:
+        """A cheap live probe of the database (one read), for /health."""
+        try:
+            self._conn().execute("SELECT COUNT(*) FROM batches WHERE status = 'in_progress'").fetchone()
+        except sqlite3.Error as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return {"status": "error", "path": str(self.path), "error": self.last_error}
+        if self.last_error is not None:
+            return {"status": "degraded", "path": str(self.path), "error": self.last_error}
+        return {"status": "ok", "path": str(self.path)}
 
     def _take_lock(self) -> int:
         lock_path = self.path.with_name(self.path.name + ".lock")
@@ -166,17 +199,29 @@ class Store:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
+        except BaseException as exc:
+            if isinstance(exc, sqlite3.DatabaseError):
+                self.last_error = f"{type(exc).__name__}: {exc}"
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
-    def close(self) -> None:
+    def _close_connections(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, []
         for conn in connections:
             conn.close()
         self._local = threading.local()
+
+    def close(self) -> None:
+        self._close_connections()
         if self._lock_fd is not None:
             os.close(self._lock_fd)   # closing the descriptor releases the flock
             self._lock_fd = None
@@ -250,6 +295,14 @@ class Store:
 
     def batch_row(self, batch_id: str) -> sqlite3.Row | None:
         return self._conn().execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
+
+    def backlog(self) -> tuple[int, dict[str, int]]:
+        """(batch lines waiting to run, batches by status), for the metrics."""
+        conn = self._conn()
+        waiting = conn.execute("SELECT COUNT(*) FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
+                               "WHERE l.done = 0 AND b.status = 'in_progress'").fetchone()[0]
+        by_status = dict(conn.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())
+        return waiting, by_status
 
     def request_cancel(self, batch_id: str) -> str | None:
         """Move an active batch to cancelling; returns the status it is in afterwards (None: unknown)."""

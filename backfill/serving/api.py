@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
 
@@ -76,3 +76,4 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     time: float = field(default_factory=time.monotonic)
+    logprobs: tuple[TokenLogprob, ...] = ()   # one per token in token_ids when the request asked for them

@@ -90,8 +90,13 @@ def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) ->
             return LatencyModel.load(path)
         except Exception:  # a stale or corrupt profile is re-measured, not fatal
             pass
+    # The first start on a machine measures for minutes: say so, or it looks hung.
+    log.info("no latency profile at %s: measuring one (first start with this model and device; this takes "
+             "a few minutes, once)", path)
+    started = time.perf_counter()
     latency = profile_latency(runner, model_name=model_name)
     latency.save(path)
+    log.info("latency profile measured in %.0f s and saved to %s", time.perf_counter() - started, path)
     return latency
 
 

@@ -8,8 +8,12 @@ cost. The result is saved and reloaded at start, so serving does not pay for pro
 
 from __future__ import annotations
 
+import logging
+
 from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.policy.latency_model import LatencyModel
+
+log = logging.getLogger(__name__)
 
 # The token table: prefill chunks from position 0, for steps with prompt tokens in them.
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -50,17 +54,21 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
     decode_grid = tuple(n for n in decode_grid if n * kv.blocks_needed(short_ctx + 1) <= kv.num_usable)
     try:
         step_ms = []
-        for n in grid:
+        steps = len(grid) + len(decode_grid) + 1
+        for i, n in enumerate(grid):
+            log.info("profiling step latency %d/%d: a prefill chunk of %d tokens", i + 1, steps, n)
             t = table(max(n, short_ctx + 1))
             step_ms.append(_best_ms(runner, lambda: [SeqChunk("p", [5] * n, 0, t, want_logits=True)], repeats))
             kv.free(scratch.pop())
         decode_ms = []
-        for n in decode_grid:  # n sequences decoding; their context's attention is taken out below
+        for i, n in enumerate(decode_grid):  # n sequences decoding; their context's attention is taken out below
+            log.info("profiling step latency %d/%d: %d sequences decoding", len(grid) + i + 1, steps, n)
             tables = [table(short_ctx + 1) for _ in range(n)]
             decode_ms.append(_best_ms(runner, decode(short_ctx, tables), repeats))
             while scratch:
                 kv.free(scratch.pop())
         # Per-context cost of decode attention: 8 sequences decoding at short vs long context.
+        log.info("profiling step latency %d/%d: attention cost per context token", steps, steps)
         long_ctx = min(1024, max_len - 2, kv.num_usable // (batch + 1) * kv.block_size - 1)
         tables = [table(long_ctx + 1) for _ in range(batch)]
         extra_ctx_tokens = batch * (long_ctx - short_ctx)

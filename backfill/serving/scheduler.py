@@ -20,7 +20,7 @@ import torch
 from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.lora import LoraAdapter
 from backfill.engine.runner import ModelRunner, SeqChunk, SuspendedStep
-from backfill.engine.sampler import sample
+from backfill.engine.sampler import History, TokenLogprob, sample_picks
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.offload.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
@@ -317,9 +317,10 @@ class Scheduler:
             seq.num_computed += len(chunk.token_ids)
             offline_kv_grew |= seq.request_class is RequestClass.OFFLINE
         seqs = [self.seqs[i] for i in out.logit_seq_ids]
-        tokens = sample(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs]) \
-            if seqs else []
-        events = [self._append_token(seq, tok) for seq, tok in zip(seqs, tokens)]
+        picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
+                             [History(s.prompt_ids, s.output_ids) if s.request.sampling.penalized else None
+                              for s in seqs]) if seqs else []
+        events = [self._append_token(seq, pick.token_id, pick.logprob) for seq, pick in zip(seqs, picks)]
         if offline_kv_grew:
             # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot
             # of every sequence) keeps it out of online-only steps.
@@ -366,7 +367,7 @@ class Scheduler:
                 self._preempt(seq, save_tail=False)
         self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
-    def _append_token(self, seq: Sequence, token: int) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
         params = seq.request.sampling
         now = self.clock()
         if seq.first_token_s is None:
@@ -387,12 +388,15 @@ class Scheduler:
                 reason = FinishReason.STOP
         if reason is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
+        logprobs = (logprob,) if logprob is not None else ()
         if reason is not None:
-            return self._finish(seq, reason, (token,))
+            return self._finish(seq, reason, (token,), logprobs)
         return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(params.stop, final=False),
-                          num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n_out, time=now)
+                          num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n_out, time=now,
+                          logprobs=logprobs)
 
-    def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = ()) -> TokenEvent:
+    def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = (),
+                logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED
         if seq.block_table:
@@ -406,7 +410,7 @@ class Scheduler:
             self.stats.finished[seq.request_class.value] += 1
         return TokenEvent(seq.seq_id, token_ids, seq.take_text_delta(seq.request.sampling.stop, final=True),
                           finished=True, finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids),
-                          num_output_tokens=len(seq.output_ids), time=self.clock())
+                          num_output_tokens=len(seq.output_ids), time=self.clock(), logprobs=logprobs)
 
     # --- preemption, checkpoint, restore (ConServe §4.4) ---------------------------------------
 

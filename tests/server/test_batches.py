@@ -1,4 +1,5 @@
-"""The Batch API: a full round trip with the openai client, cancel, listing, and input validation."""
+"""The Batch API: a full round trip with the openai client, cancel, listing, and validation of the
+input file as OpenAI does it (a malformed file fails as a whole, with every reason listed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from backfill.server.batches import BatchWorker, parse_batch_input
+from backfill.server.batches import MAX_LISTED_ERRORS, BatchWorker, parse_batch_input
 from server_helpers import chat_line, live_server, make_app, openai_client, upload, wait_final
 
 
@@ -28,13 +29,10 @@ def client(server):
     return openai_client(server.url)
 
 
-def test_batch_round_trip_with_invalid_lines(client, server):
+def test_batch_round_trip_with_refused_bodies(client, server):
     good = [chat_line(f"req-{i}", f"question {i}") for i in range(5)]
     lines = good[:2] + [
-        "{not json",
         chat_line("bad-temperature", temperature="hot"),
-        json.dumps({"custom_id": "wrong-url", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
-        chat_line("req-0"),                                   # duplicate custom_id
         chat_line("too-long", "x" * 600),                     # beyond the tiny model's 512-token context
         "",
     ] + good[2:]
@@ -46,15 +44,16 @@ def test_batch_round_trip_with_invalid_lines(client, server):
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"job": "test"}
     batch = wait_final(client, batch.id)
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 5, 5)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 5, 2)
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
 
     output = jsonl(client, batch.output_file_id)
     assert sorted(r["custom_id"] for r in output) == sorted(f"req-{i}" for i in range(5))
     for record in output:
+        assert set(record) == {"id", "custom_id", "response", "error"}
         assert record["error"] is None and record["id"].startswith("batch_req_")
         response = record["response"]
-        assert response["status_code"] == 200
+        assert response["status_code"] == 200 and response["request_id"]
         assert response["body"]["object"] == "chat.completion"
         assert response["body"]["service_tier"] == "flex"     # batch lines run as offline requests
         assert 1 <= response["body"]["usage"]["completion_tokens"] <= 4
@@ -66,13 +65,35 @@ def test_batch_round_trip_with_invalid_lines(client, server):
     assert offline_tokens >= batch.usage.output_tokens
 
     errors = {r["custom_id"]: r for r in jsonl(client, batch.error_file_id)}
-    assert set(errors) == {None, "bad-temperature", "wrong-url", "req-0", "too-long"}
-    assert errors[None]["error"]["code"] == "invalid_json" and errors[None]["error"]["line"] == 3
+    assert set(errors) == {"bad-temperature", "too-long"}
     assert errors["bad-temperature"]["response"]["status_code"] == 400
     assert errors["bad-temperature"]["response"]["body"]["error"]["param"] == "temperature"
-    assert errors["wrong-url"]["error"]["code"] == "mismatched_endpoint"
-    assert errors["req-0"]["error"]["code"] == "duplicate_custom_id"
     assert errors["too-long"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_malformed_file_fails_validation_with_every_reason(client, server):
+    finished_before = server.state.engine.scheduler.stats.finished["offline"]
+    lines = [
+        chat_line("ok-1"),
+        "{not json",
+        json.dumps({"custom_id": "wrong-url", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        chat_line("ok-1"),                                    # duplicate custom_id
+        chat_line("other-model", model="gpt-4o"),
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {}}),   # no custom_id
+        chat_line("ok-2"),
+    ]
+    batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_final(client, batch.id)
+    assert batch.status == "failed" and batch.failed_at
+    assert batch.output_file_id is None and batch.error_file_id is None
+    assert batch.request_counts.total == 0
+    reasons = [(e.code, e.line, e.param) for e in batch.errors.data]
+    assert reasons == [("invalid_json_line", 2, None), ("invalid_url", 3, "url"),
+                       ("duplicate_custom_id", 4, "custom_id"), ("model_not_found", 5, "body.model"),
+                       ("invalid_request", 6, "custom_id")]
+    assert all(e.message.startswith(f"line {e.line}: ") for e in batch.errors.data)
+    assert server.state.engine.scheduler.stats.finished["offline"] == finished_before   # nothing ran
 
 
 def test_completions_endpoint_batch(client):
@@ -121,18 +142,23 @@ def test_files_list_and_delete(client):
     assert file.id not in [f.id for f in client.files.list()]
 
 
-def test_parse_batch_input_keeps_good_lines_and_reports_bad_ones():
+def test_parse_batch_input_lists_every_malformed_line():
     content = "\n".join([chat_line("a"), "[1, 2]", "", chat_line("b"), '{"custom_id": 5}']).encode()
-    runnable, failures, fatal = parse_batch_input(content, "/v1/chat/completions", lambda body: None)
-    assert fatal is None
-    assert [(line, cid) for line, cid, _ in runnable] == [(0, "a"), (3, "b")]
-    assert [f.line for f in failures] == [1, 4]
-    assert all(json.loads(f.record)["error"]["code"] == "invalid_request" for f in failures)
+    runnable, failures, errors = parse_batch_input(content, "/v1/chat/completions", lambda body: None)
+    assert [(line, cid) for line, cid, _ in runnable] == [(0, "a"), (3, "b")] and failures == []
+    assert [(e["code"], e["line"]) for e in errors] == [("invalid_request", 2), ("invalid_request", 5)]
 
 
-@pytest.mark.parametrize("content, message", [(b"\n \n", "no requests"), (b"", "no requests")])
-def test_parse_batch_input_fatal(content, message):
-    assert message in parse_batch_input(content, "/v1/chat/completions", lambda body: None)[2]
+def test_parse_batch_input_caps_the_listed_errors():
+    content = "\n".join(["nope"] * (MAX_LISTED_ERRORS + 7)).encode()
+    errors = parse_batch_input(content, "/v1/chat/completions", lambda body: None)[2]
+    assert len(errors) == MAX_LISTED_ERRORS + 1 and errors[-1]["message"] == "and 7 more invalid lines"
+
+
+@pytest.mark.parametrize("content", [b"\n \n", b""])
+def test_parse_batch_input_empty_file(content):
+    errors = parse_batch_input(content, "/v1/chat/completions", lambda body: None)[2]
+    assert [e["code"] for e in errors] == ["empty_file"]
 
 
 def test_worker_fails_batch_whose_input_file_vanished(tmp_path):

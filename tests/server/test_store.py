@@ -135,6 +135,6 @@ def test_one_server_per_database(tmp_path):
 def test_unusable_database_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not sqlite" * 100)
-    with pytest.raises(ServerConfigError, match="cannot use"):
+    with pytest.raises(ServerConfigError, match="is damaged .*not a database"):
         Store(bad)
     Store(bad.with_name("ok.db")).close()

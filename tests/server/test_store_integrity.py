@@ -1,0 +1,130 @@
+"""A damaged or empty database ends in a clear refusal or a bounded failure, never in silent loss
+or an inference loop (issue: pages overwritten with the header intact; a 0-byte file; a result
+that cannot be written)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from backfill.server.store import Store
+from backfill.server.store_integrity import StoreIntegrityError
+from server_helpers import REPO_ROOT, chat_line, free_port, live_server, openai_client, upload, wait_final
+
+PAGE_BYTES = 4096   # SQLite's default page size
+
+
+def filled_database(path: Path, num_files: int = 40) -> None:
+    store = Store(path)
+    for i in range(num_files):
+        store.create_file("batch", f"{i}.jsonl", os.urandom(3000))
+    store.close()   # checkpoints the WAL into the main file
+
+
+def overwrite_middle_pages(path: Path) -> None:
+    """Garbage over pages 3..19, leaving the 100-byte header and page 1 (the schema) intact."""
+    data = bytearray(path.read_bytes())
+    assert len(data) > 20 * PAGE_BYTES
+    for page in range(3, 20):
+        start = page * PAGE_BYTES
+        data[start + 100:start + PAGE_BYTES - 100] = b"\xab" * (PAGE_BYTES - 200)
+    path.write_bytes(bytes(data))
+
+
+def test_overwritten_pages_are_refused_then_moved_aside_with_fresh(tmp_path):
+    db = tmp_path / "s.db"
+    filled_database(db)
+    overwrite_middle_pages(db)
+    with pytest.raises(StoreIntegrityError, match="is damaged .*--fresh-db"):
+        Store(db)
+    assert db.read_bytes()[:16] == b"SQLite format 3\x00"    # refusing touched nothing
+    store = Store(db, fresh=True)
+    assert store.list_files(None, 10, None, "desc") == ([], False)
+    store.close()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("s.db.damaged-")]
+    assert len(aside) == 1 and aside[0].stat().st_size > 20 * PAGE_BYTES   # kept, not deleted
+
+
+def test_zero_byte_file_is_refused_not_taken_as_new(tmp_path):
+    db = tmp_path / "s.db"
+    db.write_bytes(b"")
+    with pytest.raises(StoreIntegrityError, match="0-byte"):
+        Store(db)
+    assert db.stat().st_size == 0
+    Store(db, fresh=True).close()
+    assert db.stat().st_size > 0
+    assert any(p.name.startswith("s.db.damaged-") for p in tmp_path.iterdir())
+
+
+def test_missing_database_with_a_leftover_journal_is_refused(tmp_path):
+    db = tmp_path / "s.db"
+    db.with_name("s.db-wal").write_bytes(b"x" * 1000)
+    with pytest.raises(StoreIntegrityError, match="missing but its journal"):
+        Store(db)
+    Store(tmp_path / "new.db").close()   # a first start (nothing there) is fine
+
+
+@pytest.mark.parametrize("damage", ["pages", "empty"])
+def test_server_process_refuses_to_start_with_a_message(tmp_path, damage):
+    db = tmp_path / "s.db"
+    if damage == "pages":
+        filled_database(db)
+        overwrite_middle_pages(db)
+    else:
+        db.write_bytes(b"")
+    command = [sys.executable, "-m", "backfill.server", "--tiny", "--port", str(free_port()), "--db", str(db)]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "backfill: error:" in done.stderr and "--fresh-db" in done.stderr
+    assert ("damaged" if damage == "pages" else "0-byte") in done.stderr
+
+
+def refuse_inserts(server, condition: str) -> None:
+    """Make the real database refuse result rows (as a failing disk would), from inside SQLite."""
+    server.state.store._conn().execute(
+        f"CREATE TRIGGER refuse BEFORE INSERT ON batch_results WHEN {condition} "
+        "BEGIN SELECT RAISE(ABORT, 'disk I/O error (simulated by a trigger)'); END")
+
+
+def offline_runs(server) -> int:
+    return server.state.engine.scheduler.stats.finished["offline"]
+
+
+def test_unstorable_result_marks_the_line_failed_after_bounded_retries(tmp_path):
+    with live_server(tmp_path) as server:
+        client = openai_client(server.url)
+        refuse_inserts(server, "NEW.ok = 1")
+        batch = client.batches.create(input_file_id=upload(client, [chat_line("a"), chat_line("b")]).id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        batch = wait_final(client, batch.id, timeout_s=30)
+        assert batch.status == "completed"
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (0, 2)
+        errors = client.files.content(batch.error_file_id).text
+        assert errors.count("result_not_stored") == 2
+        assert offline_runs(server) == 2    # each line ran once: nothing re-ran
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["store"]["status"] == "degraded" and "disk I/O error" in health["store"]["error"]
+
+
+def test_store_refusing_everything_does_not_loop_inference(tmp_path):
+    with live_server(tmp_path) as server:
+        client = openai_client(server.url)
+        refuse_inserts(server, "1")
+        batch = client.batches.create(input_file_id=upload(client, [chat_line("a")]).id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 20
+        while not server.state.worker.unwritable:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.5)   # three worker polls: a looping worker would have run the line again
+        assert offline_runs(server) == 1
+        assert client.batches.retrieve(batch.id).request_counts.completed == 0   # nothing was claimed done
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["store"]["unwritable_batch_lines"] == 1
