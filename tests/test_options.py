@@ -69,13 +69,17 @@ def test_server_flags_and_config_file_keys_are_the_server_and_serving_fields(tmp
         assert name in load_config_file(path)
 
 
+# Flags that name the model another way (engine/shapes.py): they resolve to ServingConfig.model.
+SHAPE_FLAGS = {"random_weights", "shape"}
+
+
 @pytest.mark.parametrize("command, extra", [
     (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "out", "json"}),
     (("sim", "coserve"), {"modes", "profile", "machine", "step_overhead_ms", "noise_cv", "out", "json"}),
     (("bench", "server"), {"out", "json"}),
 ])
 def test_scenario_commands_take_the_engine_scenario_and_coserve_fields(command, extra):
-    engine = {o.name for o in options_of(ServingConfig, "engine")}
+    engine = {o.name for o in options_of(ServingConfig, "engine")} | SHAPE_FLAGS
     scenario = {o.name for o in options_of(CoserveScenario)}
     if command == ("bench", "server"):
         scenario -= {o.name for o in options_of(CoserveScenario, "rounds")}
@@ -84,7 +88,7 @@ def test_scenario_commands_take_the_engine_scenario_and_coserve_fields(command, 
 
 
 def test_model_commands_take_the_engine_fields():
-    engine = {o.name for o in options_of(ServingConfig, "engine")}
+    engine = {o.name for o in options_of(ServingConfig, "engine")} | SHAPE_FLAGS
     assert flags_of(subparser("profile")) == engine | {"out"}
     assert flags_of(subparser("demo")) == engine | {"duration", "out", "quiet"}
 

@@ -101,7 +101,7 @@ def model_from_args(args) -> str | None:
     if not getattr(args, "random_weights", False):
         if getattr(args, "shape", None) is not None:
             raise InvalidRequestError("--shape needs --random-weights")
-        return args.model
-    if args.model is not None:
+        return getattr(args, "model", None)
+    if getattr(args, "model", None) is not None:
         raise InvalidRequestError("--random-weights replaces --model: give one of them")
     return random_model_name(args.shape or DEFAULT_SHAPE)
