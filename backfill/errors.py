@@ -79,3 +79,7 @@ class WorkloadError(BackfillError, ValueError):
 
 class TargetError(BackfillError):
     """A benchmark target (e.g. an OpenAI-compatible server) answered a request with an error."""
+
+
+class RealtimeError(BackfillError):
+    """A real-time/best-effort DNN serving input (REEF) is invalid: model, metadata, request or config."""
