@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--model", default=None)
     p.set_defaults(func=cmd_export_hf)
+    from backfill.realtime.cli import add_commands as add_realtime_commands
+    add_realtime_commands(sub, bench)
     return parser
 
 
