@@ -188,10 +188,10 @@ class Scheduler:
         still served, BE work left over is dropped."""
         while True:
             now = time.perf_counter()
+            for r in source.due(min(now, until_s)):
+                self.submit(r)
             if now >= until_s and not self.rt_queue:
                 break
-            for r in source.due(now):
-                self.submit(r)
             if self.rt_queue:
                 self._realtime_mode(source)
                 continue
