@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,14 +119,27 @@ class RunResult:
     duration_s: float
     rt: list[tuple[str, float]]            # (model, latency_s)
     completed: dict[str, int]              # client -> requests completed
-    preemptions: list[tuple[str, float]]   # (path, RT arrival -> BE stopped, s)
+    preemptions: list[tuple[str, float, float]]  # (path, RT arrival -> BE stopped, preempt call -> stopped), s
     reexecuted_ops: int
     padded_ops: int
 
 
+def mode_config(mode: str) -> SchedulerConfig:
+    """A mode name, optionally with REEF's in-flight capacity: "reef@16" is reef with 16 ops in flight."""
+    name, _, cap = mode.partition("@")
+    if name not in MODE_CONFIGS:
+        raise RealtimeError(f"unknown mode {mode!r}; known: {', '.join(MODE_CONFIGS)} (reef modes take @CAPACITY)")
+    config = MODE_CONFIGS[name]
+    if cap:
+        if not cap.isdigit() or config.mode != "reef":
+            raise RealtimeError(f"{mode!r}: only reef modes take @CAPACITY, an integer")
+        config = replace(config, inflight_capacity=int(cap))
+    return config
+
+
 def run_once(workload: DisbWorkload, mode: str, models: dict[str, ServedModel], duration_s: float,
              seed: int) -> RunResult:
-    config = MODE_CONFIGS[mode]
+    config = mode_config(mode)
     be = {c.name: c.model for c in workload.clients if c.priority == "best-effort"}
     with Scheduler(config, models, be) as sched:
         t0 = time.perf_counter() + 0.05
@@ -137,7 +150,7 @@ def run_once(workload: DisbWorkload, mode: str, models: dict[str, ServedModel], 
         for r in done:
             completed[r.client] = completed.get(r.client, 0) + 1
         return RunResult(mode, duration_s, [(r.model, r.latency_s) for r in done if r.realtime], completed,
-                         [(p.path, p.from_arrival_s) for p in sched.preemptions],
+                         [(p.path, p.from_arrival_s, p.from_signal_s) for p in sched.preemptions],
                          sum(r.reexecuted_ops for r in done), sched.padded_ops)
 
 
@@ -150,15 +163,13 @@ def summarize(results: list[RunResult], workload: DisbWorkload, models: dict[str
         norm = np.array([lat / models[m].solo_s for r in rs for m, lat in r.rt])
         seconds = sum(r.duration_s for r in rs)
         tput = sum(n * models[client_model[c]].solo_s for r in rs for c, n in r.completed.items()) / seconds
-        pre = [(p, s) for r in rs for p, s in r.preemptions]
+        pre = [p for r in rs for p in r.preemptions]
         rows[mode] = {"rt_requests": int(len(norm)),
                       "rt_p50_norm": float(np.percentile(norm, 50)) if len(norm) else None,
                       "rt_p99_norm": float(np.percentile(norm, 99)) if len(norm) else None,
                       "throughput_norm": tput, "preemptions": len(pre),
-                      "preempt_us": {path: {"p50": float(np.percentile([s for p, s in pre if p == path], 50) * 1e6),
-                                            "p99": float(np.percentile([s for p, s in pre if p == path], 99) * 1e6),
-                                            "n": sum(p == path for p, _ in pre)}
-                                     for path in sorted({p for p, _ in pre})},
+                      "preempt_us": {path: _latency_stats([p for p in pre if p[0] == path])
+                                     for path in sorted({p[0] for p in pre})},
                       "reexecuted_ops": sum(r.reexecuted_ops for r in rs), "padded_ops": sum(r.padded_ops for r in rs)}
     base = rows.get("rt-only", {}).get("rt_p99_norm")
     seq = rows.get("seq", {}).get("throughput_norm")
@@ -168,12 +179,23 @@ def summarize(results: list[RunResult], workload: DisbWorkload, models: dict[str
     return rows
 
 
+def _timed_inference(served: ServedModel) -> float:
+    start = time.perf_counter()
+    served.model.infer(served.model.example_input)
+    return time.perf_counter() - start
+
+
+def _latency_stats(pre: list[tuple[str, float, float]]) -> dict:
+    arrival, signal = np.array([p[1] for p in pre]) * 1e6, np.array([p[2] for p in pre]) * 1e6
+    return {"n": len(pre), "p50": float(np.percentile(arrival, 50)), "p99": float(np.percentile(arrival, 99)),
+            "signal_p50": float(np.percentile(signal, 50)), "signal_p99": float(np.percentile(signal, 99))}
+
+
 def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: int, seed: int = 0,
              scales: dict[str, float] | None = None, all_models: tuple[str, ...] = ALL_MODELS,
              workload_file: str | None = None, metadata_dir: Path | None = None, log=print) -> dict:
     for m in modes:
-        if m not in MODE_CONFIGS:
-            raise RealtimeError(f"unknown mode {m!r}; known: {', '.join(MODE_CONFIGS)}")
+        mode_config(m)
     if rounds < 1 or duration_s <= 0:
         raise RealtimeError("rounds must be >= 1 and duration positive")
     torch.set_num_threads(1)
@@ -192,20 +214,26 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
     for letter in ([custom.name or "custom"] if custom else letters):
         wl = custom or dnn_preset(letter, {n: m.solo_s for n, m in models.items()}, duration_s, all_models)
         results = []
+        solo_runs: dict[str, list[float]] = {n: [] for n in models}
         for k in range(rounds):
+            for n, m in models.items():  # standalone times re-measured beside the modes, round by round
+                solo_runs[n] += [_timed_inference(m) for _ in range(3)]
             for mode in modes:
                 results.append(run_once(wl, mode, models, duration_s / rounds, seed + k))
-        rows = summarize(results, wl, models)
-        report["workloads"][wl.name] = {"clients": wl.to_json()["clients"], "modes": rows}
+        solo = {n: replace(m, solo_s=float(np.median(solo_runs[n]))) for n, m in models.items()}
+        rows = summarize(results, wl, solo)
+        report["workloads"][wl.name] = {"solo_ms": {n: m.solo_s * 1e3 for n, m in solo.items()}}
+        report["workloads"][wl.name].update(clients=wl.to_json()["clients"], modes=rows)
         log(format_rows(wl.name, rows))
     return report
 
 
 def format_rows(name: str, rows: dict) -> str:
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    lines = [f"DISB {name}: mode | RT n | RT P50 (x solo) | RT P99 (x solo) | P99 / RT-only | throughput (norm) | vs SEQ | preemptions"]
+    lines = [f"DISB {name}: mode | RT n | RT P50 (x solo) | RT P99 (x solo) | P99 / RT-only | throughput (norm) | vs SEQ | preemptions (latency from RT arrival / from the preempt call)"]
     for mode, r in rows.items():
-        pre = ", ".join(f"{p} {v['n']}: P50 {v['p50']:.0f} us P99 {v['p99']:.0f} us" for p, v in r["preempt_us"].items())
+        pre = ", ".join(f"{p} {v['n']}: P50 {v['p50']:.0f}/{v['signal_p50']:.0f} us P99 {v['p99']:.0f}/{v['signal_p99']:.0f} us"
+                        for p, v in r["preempt_us"].items())
         lines.append(f"  {mode:10s} | {r['rt_requests']:4d} | {f(r['rt_p50_norm'], '.2f')} | {f(r['rt_p99_norm'], '.2f')} | "
                      f"{f(r['rt_p99_vs_rt_only'], '.3f')} | {r['throughput_norm']:.3f} | {f(r['throughput_vs_seq'], '.2f')} | "
                      f"{pre or '-'}")

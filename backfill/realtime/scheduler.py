@@ -41,12 +41,14 @@ _DEEP_QUEUE = 1024  # seq / concurrent launch a whole request at once, as stream
 class SchedulerConfig:
     mode: str = "reef"
     inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
-    preempt_path: str = "auto"       # evict (wait for the running op), kill (abort it), auto (kill long ops)
-    kill_min_remaining_ms: float = 1.0  # auto: kill when the running op should run longer than this
+    preempt_path: str = "auto"       # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill)
+    evict_wait_ms: float = 0.5       # auto: wait this long at most for the running op, else kill it
     pad: bool = False                # §5: BE ops into the cores an RT op leaves idle
     cores: int = 2
     rt_threads: int = 1
     busy_poll: bool = False          # spin instead of sleeping on the progress semaphore
+    be_nice: int = 5                 # reef: BE workers this many nice levels below the scheduler, so the
+                                     # OS runs the scheduler first when an RT request arrives (stream priority)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,8 +57,10 @@ class SchedulerConfig:
             raise RealtimeError(f"preempt_path must be one of {PREEMPT_PATHS}, got {self.preempt_path!r}")
         if not 1 <= self.inflight_capacity <= _DEEP_QUEUE:
             raise RealtimeError(f"inflight_capacity must be in 1..{_DEEP_QUEUE}, got {self.inflight_capacity}")
-        if self.kill_min_remaining_ms < 0:
-            raise RealtimeError("kill_min_remaining_ms must be >= 0")
+        if self.evict_wait_ms < 0:
+            raise RealtimeError("evict_wait_ms must be >= 0")
+        if not 0 <= self.be_nice <= 19:
+            raise RealtimeError(f"be_nice must be in 0..19, got {self.be_nice}")
         if not 1 <= self.rt_threads <= self.cores:
             raise RealtimeError(f"rt_threads must be in 1..cores ({self.cores}), got {self.rt_threads}")
 
@@ -147,7 +151,8 @@ class Scheduler:
         self.streams: dict[str, _Stream] = {}
         for name, model in ({} if config.mode == "rt-only" else be_streams).items():
             served = self._served(model)
-            self.streams[name] = _Stream(served, BEWorker(served.model, capacity, self._progress))
+            nice = self.config.be_nice if config.mode == "reef" else 0  # the baselines have no priorities
+            self.streams[name] = _Stream(served, BEWorker(served.model, capacity, self._progress, nice))
         self.rt_queue: deque[Request] = deque()
         self.rt_ws: dict[str, Workspace] = {}
         self.completed: list[Request] = []
@@ -262,14 +267,14 @@ class Scheduler:
             self._preempt_all(self.rt_queue[0])
             if self.config.pad:
                 for s in self.streams.values():
-                    s.worker.set_idle_priority(True)
+                    s.worker.lower_priority(True)
         while self.rt_queue:
             self._run_rt(self.rt_queue.popleft(), source)
             for r in source.due(time.perf_counter()):
                 self.submit(r)
         if mode == "reef" and self.config.pad:
             for s in self.streams.values():
-                s.worker.set_idle_priority(False)
+                s.worker.lower_priority(False)
 
     def _preempt_all(self, trigger: Request) -> None:
         """REEF Fig. 8 preempt(): reset host queues, set eviction flags, reset what is running."""
@@ -289,16 +294,16 @@ class Scheduler:
             op = running[id(s)]
             if op < 0:
                 continue
+            # auto: an op profiled to end within evict_wait_ms is waited for; one that should run
+            # longer, or overruns the wait (its process was descheduled), is killed.
             remaining_s = float(s.served.op_s[op]) - s.worker.running_for_s()
-            kill = self.config.preempt_path == "kill" or (
-                self.config.preempt_path == "auto" and remaining_s * 1e3 > self.config.kill_min_remaining_ms)
-            if kill:  # (3) abort the running op; it is re-executed from its group's entry
-                s.worker.kill()
-                s.killed_op = op
-                path = "kill"
-            else:
-                s.worker.wait_stopped(op)
+            wait_s = {"kill": 0.0, "evict": float("inf"), "auto": self.config.evict_wait_ms / 1e3}[self.config.preempt_path]
+            if remaining_s <= wait_s and s.worker.wait_stopped(op, wait_s):
                 path = "evict" if path != "kill" else path
+                continue
+            s.worker.kill()  # (3) abort the running op; it is re-executed from its group's entry
+            s.killed_op = op
+            path = "kill"
         t1 = time.perf_counter()
         self.preemptions.append(Preemption(path, t1 - trigger.arrival_s, t1 - t0, len(active)))
 
@@ -341,8 +346,8 @@ class Scheduler:
     def _pad(self, rt_op_s: float, source: ArrivalSource) -> None:
         """§5 on CPU: launch BE ops onto the cores the RT op leaves idle, one op per free core.
 
-        Rule 1: a BE op runs only if it is profiled shorter than the RT op it pads, so it ends
-        before the RT request needs the core back. Rule 2 (occupancy): cores - rt_threads cores.
+        Rule 1: the BE unit (a few consecutive ops) is profiled shorter than the RT op it pads, so it
+        ends before the RT request needs the core back. Rule 2 (occupancy): cores - rt_threads cores.
         """
         free = self.config.cores - self.config.rt_threads
         if free <= 0 or not self.streams:
@@ -360,8 +365,15 @@ class Scheduler:
                 continue
             if s.preempted and not self._restore(s):
                 continue
-            if s.host_queue and float(s.served.op_s[s.host_queue[0]]) <= rt_op_s:
-                s.worker.push(s.host_queue.popleft())
-                self.padded_ops += 1
+            # The BE unit: consecutive ops of the stream whose profiled time fits in the RT op's.
+            budget_s = rt_op_s
+            pushed = 0
+            while s.host_queue and float(s.served.op_s[s.host_queue[0]]) <= budget_s:
+                if not s.worker.push(s.host_queue[0]):
+                    break
+                budget_s -= float(s.served.op_s[s.host_queue.popleft()])
+                pushed += 1
+            if pushed:
+                self.padded_ops += pushed
                 busy += 1
                 self._pad_next = (self._pad_next + k + 1) % len(streams)

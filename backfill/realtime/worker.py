@@ -63,12 +63,13 @@ def _serve(model: OpModel, ctl: np.ndarray, ws: Workspace, capacity: int, items,
 class BEWorker:
     """One BE stream's worker process, its shared workspace and its in-flight queue."""
 
-    def __init__(self, model: OpModel, capacity: int, progress) -> None:
+    def __init__(self, model: OpModel, capacity: int, progress, nice_offset: int = 0) -> None:
         if capacity < 1:
             raise RealtimeError(f"in-flight queue capacity must be >= 1, got {capacity}")
         self.model = model
         self.capacity = capacity
         self.progress = progress
+        self.nice_offset = nice_offset
         _, size = model.layout()
         self._ws_shm = SharedMemory(create=True, size=size)
         self._ctl_shm = SharedMemory(create=True, size=8 * (RING + capacity))
@@ -88,6 +89,8 @@ class BEWorker:
         pid = os.fork()
         if pid == 0:
             try:
+                if self.nice_offset:
+                    os.nice(self.nice_offset)
                 _serve(self.model, self.ctl, self.ws, self.capacity, self.items, self.progress, self.lock)
             finally:
                 os._exit(1)
@@ -143,10 +146,15 @@ class BEWorker:
     def running_for_s(self) -> float:
         return (time.monotonic_ns() - int(self.ctl[OP_START_NS])) / 1e9
 
-    def wait_stopped(self, running: int) -> None:
-        """Lazy eviction alone: spin until the op that was running completes."""
+    def wait_stopped(self, running: int, timeout_s: float) -> bool:
+        """Lazy eviction alone: wait (sleeping, so the op has a core to finish on) until the op that
+        was running completes; False if it is still running after timeout_s."""
+        deadline = time.perf_counter() + timeout_s
         while int(self.ctl[RUNNING]) == running and running >= 0:
-            pass
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(20e-6)
+        return True
 
     def kill(self) -> None:
         """Abort what is running (REEF §4.3's reset of the compute units).
@@ -164,13 +172,14 @@ class BEWorker:
             os.waitpid(self._zombie, 0)
             self._zombie = None
 
-    def set_idle_priority(self, idle: bool) -> None:
-        """SCHED_IDLE while RT work runs: a padded BE op then only gets CPU the RT op leaves idle."""
+    def lower_priority(self, lower: bool) -> None:
+        """While RT work runs, a padded BE op runs 10 nice levels below the scheduler (§5: BE gets
+        only what the RT op leaves); back to its normal level after."""
         if self.pid is None:
             return
-        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+        base = os.getpriority(os.PRIO_PROCESS, 0)
         try:
-            os.sched_setscheduler(self.pid, policy, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, self.pid, min(19, base + (10 if lower else self.nice_offset)))
         except (PermissionError, ProcessLookupError):
             pass
 
