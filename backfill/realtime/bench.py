@@ -262,14 +262,14 @@ def bench_preemption(model_names: list[str], paths: list[str], trials: int, scal
                 for _ in range(trials):
                     req = Request("be", name, False, served.model.example_input, time.perf_counter())
                     sched.streams["be"].queue.append(req)
-                    sched._service_be(_NoSource())
+                    sched.service_be(_NoSource())
                     time.sleep(float(rng.uniform(0.1, 0.9)) * served.solo_s)
                     trigger = Request("rt", name, True, served.model.example_input, time.perf_counter())
-                    sched._preempt_all(trigger)
+                    sched.preempt_all(trigger)
                     if sched.preemptions and sched.preemptions[-1].path != "idle":
                         lat.append(sched.preemptions[-1].from_arrival_s)
                     while s.current is not None:  # restore and finish; output must be bit-exact
-                        sched._service_be(_NoSource())
+                        sched.service_be(_NoSource())
                         time.sleep(0.0002)
                     ok &= bool(torch.equal(sched.completed[-1].output, ref))
             row[path] = {"n": len(lat), "p50_us": float(np.percentile(lat, 50) * 1e6) if lat else None,

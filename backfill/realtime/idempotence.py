@@ -30,18 +30,31 @@ View = tuple[int, tuple[int, ...], tuple[int, ...], int]  # storage offset, shap
 Access = tuple[int, View, bool]  # (storage key, the view accessed, is_write)
 
 
-def _byte_addresses(view: View) -> np.ndarray:
-    """The exact bytes of its storage that a tensor view covers (strided views included)."""
+def _byte_addresses(view: View) -> slice | np.ndarray:
+    """The exact bytes of its storage that a tensor view covers: a slice when they are one dense
+    range (the common case), else every byte's offset (strided views)."""
     offset, shape, strides, item = view
     if 0 in shape:
-        return np.empty(0, dtype=np.int64)
+        return slice(0, 0)
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    expected = 1
+    for st, n in dims:  # a permutation of a contiguous layout covers one dense range
+        if st != expected:
+            break
+        expected *= n
+    else:
+        return slice(offset * item, (offset + expected) * item)
     offsets = np.zeros(1, dtype=np.int64) + offset
-    for size, stride in sorted(zip(shape, strides), key=lambda p: -p[1]):
+    for size, stride in zip(shape, strides):
         offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
     offsets = np.unique(offsets)
-    if len(offsets) and offsets[-1] - offsets[0] + 1 == len(offsets):  # dense: one range
-        return np.arange(offsets[0] * item, (offsets[-1] + 1) * item, dtype=np.int64)
     return (offsets[:, None] * item + np.arange(item, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def _extent(addr: slice | np.ndarray) -> int:
+    if isinstance(addr, slice):
+        return addr.stop
+    return int(addr.max()) + 1 if len(addr) else 0
 
 
 class _AccessTracer(TorchDispatchMode):
@@ -112,8 +125,7 @@ def _summaries(traces: list[list[Access]]) -> list[_OpSummary]:
     size: dict[int, int] = {}
     for trace in traces:
         for key, addr, _ in trace:
-            if len(addr):
-                size[key] = max(size.get(key, 0), int(addr.max()) + 1)
+            size[key] = max(size.get(key, 0), _extent(addr))
     out = []
     for trace in traces:
         seen: dict[int, np.ndarray] = {}
@@ -121,12 +133,13 @@ def _summaries(traces: list[list[Access]]) -> list[_OpSummary]:
         wf: dict[int, np.ndarray] = {}
         wr: dict[int, np.ndarray] = {}
         for key, addr, is_write in trace:
-            if not len(addr):
+            if _extent(addr) == 0:
                 continue
             for d in (seen, rf, wf, wr):
                 d.setdefault(key, np.zeros(size[key], dtype=bool))
-            fresh = addr[~seen[key][addr]]
-            (wf if is_write else rf)[key][fresh] = True
+            first = ~seen[key][addr]  # bytes this op touches here for the first time
+            target = (wf if is_write else rf)[key]
+            target[addr] |= first
             seen[key][addr] = True
             if is_write:
                 wr[key][addr] = True

@@ -355,15 +355,16 @@ def llm(layers: int | None = None) -> OpModel:
 
 
 def build_model(name: str, scale: float = 1.0) -> OpModel:
-    """A model by name; `scale` < 1 shrinks widths (and the LLM's depth) for tests."""
+    """A model by name at `scale` of its widths; at test scales (<= 1/8) also fewer layers/blocks."""
+    tiny = scale <= 0.125
     if name == "resnet152":
-        return resnet152(scale) if scale >= 1 else resnet152(scale, blocks=(1, 2, 2, 1))
+        return resnet152(scale, blocks=(1, 2, 2, 1)) if tiny else resnet152(scale)
     if name == "vgg19":
         return vgg19(scale)
     if name == "bert":
-        return bert(scale, layers=12 if scale >= 1 else 2)
+        return bert(scale, layers=2 if tiny else 12)
     if name == "gpt2":
-        return gpt2(scale, layers=12 if scale >= 1 else 2)
+        return gpt2(scale, layers=2 if tiny else 12)
     if name == "llm":
-        return llm(None if scale >= 1 else 2)
+        return llm(2 if scale < 1 else None)
     raise RealtimeError(f"unknown model {name!r}; known: {', '.join(MODEL_NAMES)}")

@@ -200,7 +200,7 @@ class Scheduler:
             if self.rt_queue:
                 self._realtime_mode(source)
                 continue
-            self._service_be(source)
+            self.service_be(source)
             self._wait(min(source.next_s(), until_s) - time.perf_counter())
 
     def _wait(self, timeout_s: float) -> None:
@@ -214,7 +214,8 @@ class Scheduler:
 
     # -- normal mode ----------------------------------------------------------------------------
 
-    def _service_be(self, source: ArrivalSource) -> None:
+    def service_be(self, source: ArrivalSource) -> None:
+        """Normal mode, one pass: finish, restore, start and top up every BE stream."""
         mode = self.config.mode
         if mode == "seq" and any(s.current is not None for s in self.streams.values()):
             for s in self.streams.values():
@@ -264,7 +265,7 @@ class Scheduler:
                     self._check_done(s, source)
                 self._progress.acquire(timeout=0.001)
         elif mode == "reef":
-            self._preempt_all(self.rt_queue[0])
+            self.preempt_all(self.rt_queue[0])
             if self.config.pad:
                 for s in self.streams.values():
                     s.worker.lower_priority(True)
@@ -276,7 +277,7 @@ class Scheduler:
             for s in self.streams.values():
                 s.worker.lower_priority(False)
 
-    def _preempt_all(self, trigger: Request) -> None:
+    def preempt_all(self, trigger: Request) -> None:
         """REEF Fig. 8 preempt(): reset host queues, set eviction flags, reset what is running."""
         t0 = time.perf_counter()
         active = [s for s in self.streams.values() if s.current is not None and not s.preempted]
@@ -334,7 +335,7 @@ class Scheduler:
         ws.set_input(req.x)
         for i in range(len(served.model)):
             if self.config.mode == "concurrent":
-                self._service_be(source)
+                self.service_be(source)
             elif self.config.pad:
                 self._pad(float(served.op_s[i]), source)
             ws.run_op(i)

@@ -31,7 +31,7 @@ def _serve_until(sched, stream, cond, timeout_s=20.0):
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "worker made no progress"
-        sched._service_be(_Quiet())
+        sched.service_be(_Quiet())
         time.sleep(0.0002)
 
 
@@ -44,13 +44,13 @@ def test_preempted_be_request_output_is_bit_exact(tiny_models, name, path):
     with Scheduler(SchedulerConfig(mode="reef", preempt_path=path), tiny_models, {"be": name}) as sched:
         s = sched.streams["be"]
         sched.submit(Request("be", name, False, served.model.example_input, time.perf_counter()))
-        sched._service_be(_Quiet())
+        sched.service_be(_Quiet())
         assert s.current is not None
         for frac in (0.2, 0.5, 0.8):  # three preemptions spread over the request
             _serve_until(sched, s, lambda: s.worker.last_done >= int(frac * n) or s.current is None)
             if s.current is None:
                 break
-            sched._preempt_all(Request("rt", name, True, served.model.example_input, time.perf_counter()))
+            sched.preempt_all(Request("rt", name, True, served.model.example_input, time.perf_counter()))
             assert s.preempted and not s.host_queue
             if sched.preemptions[-1].path == "kill":
                 assert s.worker.pid is None
