@@ -255,7 +255,7 @@ def bench_preemption(model_names: list[str], paths: list[str], trials: int, scal
         row = {}
         for path in paths:
             config = SchedulerConfig(mode="reef", preempt_path=path)
-            lat, ok = [], True
+            lat, paths_seen, ok = [], [], True
             with Scheduler(config, models, {"be": name}) as sched:
                 s = sched.streams["be"]
                 ref = served.model.infer(served.model.example_input)
@@ -263,19 +263,24 @@ def bench_preemption(model_names: list[str], paths: list[str], trials: int, scal
                     req = Request("be", name, False, served.model.example_input, time.perf_counter())
                     sched.streams["be"].queue.append(req)
                     sched.service_be(_NoSource())
-                    time.sleep(float(rng.uniform(0.1, 0.9)) * served.solo_s)
+                    at = time.perf_counter() + float(rng.uniform(0.1, 0.9)) * served.solo_s
+                    while time.perf_counter() < at and s.current is not None:  # normal mode until the RT arrival
+                        sched.service_be(_NoSource())
+                        time.sleep(0.0002)
                     trigger = Request("rt", name, True, served.model.example_input, time.perf_counter())
                     sched.preempt_all(trigger)
                     if sched.preemptions and sched.preemptions[-1].path != "idle":
                         lat.append(sched.preemptions[-1].from_arrival_s)
+                        paths_seen.append(sched.preemptions[-1].path)
                     while s.current is not None:  # restore and finish; output must be bit-exact
                         sched.service_be(_NoSource())
                         time.sleep(0.0002)
                     ok &= bool(torch.equal(sched.completed[-1].output, ref))
             row[path] = {"n": len(lat), "p50_us": float(np.percentile(lat, 50) * 1e6) if lat else None,
-                         "p99_us": float(np.percentile(lat, 99) * 1e6) if lat else None, "outputs_exact": ok}
+                         "p99_us": float(np.percentile(lat, 99) * 1e6) if lat else None, "outputs_exact": ok,
+                         "stopped_by": {p: paths_seen.count(p) for p in sorted(set(paths_seen))}}
             log(f"{name:10s} {path:6s} n={len(lat):3d} P50 {row[path]['p50_us'] or 0:8.0f} us  "
-                f"P99 {row[path]['p99_us'] or 0:8.0f} us  outputs bit-exact: {ok}")
+                f"P99 {row[path]['p99_us'] or 0:8.0f} us  outputs bit-exact: {ok}  {row[path]['stopped_by']}")
         out[name] = row
     return out
 

@@ -41,7 +41,7 @@ _DEEP_QUEUE = 1024  # seq / concurrent launch a whole request at once, as stream
 class SchedulerConfig:
     mode: str = "reef"
     inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
-    preempt_path: str = "auto"       # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill)
+    preempt_path: str = "kill"       # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill)
     evict_wait_ms: float = 0.5       # auto: wait this long at most for the running op, else kill it
     pad: bool = False                # §5: BE ops into the cores an RT op leaves idle
     cores: int = 2
