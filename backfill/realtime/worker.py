@@ -77,7 +77,7 @@ class BEWorker:
         self.ws = model.workspace(self._ws_shm.buf)
         self.lock = _MP.Lock()
         self.pid: int | None = None
-        self._zombie: int | None = None
+        self._zombies: list[int] = []
         self.restarts = 0
         self._start()
 
@@ -165,12 +165,16 @@ class BEWorker:
         if self.pid is None:
             return
         os.kill(self.pid, signal.SIGKILL)
-        self._zombie, self.pid = self.pid, None
+        self._zombies.append(self.pid)
+        self.pid = None
 
-    def _reap(self) -> None:
-        if self._zombie is not None:
-            os.waitpid(self._zombie, 0)
-            self._zombie = None
+    def _reap(self, block: bool) -> None:
+        """Collect killed processes; without `block`, only those that have finished exiting (a
+        killed process still tears down its address space, which must not hold up the scheduler)."""
+        for pid in list(self._zombies):
+            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+            if done:
+                self._zombies.remove(pid)
 
     def lower_priority(self, lower: bool) -> None:
         """While RT work runs, a padded BE op runs 10 nice levels below the scheduler (§5: BE gets
@@ -188,7 +192,7 @@ class BEWorker:
         if self.pid is not None:
             raise RealtimeError("restart of a live worker")
         last_done = self.last_done
-        self._reap()
+        self._reap(block=False)
         self._start()
         self.ctl[LAST_DONE] = last_done
         self.restarts += 1
@@ -208,7 +212,7 @@ class BEWorker:
                     time.sleep(0.001)
             if self.pid is not None:
                 self.kill()
-        self._reap()
+        self._reap(block=True)
         del self.ws, self.ctl
         for shm in (self._ws_shm, self._ctl_shm):
             shm.close()
