@@ -206,6 +206,10 @@ class Scheduler:
     def _wait(self, timeout_s: float) -> None:
         if timeout_s <= 0:
             return
+        if timeout_s > 0.02:  # time to spare before the next RT arrival: fork restarts ahead
+            for s in self.streams.values():
+                if s.worker.restarts or s.worker.pid is None:
+                    s.worker.ensure_spare()
         if self.config.busy_poll or not self.streams:
             if not self.streams:
                 time.sleep(max(0.0, timeout_s - 2e-4))  # nothing to poll but the clock

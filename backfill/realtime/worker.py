@@ -78,23 +78,40 @@ class BEWorker:
         self.lock = _MP.Lock()
         self.pid: int | None = None
         self._zombies: list[int] = []
+        self._spare: tuple | None = None
         self.restarts = 0
         self._start()
 
-    def _start(self) -> None:
-        self.ctl[:] = 0
-        self.ctl[RUNNING] = self.ctl[STOPPED_AT] = self.ctl[LAST_DONE] = -1
-        self.items = _MP.Semaphore(0)
-        self.lock = _MP.Lock()
+    def _fork(self, activate=None) -> tuple[int, object, object]:
+        """A worker process with its own queue semaphore and lock; a spare (`activate` given)
+        sleeps until it is activated in place of a killed worker."""
+        items, lock = _MP.Semaphore(0), _MP.Lock()
         pid = os.fork()
         if pid == 0:
             try:
                 if self.nice_offset:
                     os.nice(self.nice_offset)
-                _serve(self.model, self.ctl, self.ws, self.capacity, self.items, self.progress, self.lock)
+                if activate is not None:
+                    activate.acquire()
+                _serve(self.model, self.ctl, self.ws, self.capacity, items, self.progress, lock)
             finally:
                 os._exit(1)
-        self.pid = pid
+        return pid, items, lock
+
+    def _reset_ctl(self) -> None:
+        self.ctl[:] = 0
+        self.ctl[RUNNING] = self.ctl[STOPPED_AT] = self.ctl[LAST_DONE] = -1
+
+    def _start(self) -> None:
+        self._reset_ctl()
+        self.pid, self.items, self.lock = self._fork()
+
+    def ensure_spare(self) -> None:
+        """Fork the next restart's process ahead of need, when the scheduler has time to spare,
+        so that a restore after a kill does not fork on the scheduler's path."""
+        if self._spare is None:
+            activate = _MP.Semaphore(0)
+            self._spare = (*self._fork(activate), activate)
 
     # -- launching ------------------------------------------------------------------------------
 
@@ -193,7 +210,13 @@ class BEWorker:
             raise RealtimeError("restart of a live worker")
         last_done = self.last_done
         self._reap(block=False)
-        self._start()
+        if self._spare is not None:
+            self._reset_ctl()
+            self.pid, self.items, self.lock, activate = self._spare
+            self._spare = None
+            activate.release()
+        else:
+            self._start()
         self.ctl[LAST_DONE] = last_done
         self.restarts += 1
 
@@ -212,6 +235,10 @@ class BEWorker:
                     time.sleep(0.001)
             if self.pid is not None:
                 self.kill()
+        if self._spare is not None:
+            os.kill(self._spare[0], signal.SIGKILL)
+            self._zombies.append(self._spare[0])
+            self._spare = None
         self._reap(block=True)
         del self.ws, self.ctl
         for shm in (self._ws_shm, self._ctl_shm):
