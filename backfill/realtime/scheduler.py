@@ -47,6 +47,7 @@ class SchedulerConfig:
     cores: int = 2
     rt_threads: int = 1
     busy_poll: bool = False          # spin instead of sleeping on the progress semaphore
+    spin_ms: float = 1.0             # spin (not sleep) this long before the next RT arrival
     be_nice: int = 5                 # reef: BE workers this many nice levels below the scheduler, so the
                                      # OS runs the scheduler first when an RT request arrives (stream priority)
 
@@ -59,6 +60,8 @@ class SchedulerConfig:
             raise RealtimeError(f"inflight_capacity must be in 1..{_DEEP_QUEUE}, got {self.inflight_capacity}")
         if self.evict_wait_ms < 0:
             raise RealtimeError("evict_wait_ms must be >= 0")
+        if self.spin_ms < 0:
+            raise RealtimeError("spin_ms must be >= 0")
         if not 0 <= self.be_nice <= 19:
             raise RealtimeError(f"be_nice must be in 0..19, got {self.be_nice}")
         if not 1 <= self.rt_threads <= self.cores:
@@ -204,17 +207,16 @@ class Scheduler:
             self._wait(min(source.next_s(), until_s) - time.perf_counter())
 
     def _wait(self, timeout_s: float) -> None:
-        if timeout_s <= 0:
+        # REEF §3 busy-polls; here the loop sleeps and spins only for the last spin_ms before the
+        # next RT arrival, so a sleeping wake-up (late on a loaded machine) never delays one. Every
+        # mode, RT-only included, gets the same margin.
+        spin_s = self.config.spin_ms / 1e3
+        if timeout_s <= spin_s or self.config.busy_poll:
             return
-        if timeout_s > 0.02:  # time to spare before the next RT arrival: fork restarts ahead
-            for s in self.streams.values():
-                if s.worker.restarts or s.worker.pid is None:
-                    s.worker.ensure_spare()
-        if self.config.busy_poll or not self.streams:
-            if not self.streams:
-                time.sleep(max(0.0, timeout_s - 2e-4))  # nothing to poll but the clock
+        if not self.streams:
+            time.sleep(timeout_s - spin_s)  # nothing to poll but the clock
             return
-        self._progress.acquire(timeout=min(timeout_s, 0.005))
+        self._progress.acquire(timeout=min(timeout_s - spin_s, 0.005))
 
     # -- normal mode ----------------------------------------------------------------------------
 
@@ -316,9 +318,10 @@ class Scheduler:
         """REEF Fig. 8 restore(): re-launch from the entry of the interrupted op's idempotent group."""
         n = len(s.served.model)
         if s.worker.pid is None:
+            if not s.worker.restart():
+                return False  # its spare is still being forked (by the fork server, not here)
             entry = s.served.imap.entry(s.killed_op)
             s.current.reexecuted_ops += s.killed_op - entry + 1
-            s.worker.restart()
             start = entry
         else:
             if not s.worker.drained():
@@ -366,10 +369,13 @@ class Scheduler:
             self._check_done(s, source)
             if s.current is None and s.queue:
                 self._start(s)
-            if s.current is None or s.worker.pid is None or not s.worker.drained():
+            if s.current is None or (s.worker.pid is not None and not s.worker.drained()):
                 continue
-            if s.preempted and not self._restore(s):
-                continue
+            if s.preempted:
+                # A killed stream pads too: restoring it only activates its spare worker.
+                if not self._restore(s):
+                    continue
+                s.worker.lower_priority(True)
             # The BE unit: consecutive ops of the stream whose profiled time fits in the RT op's.
             budget_s = rt_op_s
             pushed = 0

@@ -5,7 +5,8 @@ bounds how much launched work a preemption must discard (REEF §4.2 caps its dev
 worker pops an op, checks the preemption flag, and runs the op or, if the flag is set, drops it
 (lazy eviction, recording where it stopped). What is running can be aborted outright by killing the
 process (REEF §4.3, the OS kills what the device cannot). All tensors live in shared memory, so a
-fresh worker forked in its place re-executes from the entry of the killed op's idempotent group.
+spare worker, forked ahead of need by a fork server (never by the scheduler), replaces a killed one
+and re-executes from the entry of the killed op's idempotent group.
 
 Workers run ops on one intra-op thread: forked children cannot use an OpenMP pool their parent
 started, and on a 2-core machine shared with other jobs one thread per process is also the fastest.
@@ -60,8 +61,47 @@ def _serve(model: OpModel, ctl: np.ndarray, ws: Workspace, capacity: int, items,
             progress.release()
 
 
+# Semaphore sets the worker generations of a stream use in turn. At most two are live (the
+# running worker and its spare); a set comes round again only long after its worker was killed.
+_SLOTS = 4
+# Fork-server request slots (int64): the semaphore set the next spare uses, the spare's pid back.
+_REQ_SLOT, _REPLY_PID = range(2)
+
+
+def _fork_server(worker: "BEWorker") -> None:
+    """Fork spare workers on request, so the scheduler's process never forks after start-up.
+
+    Its children are reaped by the kernel (SIGCHLD ignored): the scheduler kills them by pid and
+    never waits for them, as REEF reclaims a reset stream's memory in the background (§4.2).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    if worker.nice_offset:
+        os.nice(worker.nice_offset)  # forks run at BE priority; workers inherit the level
+    while True:
+        worker._fork_req.acquire()
+        slot = int(worker._srv[_REQ_SLOT])
+        if slot < 0:
+            os._exit(0)
+        items, lock, activate = worker._slots[slot]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                activate.acquire()  # a spare sleeps until it replaces a killed worker
+                _serve(worker.model, worker.ctl, worker.ws, worker.capacity, items, worker.progress, lock)
+            finally:
+                os._exit(1)
+        worker._srv[_REPLY_PID] = pid
+        worker._fork_done.release()
+
+
 class BEWorker:
-    """One BE stream's worker process, its shared workspace and its in-flight queue."""
+    """One BE stream's worker process, its shared workspace and its in-flight queue.
+
+    Restore after a kill activates a spare process that a fork server (a process forked once, at
+    start-up) forked ahead of need, so neither a preemption nor a restore forks in the scheduler.
+    """
 
     def __init__(self, model: OpModel, capacity: int, progress, nice_offset: int = 0) -> None:
         if capacity < 1:
@@ -73,45 +113,68 @@ class BEWorker:
         _, size = model.layout()
         self._ws_shm = SharedMemory(create=True, size=size)
         self._ctl_shm = SharedMemory(create=True, size=8 * (RING + capacity))
+        self._srv_shm = SharedMemory(create=True, size=8 * 2)
         self.ctl = np.ndarray((RING + capacity,), dtype=np.int64, buffer=self._ctl_shm.buf)
+        self._srv = np.ndarray((2,), dtype=np.int64, buffer=self._srv_shm.buf)
         self.ws = model.workspace(self._ws_shm.buf)
-        self.lock = _MP.Lock()
-        self.pid: int | None = None
-        self._zombies: list[int] = []
+        self._slots = [(_MP.Semaphore(0), _MP.Lock(), _MP.Semaphore(0)) for _ in range(_SLOTS)]
+        self._fork_req, self._fork_done = _MP.Semaphore(0), _MP.Semaphore(0)
+        self._next_slot = 0
+        self._pending_slot: int | None = None
         self._spare: tuple | None = None
+        self.pid: int | None = None
         self.restarts = 0
-        self._start()
-
-    def _fork(self, activate=None) -> tuple[int, object, object]:
-        """A worker process with its own queue semaphore and lock; a spare (`activate` given)
-        sleeps until it is activated in place of a killed worker."""
-        items, lock = _MP.Semaphore(0), _MP.Lock()
-        pid = os.fork()
-        if pid == 0:
+        self._server_pid = os.fork()
+        if self._server_pid == 0:
             try:
-                if self.nice_offset:
-                    os.nice(self.nice_offset)
-                if activate is not None:
-                    activate.acquire()
-                _serve(self.model, self.ctl, self.ws, self.capacity, items, self.progress, lock)
+                _fork_server(self)
             finally:
                 os._exit(1)
-        return pid, items, lock
+        self._reset_ctl()
+        self.ensure_spare()
+        if not self._activate_spare(timeout_s=30.0):
+            self.close()
+            raise RealtimeError("the fork server started no BE worker within 30 s")
+        self.ensure_spare()
 
     def _reset_ctl(self) -> None:
         self.ctl[:] = 0
         self.ctl[RUNNING] = self.ctl[STOPPED_AT] = self.ctl[LAST_DONE] = -1
 
-    def _start(self) -> None:
-        self._reset_ctl()
-        self.pid, self.items, self.lock = self._fork()
-
     def ensure_spare(self) -> None:
-        """Fork the next restart's process ahead of need, when the scheduler has time to spare,
-        so that a restore after a kill does not fork on the scheduler's path."""
-        if self._spare is None:
-            activate = _MP.Semaphore(0)
-            self._spare = (*self._fork(activate), activate)
+        """Ask the fork server for the next restore's process (non-blocking; idempotent)."""
+        if self._spare is not None or self._pending_slot is not None:
+            return
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % _SLOTS
+        items, lock, activate = self._slots[slot]
+        # The set's last user was killed long ago; it may have left counts or the lock held.
+        while items.acquire(False):
+            pass
+        while activate.acquire(False):
+            pass
+        if lock.acquire(False):
+            lock.release()
+        else:
+            lock.release()
+        self._srv[_REQ_SLOT] = slot
+        self._pending_slot = slot
+        self._fork_req.release()
+
+    def spare_ready(self, timeout_s: float = 0.0) -> bool:
+        if self._spare is None and self._pending_slot is not None:
+            if self._fork_done.acquire(timeout=timeout_s) if timeout_s > 0 else self._fork_done.acquire(False):
+                self._spare = (int(self._srv[_REPLY_PID]), *self._slots[self._pending_slot])
+                self._pending_slot = None
+        return self._spare is not None
+
+    def _activate_spare(self, timeout_s: float = 0.0) -> bool:
+        if not self.spare_ready(timeout_s):
+            return False
+        self.pid, self.items, self.lock, activate = self._spare
+        self._spare = None
+        activate.release()
+        return True
 
     # -- launching ------------------------------------------------------------------------------
 
@@ -176,22 +239,17 @@ class BEWorker:
     def kill(self) -> None:
         """Abort what is running (REEF §4.3's reset of the compute units).
 
-        Once SIGKILL is sent the process runs no more user code; reaping it is left to restart(),
-        off the preemption path, as REEF reclaims host-queue memory in the background (§4.2).
+        Once SIGKILL is sent the process runs no more user code; the kernel reaps it (its parent,
+        the fork server, ignores SIGCHLD), off the preemption path, as REEF's background
+        reclamation of a reset stream (§4.2).
         """
         if self.pid is None:
             return
-        os.kill(self.pid, signal.SIGKILL)
-        self._zombies.append(self.pid)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.pid = None
-
-    def _reap(self, block: bool) -> None:
-        """Collect killed processes; without `block`, only those that have finished exiting (a
-        killed process still tears down its address space, which must not hold up the scheduler)."""
-        for pid in list(self._zombies):
-            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
-            if done:
-                self._zombies.remove(pid)
 
     def lower_priority(self, lower: bool) -> None:
         """While RT work runs, a padded BE op runs 10 nice levels below the scheduler (§5: BE gets
@@ -204,44 +262,40 @@ class BEWorker:
         except (PermissionError, ProcessLookupError):
             pass
 
-    def restart(self) -> None:
-        """A fresh worker over the same shared workspace (what a killed op wrote is re-executed)."""
+    def restart(self) -> bool:
+        """Replace a killed worker by its spare over the same shared workspace (what the killed op
+        wrote is re-executed by the caller); False, changing nothing, while the spare is still
+        being forked. The next spare is requested at once, so it forks while BE work runs."""
         if self.pid is not None:
             raise RealtimeError("restart of a live worker")
+        if not self.spare_ready():
+            return False
         last_done = self.last_done
-        self._reap(block=False)
-        if self._spare is not None:
-            self._reset_ctl()
-            self.pid, self.items, self.lock, activate = self._spare
-            self._spare = None
-            activate.release()
-        else:
-            self._start()
+        self._reset_ctl()
         self.ctl[LAST_DONE] = last_done
+        self._activate_spare()
         self.restarts += 1
+        self.ensure_spare()
+        return True
 
     def close(self) -> None:
-        if self.pid is not None:
-            if self.ctl[FLAG] == 0 and self.in_flight < self.capacity:
-                self.ctl[RING + self.ctl[PUSHED] % self.capacity] = _EXIT
-                self.ctl[PUSHED] += 1
-                self.items.release()
-                deadline = time.monotonic() + 2.0
-                while time.monotonic() < deadline:
-                    done, _ = os.waitpid(self.pid, os.WNOHANG)
-                    if done:
-                        self.pid = None
-                        break
-                    time.sleep(0.001)
-            if self.pid is not None:
-                self.kill()
+        self.kill()
+        if self._pending_slot is not None:
+            self.spare_ready(timeout_s=5.0)
         if self._spare is not None:
-            os.kill(self._spare[0], signal.SIGKILL)
-            self._zombies.append(self._spare[0])
+            self.pid = self._spare[0]
             self._spare = None
-        self._reap(block=True)
-        del self.ws, self.ctl
-        for shm in (self._ws_shm, self._ctl_shm):
+            self.kill()
+        if self._server_pid:
+            self._srv[_REQ_SLOT] = -1
+            self._fork_req.release()
+            try:
+                os.waitpid(self._server_pid, 0)
+            except ChildProcessError:
+                pass
+            self._server_pid = 0
+        del self.ws, self.ctl, self._srv
+        for shm in (self._ws_shm, self._ctl_shm, self._srv_shm):
             shm.close()
             shm.unlink()
 

@@ -1,5 +1,6 @@
 """Real worker processes: lazy eviction, kill and restore give the undisturbed output bit for bit."""
 
+import os
 import time
 
 import pytest
@@ -21,6 +22,11 @@ class _Quiet:
 
     def on_complete(self, request, now_s):
         pass
+
+
+def _parent_pid(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _bits(t):
@@ -54,14 +60,15 @@ def test_preempted_be_request_output_is_bit_exact(tiny_models, name, path):
             assert s.preempted and not s.host_queue
             if sched.preemptions[-1].path == "kill":
                 assert s.worker.pid is None
-                if frac > 0.3:
-                    s.worker.ensure_spare()  # later restores activate a process forked ahead
+                assert s.worker.spare_ready(timeout_s=10.0)  # forked ahead by the fork server
         _serve_until(sched, s, lambda: s.current is None)
         req = sched.completed[-1]
         assert _bits(req.output) == ref
         assert req.preemptions >= 1
         if path == "kill":
             assert s.worker.restarts == sum(p.path == "kill" for p in sched.preemptions)
+            # every worker, restored ones included, comes from the fork server: the scheduler never forks
+            assert _parent_pid(s.worker.pid) == s.worker._server_pid != os.getpid()
         else:
             assert s.worker.restarts == 0 and req.reexecuted_ops == 0
 
@@ -81,7 +88,7 @@ def test_disb_a_runs_every_mode_and_only_reef_preempts(tiny_models):
 
 
 def test_config_errors_are_typed(tiny_models):
-    for bad in (dict(mode="fifo"), dict(preempt_path="wait"), dict(inflight_capacity=0), dict(rt_threads=3)):
+    for bad in (dict(mode="fifo"), dict(preempt_path="wait"), dict(inflight_capacity=0), dict(rt_threads=3), dict(spin_ms=-1)):
         with pytest.raises(RealtimeError):
             SchedulerConfig(**bad)
     with pytest.raises(RealtimeError, match="no served model"):
