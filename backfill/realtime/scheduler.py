@@ -110,6 +110,7 @@ class Request:
     output: torch.Tensor | None = None
     preemptions: int = 0
     reexecuted_ops: int = 0
+    reexecuted_s: float = 0.0    # profiled time of the re-executed ops: BE work a kill throws away
 
     @property
     def latency_s(self) -> float:
@@ -322,6 +323,7 @@ class Scheduler:
                 return False  # its spare is still being forked (by the fork server, not here)
             entry = s.served.imap.entry(s.killed_op)
             s.current.reexecuted_ops += s.killed_op - entry + 1
+            s.current.reexecuted_s += float(s.served.op_s[entry:s.killed_op + 1].sum())
             start = entry
         else:
             if not s.worker.drained():
