@@ -282,14 +282,15 @@ def bench_preemption(model_names: list[str], paths: list[str], trials: int, scal
                         time.sleep(0.0002)
                     ok &= bool(torch.equal(sched.completed[-1].output, ref))
                     lost_s += sched.completed[-1].reexecuted_s
+                fork_ms = float(np.median(s.worker.fork_s) * 1e3)
             # What a kill costs BE: the killed op and the rest of its group, run again (profiled).
             lost_us = lost_s / max(1, len(lat)) * 1e6
             row[path] = {"n": len(lat), "p50_us": float(np.percentile(lat, 50) * 1e6) if lat else None,
                          "p99_us": float(np.percentile(lat, 99) * 1e6) if lat else None, "outputs_exact": ok,
-                         "reexecuted_us_mean": lost_us,
+                         "reexecuted_us_mean": lost_us, "spare_fork_ms_p50": fork_ms,
                          "stopped_by": {p: paths_seen.count(p) for p in sorted(set(paths_seen))}}
             log(f"{name:10s} {path:6s} n={len(lat):3d} P50 {row[path]['p50_us'] or 0:8.0f} us  "
-                f"P99 {row[path]['p99_us'] or 0:8.0f} us  re-executed {lost_us:6.0f} us  "
+                f"P99 {row[path]['p99_us'] or 0:8.0f} us  re-executed {lost_us:6.0f} us  spare fork {fork_ms:5.1f} ms  "
                 f"outputs bit-exact: {ok}  {row[path]['stopped_by']}")
         out[name] = row
     return out

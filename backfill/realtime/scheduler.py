@@ -42,7 +42,7 @@ class SchedulerConfig:
     mode: str = "reef"
     inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
     preempt_path: str = "kill"       # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill)
-    evict_wait_ms: float = 0.5       # auto: wait this long at most for the running op, else kill it
+    evict_wait_ms: float = 1.0       # auto: wait this long at most for the running op, else kill it
     pad: bool = False                # §5: BE ops into the cores an RT op leaves idle
     cores: int = 2
     rt_threads: int = 1

@@ -64,8 +64,9 @@ def _serve(model: OpModel, ctl: np.ndarray, ws: Workspace, capacity: int, items,
 # Semaphore sets the worker generations of a stream use in turn. At most two are live (the
 # running worker and its spare); a set comes round again only long after its worker was killed.
 _SLOTS = 4
-# Fork-server request slots (int64): the semaphore set the next spare uses, the spare's pid back.
-_REQ_SLOT, _REPLY_PID = range(2)
+# Fork-server request slots (int64): the semaphore set the next spare uses, the spare's pid back,
+# and how long the fork took (ns): what each kill costs in CPU time, off the scheduler's path.
+_REQ_SLOT, _REPLY_PID, _FORK_NS = range(3)
 
 
 def _fork_server(worker: "BEWorker") -> None:
@@ -84,6 +85,7 @@ def _fork_server(worker: "BEWorker") -> None:
         if slot < 0:
             os._exit(0)
         items, lock, activate = worker._slots[slot]
+        start_ns = time.monotonic_ns()
         pid = os.fork()
         if pid == 0:
             try:
@@ -93,6 +95,7 @@ def _fork_server(worker: "BEWorker") -> None:
             finally:
                 os._exit(1)
         worker._srv[_REPLY_PID] = pid
+        worker._srv[_FORK_NS] = time.monotonic_ns() - start_ns
         worker._fork_done.release()
 
 
@@ -113,9 +116,9 @@ class BEWorker:
         _, size = model.layout()
         self._ws_shm = SharedMemory(create=True, size=size)
         self._ctl_shm = SharedMemory(create=True, size=8 * (RING + capacity))
-        self._srv_shm = SharedMemory(create=True, size=8 * 2)
+        self._srv_shm = SharedMemory(create=True, size=8 * 3)
         self.ctl = np.ndarray((RING + capacity,), dtype=np.int64, buffer=self._ctl_shm.buf)
-        self._srv = np.ndarray((2,), dtype=np.int64, buffer=self._srv_shm.buf)
+        self._srv = np.ndarray((3,), dtype=np.int64, buffer=self._srv_shm.buf)
         self.ws = model.workspace(self._ws_shm.buf)
         self._slots = [(_MP.Semaphore(0), _MP.Lock(), _MP.Semaphore(0)) for _ in range(_SLOTS)]
         self._fork_req, self._fork_done = _MP.Semaphore(0), _MP.Semaphore(0)
@@ -124,6 +127,7 @@ class BEWorker:
         self._spare: tuple | None = None
         self.pid: int | None = None
         self.restarts = 0
+        self.fork_s: list[float] = []  # each spare's fork, timed by the fork server
         self._server_pid = os.fork()
         if self._server_pid == 0:
             try:
@@ -165,6 +169,7 @@ class BEWorker:
         if self._spare is None and self._pending_slot is not None:
             if self._fork_done.acquire(timeout=timeout_s) if timeout_s > 0 else self._fork_done.acquire(False):
                 self._spare = (int(self._srv[_REPLY_PID]), *self._slots[self._pending_slot])
+                self.fork_s.append(int(self._srv[_FORK_NS]) / 1e9)
                 self._pending_slot = None
         return self._spare is not None
 
