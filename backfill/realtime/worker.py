@@ -14,6 +14,7 @@ started, and on a 2-core machine shared with other jobs one thread per process i
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -28,7 +29,7 @@ from backfill.realtime.models import OpModel, Workspace
 
 # Control block fields (int64 slots in shared memory); the ring follows them.
 FLAG, PUSHED, POPPED, RUNNING, STOPPED_AT, LAST_DONE, OP_START_NS, RING = range(8)
-_EXIT = -2
+_PR_SET_PDEATHSIG = 1
 _MP = multiprocessing.get_context("fork")
 
 
@@ -39,8 +40,6 @@ def _serve(model: OpModel, ctl: np.ndarray, ws: Workspace, capacity: int, items,
     while True:
         items.acquire()
         idx = int(ctl[RING + ctl[POPPED] % capacity])
-        if idx == _EXIT:
-            os._exit(0)
         # The flag is read and RUNNING set under one lock, so the scheduler, which sets the flag
         # under it, knows every op after that point sees the flag (REEF Fig. 8, lines 1-4).
         with lock:
@@ -69,6 +68,14 @@ _SLOTS = 4
 _REQ_SLOT, _REPLY_PID, _FORK_NS = range(3)
 
 
+def _die_with_parent() -> None:
+    """A worker or spare is killed when its fork server ends, so none outlives the scheduler."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: close() still kills the worker and its spare
+
+
 def _fork_server(worker: "BEWorker") -> None:
     """Fork spare workers on request, so the scheduler's process never forks after start-up.
 
@@ -90,6 +97,7 @@ def _fork_server(worker: "BEWorker") -> None:
         if pid == 0:
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _die_with_parent()
                 activate.acquire()  # a spare sleeps until it replaces a killed worker
                 _serve(worker.model, worker.ctl, worker.ws, worker.capacity, items, worker.progress, lock)
             finally:
