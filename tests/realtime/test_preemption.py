@@ -98,3 +98,33 @@ def test_config_errors_are_typed(tiny_models):
             sched.submit(Request("other", "bert", False, tiny_models["bert"].model.example_input, 0.0))
     with pytest.raises(RealtimeError, match="unknown DISB"):
         dnn_preset("F", {}, 1.0)
+
+
+def test_restart_waits_for_the_spare_and_never_forks_in_the_caller(tiny_models):
+    import multiprocessing
+
+    from backfill.realtime.worker import BEWorker
+
+    served = tiny_models["vgg19"]
+    ref = _bits(served.model.infer(served.model.example_input))
+    with BEWorker(served.model, 4, multiprocessing.get_context("fork").Semaphore(0)) as w:
+        for _ in range(3):  # back-to-back kills: a restore may find its spare still forking
+            first, before = w.pid, w.restarts
+            w.kill()
+            assert w.pid is None
+            if not w.restart():
+                assert w.pid is None and w.restarts == before  # nothing changed
+                assert w.spare_ready(timeout_s=10.0)
+                assert w.restart()
+            assert w.pid not in (None, first) and _parent_pid(w.pid) == w._server_pid
+        assert w.restarts == 3 and len(w.fork_s) >= 3
+        w.begin_request(served.model.example_input)
+        n = len(served.model)
+        for i in range(n):
+            while not w.push(i):
+                time.sleep(0.0002)
+        deadline = time.monotonic() + 20
+        while w.last_done != n - 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        assert _bits(w.ws.output()) == ref
