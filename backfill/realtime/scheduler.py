@@ -41,7 +41,8 @@ _DEEP_QUEUE = 1024  # seq / concurrent launch a whole request at once, as stream
 class SchedulerConfig:
     mode: str = "reef"
     inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
-    preempt_path: str = "kill"       # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill)
+    preempt_path: str = "evict"      # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill);
+                                     # evict by default on a CPU: a kill costs a fork, tens of ms (docs/realtime.md)
     evict_wait_ms: float = 1.0       # auto: wait this long at most for the running op, else kill it
     pad: bool = False                # §5: BE ops into the cores an RT op leaves idle
     cores: int = 2
