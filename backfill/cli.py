@@ -316,12 +316,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from backfill.cluster.cli import add_commands as add_cluster_commands
         from backfill.finetune.cli import add_commands as add_finetune_commands
         from backfill.offload.cli import add_commands as add_offload_commands
+        from backfill.realtime.cli import add_commands as add_realtime_commands
         from backfill.server.finetune_cli import add_commands as add_fine_tuning_commands
 
         add_finetune_commands(sub, bench)
         add_fine_tuning_commands(sub)
         add_offload_commands(sub, bench)
         add_cluster_commands(sub, bench, sim)
+        add_realtime_commands(sub, bench)
     return parser
 
 

@@ -144,3 +144,7 @@ class UnknownAdapterError(InvalidRequestError):
 
 class ServerConfigError(BackfillError, ValueError):
     """A server option (CLI flag, config file key or environment variable) is invalid."""
+
+
+class RealtimeError(BackfillError):
+    """A real-time/best-effort DNN serving input (REEF) is invalid: model, metadata, request or config."""

@@ -30,10 +30,12 @@ from backfill.bench.workload import OfflineBacklog, Workload, make_requests
 from backfill.errors import WorkloadError
 from backfill.serving.api import RequestClass
 
-ARRIVALS = ("uniform", "poisson", "closed-loop")
+ARRIVALS = ("uniform", "poisson", "closed-loop", "trace")
+# DNN models (backfill.realtime.models) take a fixed-shape input: their clients need no lengths.
+DNN_MODELS = ("resnet152", "vgg19", "bert", "gpt2", "llm")
 PRIORITIES = ("real-time", "best-effort")
 _CLIENT_KEYS = {"name", "model", "task", "priority", "arrival", "rate_per_s", "concurrency", "pool_size",
-                "prompt_len", "output_len"}
+                "prompt_len", "output_len", "arrivals_s"}
 
 # Five task shapes standing in for REEF's five DNN models ("5/ALL"); lengths fit a 2k context.
 TASKS: dict[str, tuple[str, str]] = {
@@ -57,6 +59,7 @@ class DisbClient:
     rate_per_s: float | None = None   # open-loop clients
     concurrency: int | None = None    # closed-loop clients
     pool_size: int = 1000             # closed-loop: requests available to the loop
+    arrivals_s: tuple[float, ...] = ()  # trace clients: arrival times from the start (e.g. an Apollo log)
 
     def __post_init__(self) -> None:
         where = f"client {self.name!r}"
@@ -73,6 +76,14 @@ class DisbClient:
                 raise WorkloadError(f"{where}: closed-loop clients need an integer concurrency >= 1")
             if self.rate_per_s is not None:
                 raise WorkloadError(f"{where}: closed-loop clients take concurrency, not rate_per_s")
+        elif self.arrival == "trace":
+            times = self.arrivals_s
+            if (not isinstance(times, tuple) or not times
+                    or any(not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0
+                           for t in times) or list(times) != sorted(times)):
+                raise WorkloadError(f"{where}: trace clients need arrivals_s, a non-empty sorted list of times >= 0")
+            if self.rate_per_s is not None or self.concurrency is not None:
+                raise WorkloadError(f"{where}: trace clients take arrivals_s, not rate_per_s or concurrency")
         else:
             r = self.rate_per_s
             if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or r <= 0:
@@ -94,6 +105,8 @@ class DisbClient:
                "arrival": self.arrival, "prompt_len": str(self.prompt_len), "output_len": str(self.output_len)}
         if self.arrival == "closed-loop":
             out.update(concurrency=self.concurrency, pool_size=self.pool_size)
+        elif self.arrival == "trace":
+            out["arrivals_s"] = list(self.arrivals_s)
         else:
             out["rate_per_s"] = self.rate_per_s
         return out
@@ -137,6 +150,9 @@ class DisbWorkload:
                 k_uniform += 1
                 arrivals = uniform_arrivals(c.rate_per_s, duration_s=self.duration_s, offset_s=offset_s)
                 n = len(arrivals)
+            elif c.arrival == "trace":
+                arrivals = np.asarray([t for t in c.arrivals_s if t < self.duration_s], dtype=np.float64)
+                n = len(arrivals)
             else:
                 arrivals = poisson_arrivals(c.rate_per_s, rng, duration_s=self.duration_s)
                 n = len(arrivals)
@@ -169,15 +185,19 @@ def parse_disb(obj: object, source: str = "<json>") -> DisbWorkload:
         unknown = set(c) - _CLIENT_KEYS
         if unknown:
             raise WorkloadError(f"{where}: unknown field(s) {sorted(unknown)}")
-        for key in ("name", "priority", "arrival", "prompt_len", "output_len"):
+        lengths = () if c.get("model") in DNN_MODELS else ("prompt_len", "output_len")
+        for key in ("name", "priority", "arrival", *lengths):
             if key not in c:
                 raise WorkloadError(f"{where}: missing field {key!r}")
+        trace = c.get("arrivals_s", ())
         try:
             parsed.append(DisbClient(
                 name=c["name"], priority=c["priority"], arrival=c["arrival"],
-                prompt_len=parse_length_spec(c["prompt_len"]), output_len=parse_length_spec(c["output_len"]),
+                prompt_len=parse_length_spec(c.get("prompt_len", "fixed:1")),
+                output_len=parse_length_spec(c.get("output_len", "fixed:1")),
                 model=c.get("model", "default"), task=c.get("task", ""), rate_per_s=c.get("rate_per_s"),
-                concurrency=c.get("concurrency"), pool_size=c.get("pool_size", 1000)))
+                concurrency=c.get("concurrency"), pool_size=c.get("pool_size", 1000),
+                arrivals_s=tuple(trace) if isinstance(trace, list) else trace))
         except WorkloadError as exc:
             raise WorkloadError(f"{where}: {exc}") from None
     try:
