@@ -44,6 +44,7 @@ class ScenarioConfig:
     round_s: float = 2.0
     raise_after_rounds: int = 2
     kill_after_rounds: int = 6
+    job_rounds: int = 12                   # rounds one job would take alone at T_mono
     timeout_s: float = 300.0
     object_store_mb: int = 80
 
@@ -154,7 +155,9 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             handles, SchedulerConfig(), MonitorConfig(misses_to_evict=2, tolerance=0.9))
         time.sleep(3.0)                                   # a first observation window with online load
         profile = JobProfile(t_mono, (0.0, 0.05), (0.0, 1.0))
-        job_lines = {f"job{j}": [_chat_line(f"job{j}-{i}", i, cfg.max_tokens) for i in range(cfg.lines_per_job)]
+        # Jobs long enough to outlast the raise and the kill on a fast machine too (job_rounds at T_mono).
+        lines_per_job = max(cfg.lines_per_job, int(cfg.job_rounds * cfg.round_s * t_mono / cfg.max_tokens))
+        job_lines = {f"job{j}": [_chat_line(f"job{j}-{i}", i, cfg.max_tokens) for i in range(lines_per_job)]
                      for j in range(cfg.nodes)}
         rejection = None
         try:
@@ -172,9 +175,12 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             status = ray.get(service.status.remote())
             if ray.get(service.finished.remote()):
                 break
-            if rounds == cfg.raise_after_rounds and status["job0"]["node"]:
+            if raised is None and rounds >= cfg.raise_after_rounds and status["job0"]["node"]:
                 raised = status["job0"]["node"]
                 traffic.rates[raised] = cfg.raised_rate_per_s
+            elif raised is not None and status["job0"]["node"] == raised:
+                # The load keeps rising until job0 misses its SLA and the monitor moves it.
+                traffic.rates[raised] *= 1.5
             if rounds >= cfg.kill_after_rounds and killed is None:
                 victims = [s["node"] for j, s in sorted(status.items()) if s["node"] and s["node"] != raised
                            and s["done"] < s["total"]]

@@ -59,7 +59,7 @@ def cmd_bench_finetune(args) -> int:
 
     from backfill.bench.scenario import CoserveScenario
     from backfill.bench.coserve_bench import load_and_profile, make_workload
-    from backfill.cli import _model_options
+    from backfill.cli import _serving
     from backfill.errors import InvalidRequestError
     from backfill.finetune.colocate import load_saved_latency
     from backfill.finetune.profile import synthetic_training_file
@@ -68,11 +68,11 @@ def cmd_bench_finetune(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if unknown := [m for m in modes if m not in MODES]:
         raise InvalidRequestError(f"unknown modes {unknown}; choose among {', '.join(MODES)}")
-    serving = ServingConfig(**_model_options(args), policy="fcfs")
+    serving = _serving(args, policy="fcfs")
     if args.sim:  # the model's tokenizer and saved profiles only: nothing runs on the model
         from backfill.engine.weights import load_model
 
-        loaded = load_model(args.model)
+        loaded = load_model(serving.model)
         latency = load_saved_latency(loaded.config.name)
         if latency is None:
             raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
@@ -177,7 +177,7 @@ def _start_separate(args, data: Path, config, job_dir: Path):
            str(config.checkpoint_every_steps), "--batch-size", str(config.batch_size), "--micro-batch-size",
            str(config.micro_batch_size), "--max-seq-len", str(config.max_seq_len), "--rank", str(config.rank),
            "--layers-per-unit", str(config.layers_per_unit)]
-    if args.model:
+    if getattr(args, "model", None):
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     events = job_dir / "events.jsonl"

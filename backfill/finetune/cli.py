@@ -60,23 +60,21 @@ def config_from_args(args: argparse.Namespace, base_model: str = "") -> Finetune
 def cmd_finetune(args: argparse.Namespace) -> int:
     import torch
 
-    from backfill.cli import _model_options
+    from backfill.cli import _serving
     from backfill.engine.weights import load_model
     from backfill.errors import FinetuneConfigError
-    from backfill.serving.config import ServingConfig
     from backfill.serving.build import build_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.profile and (args.training_file is None or args.out is None):
         raise FinetuneConfigError("give --training-file and --out (or --profile)")
-    loaded = load_model(args.model)
+    # The same model the engine serves (its kernels and layout); a small KV pool for --profile's decode
+    # batches; training never reads the paged KV cache, so no decode-attention kernel to build.
+    serving = _serving(args, kv_cache_gb=0.25, **({} if args.profile else {"decode_attention": "sdpa"}))
+    loaded = load_model(serving.model)
     config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
-    # The same model the engine serves (its kernels and layout); a small KV pool for --profile's decode batches.
-    options = _model_options(args)
-    if not args.profile:  # training never reads the paged KV cache: no decode-attention kernel to build
-        options["decode_attention"] = "sdpa"
-    runner = build_runner(loaded.config, loaded.weights, ServingConfig(**options, kv_cache_gb=0.25))
+    runner = build_runner(loaded.config, loaded.weights, serving)
     if args.profile:
         return _profile(args, runner, loaded)
     from backfill.finetune.job import FinetuneJob
