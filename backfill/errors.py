@@ -98,10 +98,6 @@ class JobRejectedError(ClusterError):
     """No node of the cluster can give an offline job the throughput its SLA asks for."""
 
 
-class NodeConfigError(ClusterError, ValueError):
-    """A node config file (backfill serve --config) is malformed; the message names the field."""
-
-
 class OffloadError(BackfillError):
     """An elastic tensor or the offload coordinator (AQUA §6) refused an operation."""
 
