@@ -8,6 +8,8 @@ instructions that machine lacks. A compiler and ninja are needed; callers treat 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -66,7 +68,27 @@ def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
     from torch.utils import cpp_extension
 
     put_ninja_on_path()
-    return cpp_extension.load(name=f"{name}_{cpu_key()}", sources=[str(source)],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
-                                            *vector_capability_flags()],
-                              extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
+    full_name = f"{name}_{cpu_key()}"
+    build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
+    with exclusive_build(build_dir):
+        return cpp_extension.load(name=full_name, sources=[str(source)], build_directory=str(build_dir),
+                                  extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
+                                                *vector_capability_flags()],
+                                  extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path):
+    """Serialise builds of one extension under an flock, which the kernel drops when its holder dies.
+
+    torch's own baton is a plain `lock` file: a build killed mid-way leaves it behind and every later
+    load waits on it forever. Holding our flock, no other builder is alive, so such a file is stale.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "backfill-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

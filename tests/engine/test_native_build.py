@@ -1,0 +1,37 @@
+"""The build lock: a killed build never leaves later model loads waiting forever."""
+
+import subprocess
+import sys
+import threading
+
+from backfill.engine.native_build import exclusive_build
+
+
+def test_a_stale_torch_lock_file_is_cleared(tmp_path):
+    (tmp_path / "lock").write_text("")  # what a build killed inside torch's baton leaves behind
+    with exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_the_lock_dies_with_a_killed_holder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from backfill.engine.native_build import exclusive_build\n"
+         "with exclusive_build(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def build() -> None:
+            with exclusive_build(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5), "a second builder must wait while the first holds the lock"
+        holder.kill()
+        assert entered.wait(10), "the lock must be released when its holder is killed"
+    finally:
+        holder.kill()
+        holder.wait()
