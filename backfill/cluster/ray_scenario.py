@@ -48,6 +48,15 @@ class ScenarioConfig:
     timeout_s: float = 300.0
     object_store_mb: int = 80
 
+    @classmethod
+    def for_model(cls, model: str) -> "ScenarioConfig":
+        """The tiny model's defaults, or a default-model run sized for 3 model processes on 2 shared
+        cores (a few tokens/s each): fewer, shorter lines, lighter online load, longer rounds."""
+        if model == "tiny":
+            return cls()
+        return cls(model=model, lines_per_job=24, profile_lines=8, online_rate_per_s=0.3, raised_rate_per_s=3.0,
+                   round_s=4.0, raise_after_rounds=2, kill_after_rounds=5, job_rounds=8, timeout_s=330.0)
+
 
 def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
     body = {"model": SERVED_MODEL, "max_tokens": max_tokens, "temperature": 0,
@@ -86,6 +95,36 @@ class OnlineTraffic:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class CpuShares:
+    """Each node's model process: its share of one core per round (utime + stime from /proc), with
+    the job it ran, to tell a throughput miss from a process that got less of the shared CPU."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.rounds: list[dict] = []
+        self._last = {n: (time.monotonic(), self._cpu_s(p)) for n, p in pids.items()}
+
+    @staticmethod
+    def _cpu_s(pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def sample(self, round_index: int, job_nodes: dict[str, str | None]) -> None:
+        now = time.monotonic()
+        shares = {}
+        for n, pid in self.pids.items():
+            cpu_s = self._cpu_s(pid)
+            t0, c0 = self._last[n]
+            shares[n] = None if cpu_s is None or c0 is None else round((cpu_s - c0) / (now - t0), 3)
+            self._last[n] = (now, cpu_s)
+        self.rounds.append({"round": round_index, "cpu_share": shares,
+                            "jobs": {n: sorted(j for j, node in job_nodes.items() if node == n) for n in self.pids}})
 
 
 def replay_on_ray(service, jobs: list[OfflineJob], rounds: list) -> list[list[tuple]]:
@@ -168,11 +207,13 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             ray.get(service.submit.remote(OfflineJob(job_id, profile, cfg.sla_share * t_mono), lines))
         raised = killed = None
         rounds = 0
+        cpu = CpuShares({n: i["model_pid"] for n, i in infos.items()})
         while time.perf_counter() - started < cfg.timeout_s:
             time.sleep(cfg.round_s)
             ray.get(service.round.remote())
             rounds += 1
             status = ray.get(service.status.remote())
+            cpu.sample(rounds, {j: s["node"] for j, s in status.items()})
             if ray.get(service.finished.remote()):
                 break
             if raised is None and rounds >= cfg.raise_after_rounds and status["job0"]["node"]:
@@ -202,6 +243,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             "lines": {j: len(job_lines[j]) for j in job_lines},
             "events": ray.get(service.events.remote()), "prediction": accuracy,
             "online_sent": dict(traffic.sent), "replayed_decisions": replayed, "wall_s": time.perf_counter() - started,
+            "cpu_share_per_round": cpu.rounds,
         }
     finally:
         if traffic is not None:
