@@ -40,7 +40,7 @@ class ScenarioConfig:
     profile_lines: int = 32               # T_mono's profile, per node
     online_rate_per_s: float = 1.0         # Poisson, per node
     raised_rate_per_s: float = 20.0        # the node whose job must miss its SLA
-    sla_share: float = 0.3                 # SLA = share x T_mono
+    sla_share: float = 0.15                # SLA = share x T_mono (low: a loaded shared machine slows online too)
     round_s: float = 2.0
     raise_after_rounds: int = 2
     kill_after_rounds: int = 6
