@@ -74,7 +74,7 @@ class NodeServer:
                            max_offline_in_flight=spec.max_offline_in_flight, decode_attention="sdpa")
         self.node = Node(NodeConfig(settings, (entry,)))
         try:
-            self.node.start(timeout_s=240)
+            self.node.start(timeout_s=450)
         except NodeError as exc:
             raise ClusterError(f"node {spec.node_id} did not start: {exc}") from exc
         self._db = self.node.db_path(SERVED_MODEL)
