@@ -38,7 +38,7 @@ class ScenarioConfig:
     lines_per_job: int = 96
     max_tokens: int = 16
     profile_lines: int = 32               # T_mono's profile, per node
-    online_rate_per_s: float = 1.0         # Poisson, per node
+    online_rate_per_s: float = 0.5         # Poisson, per node
     raised_rate_per_s: float = 20.0        # the node whose job must miss its SLA
     sla_share: float = 0.15                # SLA = share x T_mono (low: a loaded shared machine slows online too)
     round_s: float = 2.0
@@ -55,8 +55,9 @@ class ScenarioConfig:
         cores (a few tokens/s each): fewer, shorter lines, lighter online load, longer rounds."""
         if model == "tiny":
             return cls()
-        return cls(model=model, lines_per_job=24, profile_lines=8, online_rate_per_s=0.3, raised_rate_per_s=3.0,
-                   round_s=4.0, raise_after_rounds=2, kill_after_rounds=5, job_rounds=8, timeout_s=270.0)
+        return cls(model=model, lines_per_job=12, max_tokens=8, profile_lines=4, online_rate_per_s=0.1,
+                   raised_rate_per_s=1.0, round_s=5.0, raise_after_rounds=2, kill_after_rounds=4, job_rounds=8,
+                   timeout_s=270.0)
 
 
 def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
