@@ -55,7 +55,7 @@ class ScenarioConfig:
         cores (a few tokens/s each): fewer, shorter lines, lighter online load, longer rounds."""
         if model == "tiny":
             return cls()
-        return cls(model=model, lines_per_job=12, max_tokens=8, profile_lines=4, online_rate_per_s=0.1,
+        return cls(model=model, lines_per_job=12, max_tokens=8, profile_lines=8, online_rate_per_s=0.1,
                    raised_rate_per_s=1.0, round_s=5.0, raise_after_rounds=2, kill_after_rounds=4, job_rounds=8,
                    timeout_s=270.0)
 
