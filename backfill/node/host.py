@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from backfill.errors import NodeError
-from backfill.node.config import ModelEntry, NodeConfig
+from backfill.node.config import NodeConfig
 from backfill.node.memory_pool import PoolConfig, SharedMemoryPool
 from backfill.node.model_server import command_line
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
@@ -281,8 +281,3 @@ def run_node(config_path: str) -> int:
             log.info("model %s (%s, policy %s) on %s", entry.name, entry.model, entry.policy, node.url(entry.name))
         log.info("node metrics on http://%s:%d/metrics", config.node.host, node.metrics_port)
         return node.wait()
-
-
-def model_entry(name: str, port: int, **fields: Any) -> ModelEntry:
-    """A ModelEntry from Python (the Ray node actor, tests)."""
-    return ModelEntry(name=name, port=port, **fields)

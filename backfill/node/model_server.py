@@ -25,6 +25,7 @@ import logging
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Callable
 
@@ -33,7 +34,6 @@ from backfill.node.config import ModelEntry, NodeSettings
 from backfill.node.engine_proc import GatedRunner, HandleBlocks
 from backfill.node.ipc import NodeClient
 
-log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 TINY_COSERVE_LATENCY = ((1, 4096), (1.0, 41.0))   # the tiny model's stand-in profile (as build_tiny_engine)
 
@@ -45,6 +45,7 @@ class NodeGatedRunner(GatedRunner):
 
     def __init__(self, model, kv, gate_point: Callable[[int], bool]) -> None:
         super().__init__(model, kv, gate_point)
+        self.step_durations_s = deque(maxlen=4096)   # a server runs for days: keep the recent steps only
         self.is_online: Callable[[str], bool] = lambda seq_id: False
         self.on_online_step: Callable[[], None] = lambda: None
         self.step_has_online = False
