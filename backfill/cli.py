@@ -204,8 +204,13 @@ def _add_scenario_args(p: argparse.ArgumentParser, rounds: dict | None = None) -
 
 
 def _run_server(args: argparse.Namespace) -> int:
+    from backfill.node.config import is_node_config
     from backfill.server.serve import run_server
 
+    if args.config and is_node_config(args.config):  # a [[models]] file: several models on one node
+        from backfill.node.host import run_node
+
+        return run_node(args.config)
     return run_server(args)
 
 

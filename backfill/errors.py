@@ -144,3 +144,7 @@ class ServerConfigError(BackfillError, ValueError):
 
 class RealtimeError(BackfillError):
     """A real-time/best-effort DNN serving input (REEF) is invalid: model, metadata, request or config."""
+
+
+class NodeConfigError(NodeError, ValueError):
+    """A node config file (`backfill serve --config node.toml`) is malformed; the message names the key."""

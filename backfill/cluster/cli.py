@@ -61,7 +61,7 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     from backfill.cluster.ray_scenario import ScenarioConfig, run_scenario
 
     started = time.perf_counter()
-    result = run_scenario(ScenarioConfig(model=args.model))
+    result = run_scenario(ScenarioConfig.for_model(args.model))
     prediction = result["prediction"]
     print(f"model {result['model']}, T_mono {result['t_mono_tokens_per_s']:.1f} tokens/s; raised {result['raised_node']}, "
           f"killed {result['killed_node']}; every custom_id exactly once: {result['exactly_once']}; "

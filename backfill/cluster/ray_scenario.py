@@ -38,15 +38,26 @@ class ScenarioConfig:
     lines_per_job: int = 96
     max_tokens: int = 16
     profile_lines: int = 32               # T_mono's profile, per node
-    online_rate_per_s: float = 1.0         # Poisson, per node
+    online_rate_per_s: float = 0.5         # Poisson, per node
     raised_rate_per_s: float = 20.0        # the node whose job must miss its SLA
-    sla_share: float = 0.3                 # SLA = share x T_mono
+    sla_share: float = 0.15                # SLA = share x T_mono (low: a loaded shared machine slows online too)
     round_s: float = 2.0
     raise_after_rounds: int = 2
     kill_after_rounds: int = 6
     job_rounds: int = 12                   # rounds one job would take alone at T_mono
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0               # for the jobs, from their submission
+    start_timeout_s: float = 480.0         # Ray and the node processes (slow on a loaded machine)
     object_store_mb: int = 80
+
+    @classmethod
+    def for_model(cls, model: str) -> "ScenarioConfig":
+        """The tiny model's defaults, or a default-model run sized for 3 model processes on 2 shared
+        cores (a few tokens/s each): fewer, shorter lines, lighter online load, longer rounds."""
+        if model == "tiny":
+            return cls()
+        return cls(model=model, lines_per_job=12, max_tokens=8, profile_lines=8, online_rate_per_s=0.1,
+                   raised_rate_per_s=1.0, round_s=5.0, raise_after_rounds=2, kill_after_rounds=4, job_rounds=8,
+                   timeout_s=270.0)
 
 
 def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
@@ -88,6 +99,36 @@ class OnlineTraffic:
         self._stop.set()
 
 
+class CpuShares:
+    """Each node's model process: its share of one core per round (utime + stime from /proc), with
+    the job it ran, to tell a throughput miss from a process that got less of the shared CPU."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.rounds: list[dict] = []
+        self._last = {n: (time.monotonic(), self._cpu_s(p)) for n, p in pids.items()}
+
+    @staticmethod
+    def _cpu_s(pid: int) -> float | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def sample(self, round_index: int, job_nodes: dict[str, str | None]) -> None:
+        now = time.monotonic()
+        shares = {}
+        for n, pid in self.pids.items():
+            cpu_s = self._cpu_s(pid)
+            t0, c0 = self._last[n]
+            shares[n] = None if cpu_s is None or c0 is None else round((cpu_s - c0) / (now - t0), 3)
+            self._last[n] = (now, cpu_s)
+        self.rounds.append({"round": round_index, "cpu_share": shares,
+                            "jobs": {n: sorted(j for j, node in job_nodes.items() if node == n) for n in self.pids}})
+
+
 def replay_on_ray(service, jobs: list[OfflineJob], rounds: list) -> list[list[tuple]]:
     """The fleet simulator's rounds (fleet_sim.RoundRecord) decided again by a ClusterService actor."""
     import ray
@@ -117,7 +158,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         actor = ray.remote(num_cpus=0, max_restarts=0)(NodeServer)
         handles = {f"node{i}": actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
                    .remote(NodeSpec(f"node{i}", model=cfg.model)) for i, node in enumerate(ray_nodes[:cfg.nodes])}
-        infos = {n: ray.get(h.info.remote(), timeout=240) for n, h in handles.items()}
+        infos = {n: ray.get(h.info.remote(), timeout=cfg.start_timeout_s) for n, h in handles.items()}
         ready_s = time.perf_counter() - started
         replayed = None
         if replay is not None:
@@ -168,11 +209,14 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             ray.get(service.submit.remote(OfflineJob(job_id, profile, cfg.sla_share * t_mono), lines))
         raised = killed = None
         rounds = 0
-        while time.perf_counter() - started < cfg.timeout_s:
+        jobs_started = time.perf_counter()
+        cpu = CpuShares({n: i["model_pid"] for n, i in infos.items()})
+        while time.perf_counter() - jobs_started < cfg.timeout_s:
             time.sleep(cfg.round_s)
             ray.get(service.round.remote())
             rounds += 1
             status = ray.get(service.status.remote())
+            cpu.sample(rounds, {j: s["node"] for j, s in status.items()})
             if ray.get(service.finished.remote()):
                 break
             if raised is None and rounds >= cfg.raise_after_rounds and status["job0"]["node"]:
@@ -202,6 +246,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             "lines": {j: len(job_lines[j]) for j in job_lines},
             "events": ray.get(service.events.remote()), "prediction": accuracy,
             "online_sent": dict(traffic.sent), "replayed_decisions": replayed, "wall_s": time.perf_counter() - started,
+            "cpu_share_per_round": cpu.rounds,
         }
     finally:
         if traffic is not None:

@@ -194,7 +194,9 @@ class NodeClient:
 
     @classmethod
     def connect(cls, socket_path: str, engine_id: str, role: str, *, pid: int | None = None,
-                os_suspend: bool = False, timeout_s: float = 5.0) -> "NodeClient":
+                os_suspend: bool = False, timeout_s: float = 5.0, pool: bool = True) -> "NodeClient":
+        """pool=False: register without holding memory of the shared pool (an online engine that
+        only reports its lifecycle to the gate)."""
         if role not in ("online", "offline"):
             raise NodeProtocolError(f"role must be 'online' or 'offline', got {role!r}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -208,7 +210,8 @@ class NodeClient:
         client = cls(JsonLineChannel(sock), engine_id, role, None)
         try:
             reply = client._call({"type": "register", "engine_id": engine_id, "role": role,
-                                  "pid": os.getpid() if pid is None else pid, "os_suspend": os_suspend},
+                                  "pid": os.getpid() if pid is None else pid, "os_suspend": os_suspend,
+                                  "pool": bool(pool)},
                                  timeout_s)
             if role == "offline":
                 client._flag = PauseFlag(reply["flag_path"])
@@ -223,15 +226,16 @@ class NodeClient:
         """True when the runtime wants offline compute stopped (one shared-memory load)."""
         return self._flag is not None and self._flag.pause_requested
 
-    def wait_if_paused(self, poll_s: float = 0.0005) -> bool:
-        """At a safepoint: block while a pause is requested. Returns True if it had to wait."""
+    def wait_if_paused(self, poll_s: float = 0.0005, give_up: Callable[[], bool] | None = None) -> bool:
+        """At a safepoint: block while a pause is requested, or until give_up() says to stop
+        waiting (the caller then aborts its step). Returns True if it had to wait."""
         flag = self._flag
         if flag is None or not flag.pause_requested:
             return False
         previous = flag.engine_state
         flag.set_engine_state(EngineState.PARKED)
         try:
-            while flag.pause_requested and not self._closed:
+            while flag.pause_requested and not self._closed and not (give_up is not None and give_up()):
                 time.sleep(poll_s)
         finally:
             flag.set_engine_state(previous)

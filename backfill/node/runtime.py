@@ -67,6 +67,7 @@ class _Engine:
     flag: PauseFlag | None = None
     suspender: ProcessSuspender | None = None
     pause_sent_at: float | None = None      # perf_counter when the pause was set, until acked
+    uses_pool: bool = True                  # registered as an owner of the shared memory pool
 
 
 class NodeRuntime:
@@ -88,6 +89,7 @@ class NodeRuntime:
         self._threads: list[threading.Thread] = []
         self._channels: set[JsonLineChannel] = set()
         self._flag_seq = 0
+        self._busy_online: set[str] = set()    # online engines with compute in flight
         self._own_dir = config.socket_dir is None
         self._dir = tempfile.mkdtemp(prefix="backfill-node-") if self._own_dir else str(config.socket_dir)
         self.socket_path = os.path.join(self._dir, "node.sock")
@@ -148,6 +150,11 @@ class NodeRuntime:
     def offline_paused(self) -> bool:
         return self._paused
 
+    @property
+    def online_busy(self) -> bool:
+        """Whether any online engine has compute in flight now (the node's C_n samples this)."""
+        return bool(self._busy_online)
+
     def engines(self) -> dict[str, EngineRole]:
         with self._lock:
             return {eid: e.role for eid, e in self._engines.items()}
@@ -158,7 +165,7 @@ class NodeRuntime:
             if self.pool is None:
                 return {}
             pool = self.pool
-            return {"held": {eid: len(pool.handles_of(eid)) for eid in self._engines},
+            return {"held": {eid: len(pool.handles_of(eid)) for eid, e in self._engines.items() if e.uses_pool},
                     "free": pool.free_handles, "headroom": pool.reserved_handles,
                     "release_interval_s": pool.reservation.release_interval_s if pool.reservation else None,
                     "pressure_events": pool.reservation.pressure_events if pool.reservation else None,
@@ -320,10 +327,15 @@ class NodeRuntime:
         if kind in ("busy", "idle", "decode_step") and engine.role is not EngineRole.ONLINE:
             raise NodeProtocolError(f"{kind} comes from the online engine, not {engine.engine_id!r}")
         if kind == "busy":
+            # Several models on one node each report their own online work; the device is busy
+            # while any of them is.
+            self._busy_online.add(engine.engine_id)
             self.gate.on_busy(now_s, msg["request_ids"])
             self._apply_gate()
         elif kind == "idle":
-            self.gate.on_idle(now_s)
+            self._busy_online.discard(engine.engine_id)
+            if not self._busy_online:
+                self.gate.on_idle(now_s)
             self._apply_gate()
         elif kind == "decode_step":
             # The engine's timestamp is more precise than our receipt time, but must not step
@@ -355,12 +367,16 @@ class NodeRuntime:
             raise NodeProtocolError(f"role must be 'online' or 'offline', got {msg['role']!r}") from None
         if not engine_id or engine_id in self._engines:
             raise NodeProtocolError(f"engine id {engine_id!r} is empty or already registered")
-        if role is EngineRole.ONLINE and any(e.role is EngineRole.ONLINE for e in self._engines.values()):
+        # An online engine that holds no pool memory (pool: false) only reports its lifecycle, so
+        # several models' online endpoints can share the gate; one online pool owner at most.
+        uses_pool = self.pool is not None and msg.get("pool", True) is not False
+        if role is EngineRole.ONLINE and uses_pool and any(
+                e.role is EngineRole.ONLINE and e.uses_pool for e in self._engines.values()):
             raise NodeProtocolError("an online engine is already registered on this node")
-        engine = _Engine(engine_id, role, pid, channel)
+        engine = _Engine(engine_id, role, pid, channel, uses_pool=uses_pool)
         if role is EngineRole.OFFLINE and msg["os_suspend"]:
             engine.suspender = ProcessSuspender(pid)
-        if self.pool is not None:
+        if uses_pool:
             self.pool.register(engine_id, role, now_s=self._now(),
                                on_invalidate=lambda n, e=engine: self._notify_invalidation(e, n))
         if role is EngineRole.OFFLINE:
@@ -401,6 +417,7 @@ class NodeRuntime:
             self._engines.pop(engine.engine_id, None)
             if self.pool is not None and engine.engine_id in self.pool.owners():
                 self.pool.unregister(engine.engine_id)
-            if engine.role is EngineRole.ONLINE and not self._stopping:
+            self._busy_online.discard(engine.engine_id)
+            if engine.role is EngineRole.ONLINE and not self._stopping and not self._busy_online:
                 # An online engine that vanished is idle from now on.
                 self.gate.on_idle(self._now())

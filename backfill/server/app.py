@@ -51,6 +51,9 @@ class ServerState:
     in_flight: dict[str, int] = field(default_factory=lambda: {cls: 0 for cls in CLASSES})
     draining: bool = False
     drain_deadline_s: float | None = None
+    # Called with (class, requests in flight) on every change: a node's model server reports its
+    # online lifecycle to the node runtime's gate from here (backfill/node/model_server.py).
+    on_in_flight_change: Callable[[str, int], None] | None = None
 
     def begin_drain(self) -> None:
         """Stop taking work (SIGTERM): new requests get 503, the batch worker starts no new lines."""
@@ -67,9 +70,13 @@ class ServerState:
             raise APIError(429, f"too many {request_class} requests in flight "
                                 f"({self.config.max_online_queue}); retry later", code="queue_full")
         self.in_flight[request_class] += 1
+        if self.on_in_flight_change is not None:
+            self.on_in_flight_change(request_class, self.in_flight[request_class])
 
     def release(self, request_class: str) -> None:
         self.in_flight[request_class] -= 1
+        if self.on_in_flight_change is not None:
+            self.on_in_flight_change(request_class, self.in_flight[request_class])
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:

@@ -97,7 +97,8 @@ def serve_options() -> tuple[Option, ...]:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `backfill serve` / `python -m backfill.server`; an absent flag is unset."""
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML or JSON file with the same keys as "
-                        "these options (dashes or underscores); flags given here override it")
+                        "these options (dashes or underscores); flags given here override it. A TOML file with "
+                        "[node] / [[models]] starts a node of several models instead (docs/node.md)")
     add_arguments(parser, serve_options(), hidden=("tiny",))
 
 

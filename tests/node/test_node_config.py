@@ -1,0 +1,90 @@
+"""The node config of `backfill serve --config node.toml`: every malformed case fails with NodeConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+from backfill.cli import main as cli_main
+from backfill.errors import NodeConfigError
+from backfill.node.config import ModelEntry, NodeSettings, is_node_config, load_node_config, node_config_from_dict
+
+GOOD = """
+[node]
+metrics_port = 9100
+num_handles = 16
+
+[[models]]
+name = "chat"
+model = "tiny"
+port = 8001
+
+[[models]]
+name = "code"
+model = "tiny"
+port = 8002
+policy = "priority"
+"""
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    return path
+
+
+def test_good_config_parses(tmp_path):
+    config = load_node_config(write(tmp_path, GOOD))
+    assert [m.name for m in config.models] == ["chat", "code"]
+    assert config.node.num_blocks == 16 * 4
+    assert config.model("code").policy == "priority" and config.model("chat").policy == "coserve"
+    assert is_node_config(write(tmp_path, GOOD))
+
+
+def models(*tables: str) -> str:
+    return "".join(f"[[models]]\n{t}\n" for t in tables)
+
+
+ONE = 'name = "a"\nmodel = "tiny"\nport = 8001'
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[node]\nmetrics_prot = 1\n" + models(ONE), "unknown key 'metrics_prot'"),
+    (models(ONE + "\nthreds = 2"), r"models\[a\]: unknown key 'threds'"),
+    ("[nodes]\n" + models(ONE), "unknown top-level key 'nodes'"),
+    ("[node]\nnum_handles = \"many\"\n" + models(ONE), r"\[node\].num_handles must be a int"),
+    (models(ONE + "\nthreads = 1.5"), r"models\[a\].threads must be a int"),
+    (models(ONE + "\nmax_model_len = true"), r"max_model_len must be a int"),
+    ("[node]\nnum_handles = 0\n" + models(ONE), "num_handles must be an integer >= 1"),
+    ("[node]\ngate = \"never\"\n" + models(ONE), "gate must be one of lifecycle, timeslice"),
+    ("[node]\nwindow_s = -1\n" + models(ONE), "window_s must be a positive number"),
+    (models(ONE + "\npolicy = \"cfs\""), "policy must be one of coserve, priority, fcfs, online-only"),
+    (models('name = "a"\nmodel = "tiny"\nport = 70000'), r"port must be an integer in \[1, 65535\]"),
+    (models('model = "tiny"\nport = 8001'), "needs a non-empty name"),
+    (models(ONE, 'name = "a"\nmodel = "tiny"\nport = 8002'), "model name 'a' appears twice"),
+    (models(ONE, 'name = "b"\nmodel = "tiny"\nport = 8001'), r"models\[b\].port 8001 is already used by models\[a\]"),
+    ("[node]\nmetrics_port = 8001\n" + models(ONE), "already used by node.metrics_port"),
+    (models('name = "a"\nmodel = "/no/such/model.gguf"\nport = 8001'), "no model file or directory at '/no/such"),
+    ("[node]\nnum_handles = 4\n", r"at least one \[\[models\]\]"),
+    ("models = 3\n", "models must be an array of tables"),
+    ("[node]\nnum_handles = \n", "not valid TOML"),
+])
+def test_malformed_config_fails_with_a_typed_error(tmp_path, text, message):
+    with pytest.raises(NodeConfigError, match=message):
+        load_node_config(write(tmp_path, text))
+
+
+def test_missing_file_and_direct_construction(tmp_path):
+    with pytest.raises(NodeConfigError, match="cannot read node config"):
+        load_node_config(tmp_path / "absent.toml")
+    with pytest.raises(NodeConfigError, match="blocks_per_handle"):
+        NodeSettings(blocks_per_handle=0)
+    with pytest.raises(NodeConfigError, match="threads"):
+        ModelEntry(name="a", port=1, model="tiny", threads=0)
+    with pytest.raises(NodeConfigError, match="must be a table"):
+        node_config_from_dict({"node": 3, "models": []})
+
+
+def test_serve_refuses_a_malformed_node_config_at_start(tmp_path, capsys):
+    path = write(tmp_path, models(ONE, 'name = "a"\nmodel = "tiny"\nport = 8002'))
+    assert cli_main(["serve", "--config", str(path)]) == 2
+    assert "model name 'a' appears twice" in capsys.readouterr().err
