@@ -42,3 +42,32 @@ def test_tables_never_decrease_and_decode_steps_read_the_decode_table(tiny_runne
 def test_a_pool_too_small_for_two_decodes_gives_no_decode_table(tiny_runner):
     latency = profile_latency(tiny_runner, grid=(1, 2), decode_grid=(1, 10_000), repeats=1)
     assert latency.decode_grid == () and latency.decode_ms == ()
+
+
+def test_robust_ms_drops_a_stall_and_takes_the_median():
+    from backfill.serving.profiler import robust_ms
+    assert robust_ms([10.0, 10.2, 9.9, 10.1, 55.0]) == 10.05  # the stall is dropped before the median
+    assert robust_ms([4.0]) == 4.0
+    import pytest
+    with pytest.raises(ValueError):
+        robust_ms([])
+
+
+def test_monotone_pass_pools_one_slow_point_instead_of_carrying_it():
+    from backfill.serving.profiler import _monotone
+    # A running maximum would make every size after the 19 ms point cost 19 ms.
+    table = _monotone([10.0, 19.0, 11.0, 12.0, 13.0, 26.0])
+    assert all(a <= b for a, b in zip(table, table[1:]))
+    assert table[-2] < 19.0 and table[0] == 10.0 and table[-1] == 26.0
+
+
+def test_bad_repeat_counts_are_refused(tiny_runner):
+    import pytest
+    with pytest.raises(ValueError):
+        profile_latency(tiny_runner, grid=(1, 2), decode_grid=(), repeats=0)
+
+
+def test_each_shape_is_warmed_up_before_it_is_timed(tiny_runner, monkeypatch):
+    shapes = _spy_shapes(tiny_runner, monkeypatch)
+    profile_latency(tiny_runner, grid=(1, 2), decode_grid=(1, 2), repeats=3, warmups=2)
+    assert shapes.count(((2, False),)) >= 5  # 2 warm-ups + 3 repeats of the 2-token chunk
