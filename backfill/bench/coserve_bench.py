@@ -231,9 +231,11 @@ def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: R
 
 def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
                       modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
-                      progress: bool = True, log=print) -> dict[str, ModeResult]:
+                      progress: bool = True, log=print, prepared=None) -> dict[str, ModeResult]:
+    """Every mode on the scenario's rounds; `prepared` is load_and_profile's result, to run several
+    scenarios on one loaded model."""
     parse_modes(modes)  # before the model loads
-    loaded, runner, latency = load_and_profile(serving)
+    loaded, runner, latency = prepared if prepared is not None else load_and_profile(serving)
     name, tokenizer = loaded.config.name, loaded.tokenizer
     if scenario.warmup_s > 0:
         log(f"== warm-up: {scenario.warmup_s:.0f} s of offline batching (not measured)")
