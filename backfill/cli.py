@@ -223,7 +223,8 @@ def _add_frontier_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", nargs="+", type=float, default=None,
                    help="run once per online load and print the frontier (SLO attainment, offline tok/s per mode)")
     p.add_argument("--slos", nargs="+", default=None, metavar="TTFT_MS/TPOT_MS",
-                   help="run once per SLO setting, e.g. 200/15 100/10, and print the frontier")
+                   help="run once per SLO setting, e.g. 200/15 100/10 (alone: online-only's own P99s), and "
+                        "print the frontier")
 
 
 def _run_server(args: argparse.Namespace) -> int:

@@ -33,10 +33,13 @@ class FrontierPoint:
                 "model_error": {m: dict(e) for m, e in self.model_error.items()}}
 
 
-def parse_slos(specs: list[str] | None) -> list[tuple[float, float]]:
-    """'TTFT/TPOT' in ms, e.g. '200/15'."""
-    out = []
+def parse_slos(specs: list[str] | None) -> list[tuple[float | None, float | None]]:
+    """'TTFT/TPOT' in ms, e.g. '200/15'; 'alone': online-only's own P99s in the run (strict mode)."""
+    out: list[tuple[float | None, float | None]] = []
     for spec in specs or []:
+        if spec.strip().lower() == "alone":
+            out.append((None, None))
+            continue
         parts = spec.split("/")
         try:
             ttft, tpot = (float(p) for p in parts)
@@ -49,7 +52,7 @@ def parse_slos(specs: list[str] | None) -> list[tuple[float, float]]:
 
 
 def settings(scenario: CoserveScenario, loads: list[float] | None,
-             slos: list[tuple[float, float]] | None) -> list[CoserveScenario]:
+             slos: list[tuple[float | None, float | None]] | None) -> list[CoserveScenario]:
     """The scenario at every (load, SLO) pair; an axis not given keeps the scenario's own value."""
     load_axis = loads or [scenario.online_load]
     slo_axis = slos or [(scenario.ttft_slo_ms, scenario.tpot_slo_ms)]
@@ -84,7 +87,7 @@ def run_frontier(scenarios: list[CoserveScenario], run: Callable[[CoserveScenari
 
 def _slo(s: CoserveScenario) -> str:
     def f(x: float | None) -> str:
-        return "P99" if x is None else f"{x:g}"
+        return "alone" if x is None else f"{x:g}"
 
     return f"{f(s.ttft_slo_ms)}/{f(s.tpot_slo_ms)}"
 

@@ -75,6 +75,9 @@ class CoServeConfig:
                                    "share of what an offline batch spends on them (1: break-even)", group="coserve")
     prefill_riders: bool = knob(True, "co-serving steps carry offline prompt chunks as well as offline decodes",
                                 group="coserve")
+    prefill_cost_share: float = knob(1.0, "an offline prompt chunk rides only while it adds at most this "
+                                     "share of what an offline batch spends on its tokens (inf: the SLO budget alone "
+                                     "decides, as in ConServe Algorithm 1)", group="coserve")
     adapt_margin: bool = knob(True, "the share of the SLO budget planned follows the latency model's measured "
                               "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
@@ -92,6 +95,8 @@ class CoServeConfig:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError("rider_cost_share must be >= 0")
+        if not self.prefill_cost_share >= 0:
+            raise InvalidRequestError("prefill_cost_share must be >= 0")
         if self.offline_batch_max_tokens < 1 or self.offline_batch_max_seqs < 1:
             raise InvalidRequestError("offline_batch_max_tokens and offline_batch_max_seqs must be >= 1")
 
@@ -259,7 +264,8 @@ class CoServePolicy(SchedulingPolicy):
             # Algorithm 1: what the budget leaves after the decodes goes to offline prompt chunks,
             # oldest first (they finish first and free their blocks).
             prompts = [s for s in rideable if s.in_prefill and not s.suspended]
-            self.riders.add_prefill(plan, prompts, budget_ms, correction, reserve, self._offline_tokens)
+            share = None if cfg.prefill_cost_share == float("inf") else cfg.prefill_cost_share
+            self.riders.add_prefill(plan, prompts, budget_ms, correction, reserve, self._offline_tokens, share)
         self.riders.planned(online_shape, plan.shape, correction)
         predicted_ms = self._estimate_ms(online_shape) + self.riders.added_ms(online_shape, plan.shape, correction)
         self._planned = (plan.shape, predicted_ms, "co-serving")

@@ -90,10 +90,14 @@ class Riders:
         plan.rollback(best_mark)
 
     def add_prefill(self, plan: PlanBuilder, candidates: list[SeqView], budget_ms: float, correction: float,
-                    reserve: int, batch_tokens: int) -> None:
-        """Add offline prompt chunks (ConServe §4.2 Algorithm 1) as large as the budget allows, each
-        kept only where it costs the step at most cost_share of what an offline batch of batch_tokens
-        spends on as many prompt tokens."""
+                    reserve: int, batch_tokens: int, cost_share: float | None = None) -> None:
+        """Add offline prompt chunks (ConServe §4.2 Algorithm 1) as large as the budget allows; with a
+        cost_share, each kept only where it costs the step at most that share of what an offline
+        batch of batch_tokens spends on as many prompt tokens.
+
+        Without one, the budget alone decides, as in the paper: a prompt left waiting for offline
+        batching keeps its request from decoding, and under steady online load the riders the
+        backlog could supply run short, so a prompt's price is not what it costs in a batch alone."""
         per_token_ms = self._estimate_ms(BatchShape().plus(batch_tokens, 0)) / batch_tokens
         for seq in candidates:
             if plan.tokens_left <= 0:
@@ -108,7 +112,7 @@ class Riders:
             before, mark = plan.shape, plan.mark()
             if plan.add(seq, token_cap=n) == 0:
                 continue
-            if self.added_ms(before, plan.shape, correction) > self.cost_share * n * per_token_ms:
+            if cost_share is not None and self.added_ms(before, plan.shape, correction) > cost_share * n * per_token_ms:
                 plan.rollback(mark)
 
     def added_ms(self, without: BatchShape, shape: BatchShape, correction: float) -> float:

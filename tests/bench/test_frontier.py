@@ -15,6 +15,10 @@ def test_settings_are_the_product_of_loads_and_slos_and_keep_an_axis_not_given()
     assert [(s.online_load, s.tpot_slo_ms) for s in settings(base, [0.3], None)] == [(0.3, None)]
 
 
+def test_alone_means_online_only_p99s():
+    assert parse_slos(["alone", "200/15"]) == [(None, None), (200.0, 15.0)]
+
+
 @pytest.mark.parametrize("spec", ["200", "a/b", "200/0", "200/15/3"])
 def test_malformed_slo_settings_are_refused(spec):
     with pytest.raises(InvalidRequestError):

@@ -95,7 +95,7 @@ def test_riders_stop_short_of_a_bigger_graph_bucket_unless_filling_it_pays(bigge
     assert len(plan.scheduled) - 1 == riders_kept
 
 
-def test_prompt_chunks_ride_within_the_budget_and_only_at_break_even():
+def test_prompt_chunks_ride_within_the_budget_priced_or_not():
     # GPU-like: a lone decode takes 3 ms on its graph, any step with a prompt chunk the eager path's
     # 10 ms and up; an offline batch of 2048 prompt tokens 40 ms (0.0195 ms a token).
     gpu = LatencyModel((1, 512, 2048), (10.0, 12.0, 40.0), decode_grid=(1, 64), decode_ms=(3.0, 4.0))
@@ -103,10 +103,13 @@ def test_prompt_chunks_ride_within_the_budget_and_only_at_break_even():
     plan = online_plan(s)
     budget_ms = gpu.estimate_ms(BatchShape().plus(1, 40).plus(512, 0))
     r = Riders(gpu, gpu.estimate_ms, cost_share=1.0, batch_max_seqs=256)
-    r.add_prefill(plan, list(s.offline), budget_ms, correction=1.0, reserve=0, batch_tokens=2048)
+    r.add_prefill(plan, list(s.offline), budget_ms, correction=1.0, reserve=0, batch_tokens=2048, cost_share=1.0)
     # 512 tokens add 9 ms to the step, against 10 ms in an offline batch: they ride.
     assert [(v.seq_id, v.num_tokens) for v in plan.scheduled[1:]] == [("offline7", 512)]
     # A budget of a few tokens: leaving the 3 ms graph for a 10 ms eager step is not worth them.
     small = online_plan(s)
-    r.add_prefill(small, list(s.offline), gpu.estimate_ms(BatchShape().plus(8, 0)), 1.0, 0, 2048)
+    r.add_prefill(small, list(s.offline), gpu.estimate_ms(BatchShape().plus(8, 0)), 1.0, 0, 2048, cost_share=1.0)
     assert len(small.scheduled) == 1
+    # Without a price (ConServe Algorithm 1 as written), the budget alone decides.
+    r.add_prefill(small, list(s.offline), gpu.estimate_ms(BatchShape().plus(8, 0)), 1.0, 0, 2048)
+    assert [(v.seq_id, v.num_tokens) for v in small.scheduled[1:]] == [("offline7", 7)]
