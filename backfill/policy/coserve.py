@@ -44,10 +44,10 @@ from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerSt
 from backfill.serving.api import SLO
 
 # The adapted margin: read from this many recent co-serving steps, once at least MARGIN_MIN_STEPS
-# ran, and kept within [MARGIN_MIN, MARGIN_MAX] (never the whole budget: the P90 is a sample).
+# ran, and kept within [MARGIN_MIN, slo_margin_max] (never the whole budget: the P90 is a sample).
 MARGIN_WINDOW_STEPS = 256
 MARGIN_MIN_STEPS = 32
-MARGIN_MIN, MARGIN_MAX = 0.5, 0.95
+MARGIN_MIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class CoServeConfig:
     prefill_cost_share: float = knob(1.0, "an offline prompt chunk rides only while it adds at most this "
                                      "share of what an offline batch spends on its tokens (inf: the SLO budget alone "
                                      "decides, as in ConServe Algorithm 1)", group="coserve")
+    slo_margin_max: float = knob(0.85, "the most of the SLO budget an adapted margin plans to", group="coserve")
     adapt_margin: bool = knob(True, "the share of the SLO budget planned follows the latency model's measured "
                               "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
@@ -91,6 +92,8 @@ class CoServeConfig:
             raise InvalidRequestError("interference_slack must be >= 0")
         if not 0.0 < self.slo_margin <= 1.0:
             raise InvalidRequestError("slo_margin must be in (0, 1]")
+        if not 0.0 < self.slo_margin_max <= 1.0:
+            raise InvalidRequestError("slo_margin_max must be in (0, 1]")
         if not self.bank_reserve_prefills >= 0:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
@@ -152,7 +155,7 @@ class CoServePolicy(SchedulingPolicy):
             # budget (ConServe §4.5: the profile's error is what the margin is for).
             ratios = sorted(self._recent_ratios)
             p90 = ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]
-            self._margin = min(MARGIN_MAX, max(MARGIN_MIN, 1.0 / p90))
+            self._margin = min(self.config.slo_margin_max, max(MARGIN_MIN, 1.0 / p90))
 
     @property
     def slo_margin(self) -> float:

@@ -3,7 +3,7 @@
 import pytest
 from test_coserve import LAYOUT, OFF, ON, decoding, state, uncapped_config
 
-from backfill.policy.coserve import MARGIN_MAX, MARGIN_MIN_STEPS, CoServePolicy
+from backfill.policy.coserve import MARGIN_MIN_STEPS, CoServePolicy
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.model_error import ModelErrorLog, summarize
 from backfill.serving.api import SLO
@@ -34,7 +34,7 @@ def test_policy_logs_its_prediction_per_step_mode_and_adapts_its_margin():
         policy.observe_step(shape, 1.0 * latency.estimate_ms(shape))  # an exact model
     assert set(policy.model_error.summary()) == {"co-serving"}
     assert policy.model_error.summary()["co-serving"].median < 0.05
-    assert policy.slo_margin == pytest.approx(MARGIN_MAX, abs=0.05)  # little error: most of the budget
+    assert policy.slo_margin == pytest.approx(policy.config.slo_margin_max, abs=0.05)  # most of the budget
     batching = policy.schedule(state(*[decoding(i, OFF) for i in range(4)]))
     shape = BatchShape()
     for item in batching.scheduled:
