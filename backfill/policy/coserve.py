@@ -2,10 +2,13 @@
 
 Co-serving mode (online work present): online requests go in first; the step gets a latency
 budget from the SLOs (TPOT when online requests decode, else what is left of the most urgent
-TTFT) and offline tokens fill what the latency model says still fits - where they cost no more
-per token there than in an offline batch (on a CPU a few offline tokens can turn a fast lone
-decode into a slow eager step for no throughput). Offline requests never hold blocks an online
-request needs: they are preempted, checkpointed ones first.
+TTFT) and offline tokens fill what the latency model says still fits: offline decodes first, then
+offline prompt chunks (Algorithm 1), each where it costs no more per token there than in an
+offline batch (on a CPU a few offline tokens can turn a fast lone decode into a slow eager step
+for no throughput; on a GPU a prompt chunk turns a graph-replayed decode step into an eager one).
+The budget is planned to a margin below the SLO that follows the latency model's measured error
+on recent co-serving steps (§4.5). Offline requests never hold blocks an online request needs:
+they are preempted, checkpointed ones first.
 
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
 whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
