@@ -1,5 +1,7 @@
 """The latency profiler on a tiny random model: what it measures and what it fits."""
 
+import pytest
+
 from backfill.engine.runner import StepOutput
 from backfill.policy.latency_model import BatchShape
 from backfill.serving.profiler import profile_latency
@@ -36,7 +38,7 @@ def test_tables_never_decrease_and_decode_steps_read_the_decode_table(tiny_runne
         assert table[0] > 0 and all(a <= b for a, b in zip(table, table[1:]))
     assert latency.ms_per_kctx >= 0 and latency.ms_per_mpair >= 0
     two_decodes = BatchShape().plus(1, 40).plus(1, 40)
-    assert latency.estimate_ms(two_decodes) == latency.decode_ms[1] + latency.ms_per_kctx * 82 / 1e3
+    assert latency.estimate_ms(two_decodes) == pytest.approx(latency.decode_ms[1] + latency.ms_per_kctx * 82 / 1e3)
 
 
 def test_a_pool_too_small_for_two_decodes_gives_no_decode_table(tiny_runner):
@@ -71,3 +73,17 @@ def test_each_shape_is_warmed_up_before_it_is_timed(tiny_runner, monkeypatch):
     shapes = _spy_shapes(tiny_runner, monkeypatch)
     profile_latency(tiny_runner, grid=(1, 2), decode_grid=(1, 2), repeats=3, warmups=2)
     assert shapes.count(((2, False),)) >= 5  # 2 warm-ups + 3 repeats of the 2-token chunk
+
+
+def test_a_point_slower_than_a_bigger_shape_is_measured_again():
+    from backfill.serving.profiler import remeasure_inversions
+    calls = []
+
+    def again(i):
+        calls.append(i)
+        return [10.0, 11.0, 12.0, 13.0][i]
+
+    # Point 1 stalled in every repeat: measured again, and the faster value kept; point 2 is fine.
+    assert remeasure_inversions([10.0, 90.0, 12.0, 13.0], again) == [10.0, 11.0, 12.0, 13.0]
+    assert calls == [1]
+    assert remeasure_inversions([10.0, 12.4, 10.0], lambda i: 99.0) == [10.0, 12.4, 10.0]  # within 1.25x
