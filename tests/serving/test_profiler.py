@@ -48,9 +48,9 @@ def test_a_pool_too_small_for_two_decodes_gives_no_decode_table(tiny_runner):
 
 def test_robust_ms_drops_a_stall_and_takes_the_median():
     from backfill.serving.profiler import robust_ms
+
     assert robust_ms([10.0, 10.2, 9.9, 10.1, 55.0]) == 10.05  # the stall is dropped before the median
     assert robust_ms([4.0]) == 4.0
-    import pytest
     with pytest.raises(ValueError):
         robust_ms([])
 
@@ -64,7 +64,6 @@ def test_monotone_pass_pools_one_slow_point_instead_of_carrying_it():
 
 
 def test_bad_repeat_counts_are_refused(tiny_runner):
-    import pytest
     with pytest.raises(ValueError):
         profile_latency(tiny_runner, grid=(1, 2), decode_grid=(), repeats=0)
 
