@@ -1,9 +1,9 @@
 """Derive the corrected H200 latency profile from the measurements in docs/results/h200-llama3-8b/.
 
 `backfill profile` on that device (profile-bf16.json, an older profiler that kept the fastest of a
-few runs and a running maximum) carried single slow points across its tables: 18.7 ms for every
-eager step from 8 to 512 tokens, 6.4 ms for every decode batch from 3 to 64 sequences. The engine
-bench on the same device (engine-bench.json) measured what those steps take:
+few runs and a running maximum) carried single slow points across its tables: one value for every
+eager step from 8 to 512 tokens, one for every decode batch from 3 to 64 sequences (docs/simulator.md
+has the figures). The engine bench on the same device (engine-bench.json) measured those steps:
 
 - decode table (CUDA graphs): the bench's TPOT at 1 / 8 / 32 / 64 sequences less their context's
   attention (the profile's ms_per_kctx at the bench's mean context), at the graph buckets
