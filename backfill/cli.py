@@ -101,6 +101,15 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
         result = run_http_bench(args.url, args.served_model or loaded.config.name, scenario, loaded.tokenizer,
                                 latency, label=args.label, api_key=args.api_key, out_dir=args.out)
         results = {args.label: result}
+    elif args.loads or args.slos:
+        from backfill.bench.coserve_bench import load_and_profile
+        from backfill.bench.frontier import parse_slos, run_frontier, settings
+
+        points = settings(scenario, args.loads, parse_slos(args.slos))
+        prepared = load_and_profile(serving)  # one model load for every point
+        run_frontier(points, lambda sc, out: run_coserve_bench(sc, serving, tuple(args.modes), out,
+                                                               prepared=prepared), args.out)
+        return 0
     else:
         results = run_coserve_bench(scenario, serving, tuple(args.modes), args.out)
     if args.json:
@@ -116,6 +125,13 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
     scenario = _scenario(args)
     serving = _serving(args)
     config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv)
+    if args.loads or args.slos:
+        from backfill.bench.frontier import parse_slos, run_frontier, settings
+
+        run_frontier(settings(scenario, args.loads, parse_slos(args.slos)),
+                     lambda sc, out: simulate_coserve(sc, machine, latency, config, serving, tuple(args.modes), out,
+                                                      log=lambda *a: None), args.out)
+        return 0
     results = simulate_coserve(scenario, machine, latency, config, serving, tuple(args.modes), args.out)
     print(headline(results))
     if args.json:
@@ -203,6 +219,14 @@ def _add_scenario_args(p: argparse.ArgumentParser, rounds: dict | None = None) -
     p.add_argument("--json", default=None, help="also write all modes' metrics to this JSON file")
 
 
+def _add_frontier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--loads", nargs="+", type=float, default=None,
+                   help="run once per online load and print the frontier (SLO attainment, offline tok/s per mode)")
+    p.add_argument("--slos", nargs="+", default=None, metavar="TTFT_MS/TPOT_MS",
+                   help="run once per SLO setting, e.g. 200/15 100/10 (alone: online-only's own P99s), and "
+                        "print the frontier")
+
+
 def _run_server(args: argparse.Namespace) -> int:
     from backfill.node.config import is_node_config
     from backfill.server.serve import run_server
@@ -275,6 +299,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--label", default="http", help="mode name for --url results")
         p.add_argument("--api-key", default=None)
         p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
+        _add_frontier_args(p)
         p.set_defaults(func=cmd_bench_coserve)
 
         p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), "
@@ -303,6 +328,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="host time each step adds beyond its cost table (Python between steps)")
         p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
         p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
+        _add_frontier_args(p)
         p.set_defaults(func=cmd_sim_coserve)
 
     p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")

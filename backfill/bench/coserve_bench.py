@@ -49,6 +49,7 @@ from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.model_error import summarize
 from backfill.serving.api import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler, load_or_profile
@@ -113,13 +114,18 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
     finally:
         await engine.stop()
     stats = engine.scheduler.stats
+    counters = engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s, policy=engine.scheduler.policy)
     run_on_torch_thread(_drain, engine.scheduler)
-    return RoundResult(run, engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s))
+    return RoundResult(run, counters)
 
 
-def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: float = 0.0) -> dict:
-    """A round's scheduler counters for the report, preemption times in s since the round's t0."""
-    return {"steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
+def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: float = 0.0,
+                    policy: object = None) -> dict:
+    """A round's scheduler counters for the report, preemption times in s since the round's t0; with
+    a policy that logs its latency model's error, that error per step mode (signed, one per step)."""
+    model_error = getattr(policy, "model_error", None)
+    return {"model_error": model_error.samples() if model_error is not None else {},
+            "steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
             "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,
             "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
             "restored_tokens": stats.restored_tokens, "recomputed_tokens": stats.recomputed_tokens,
@@ -165,6 +171,9 @@ def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
     metrics = compute_metrics(records, slo=slo, duration_s=offset_s, engine_samples=samples,
                               preemption_events=preemptions)
     engine_stats = _summed(counters) | {"send_lag_p99_ms": metrics.send_lag_ms.p99}
+    # The report keeps each step mode's error summary, not every step's sample.
+    engine_stats["model_error"] = {mode: s.to_dict() for mode, errors in engine_stats.get("model_error", {}).items()
+                                   if (s := summarize(errors)) is not None}
     return ModeResult(metrics, records, {"engine": engine_stats, "rounds": len(rounds)})
 
 
@@ -222,9 +231,11 @@ def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: R
 
 def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: ServingConfig = ServingConfig(),
                       modes: tuple[str, ...] = MODES, out_dir: str | Path = "runs/coserve",
-                      progress: bool = True, log=print) -> dict[str, ModeResult]:
+                      progress: bool = True, log=print, prepared=None) -> dict[str, ModeResult]:
+    """Every mode on the scenario's rounds; `prepared` is load_and_profile's result, to run several
+    scenarios on one loaded model."""
     parse_modes(modes)  # before the model loads
-    loaded, runner, latency = load_and_profile(serving)
+    loaded, runner, latency = prepared if prepared is not None else load_and_profile(serving)
     name, tokenizer = loaded.config.name, loaded.tokenizer
     if scenario.warmup_s > 0:
         log(f"== warm-up: {scenario.warmup_s:.0f} s of offline batching (not measured)")
@@ -293,7 +304,20 @@ def headline(results: dict[str, ModeResult]) -> str:
         elif c.ceiling_tokens_per_s > 0:
             rows.append(f"{mode}: offline ceiling {c.ceiling_tokens_per_s:.1f} tok/s (batches in all the time "
                         f"online work leaves); reached {c.measured_tokens_per_s / c.ceiling_tokens_per_s:.0%} of it")
+    rows += model_error_lines(results)
     return "\n".join(rows)
+
+
+def model_error_lines(results: dict[str, ModeResult]) -> list[str]:
+    """One line per mode whose policy logged its latency model's error: median / P90 / bias per step mode."""
+    rows = []
+    for mode, r in results.items():
+        by_mode = r.config.get("engine", {}).get("model_error") or {}
+        if by_mode:
+            parts = [f"{step_mode} {e['median']:.1%} / {e['p90']:.1%} / {e['bias']:+.1%} ({e['steps']} steps)"
+                     for step_mode, e in sorted(by_mode.items())]
+            rows.append(f"{mode}: latency model error median / P90 / bias: " + "; ".join(parts))
+    return rows
 
 
 def _pair(summary) -> str:

@@ -172,10 +172,27 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None,
                 tokens = made.get(step_mode, 0)
                 rate = f"{tokens / seconds:.1f}" if seconds > 0 else "-"
                 lines.append(f"| {name} | {step_mode} | {seconds:.1f} | {tokens} | {rate} |")
+    errors = {name: res.config["engine"]["model_error"] for name, res in results.items()
+              if res.config.get("engine", {}).get("model_error")}
+    if errors:
+        lines += _model_error_section(errors)
     ceilings = offline_ceilings(results) if ceilings is None else ceilings
     if ceilings:
         lines += _ceiling_section(ceilings)
     return "\n".join(lines) + "\n"
+
+
+def _model_error_section(errors: Mapping[str, Mapping[str, dict]]) -> list[str]:
+    lines = ["", "## Latency model error", "",
+             "What the policy predicted for each step it planned against what the step took, over the steps "
+             "the run executed: |predicted - measured| / measured; bias is the median signed error (> 0: the "
+             "model expected slower steps).", "",
+             "| mode | step mode | steps | median | P90 | bias |", "|---|---|---:|---:|---:|---:|"]
+    for name, by_mode in errors.items():
+        for step_mode, e in sorted(by_mode.items()):
+            lines.append(f"| {name} | {step_mode} | {e['steps']} | {e['median']:.1%} | {e['p90']:.1%} | "
+                         f"{e['bias']:+.1%} |")
+    return lines
 
 
 def _ceiling_section(ceilings: Mapping[str, OfflineCeiling]) -> list[str]:

@@ -2,10 +2,13 @@
 
 Co-serving mode (online work present): online requests go in first; the step gets a latency
 budget from the SLOs (TPOT when online requests decode, else what is left of the most urgent
-TTFT) and offline tokens fill what the latency model says still fits - where they cost no more
-per token there than in an offline batch (on a CPU a few offline tokens can turn a fast lone
-decode into a slow eager step for no throughput). Offline requests never hold blocks an online
-request needs: they are preempted, checkpointed ones first.
+TTFT) and offline tokens fill what the latency model says still fits: offline decodes first, then
+offline prompt chunks (Algorithm 1), each where it costs no more per token there than in an
+offline batch (on a CPU a few offline tokens can turn a fast lone decode into a slow eager step
+for no throughput; on a GPU a prompt chunk turns a graph-replayed decode step into an eager one).
+The budget is planned to a margin below the SLO that follows the latency model's measured error
+on recent co-serving steps (§4.5). Offline requests never hold blocks an online request needs:
+they are preempted, checkpointed ones first.
 
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
 whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
@@ -30,17 +33,24 @@ up, where their savings over the online work left pay for the work it loses.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
+from backfill.policy.model_error import ModelErrorLog
 from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
 from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerState, SchedulingPolicy, SeqView,
                                        StepPlan)
 from backfill.serving.api import SLO
+
+# The adapted margin: read from this many recent co-serving steps, once at least MARGIN_MIN_STEPS
+# ran, and kept within [MARGIN_MIN, slo_margin_max] (never the whole budget: the P90 is a sample).
+MARGIN_WINDOW_STEPS = 256
+MARGIN_MIN_STEPS = 32
+MARGIN_MIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,16 @@ class CoServeConfig:
                                  "faster than its TPOT SLO", group="coserve")
     bank_reserve_prefills: float = knob(1.0, "banked time kept back for this many future online prefills",
                                         group="coserve")
-    rider_cost_share: float = knob(0.5, "an offline decode rides in a co-serving step only when it adds at most "
-                                   "this share of what an offline batch spends on a token", group="coserve")
+    rider_cost_share: float = knob(1.0, "offline tokens ride in a co-serving step only while they add at most this "
+                                   "share of what an offline batch spends on them (1: break-even)", group="coserve")
+    prefill_riders: bool = knob(True, "co-serving steps carry offline prompt chunks as well as offline decodes",
+                                group="coserve")
+    prefill_cost_share: float = knob(1.0, "an offline prompt chunk rides only while it adds at most this "
+                                     "share of what an offline batch spends on its tokens (inf: the SLO budget alone "
+                                     "decides, as in ConServe Algorithm 1)", group="coserve")
+    slo_margin_max: float = knob(0.85, "the most of the SLO budget an adapted margin plans to", group="coserve")
+    adapt_margin: bool = knob(True, "the share of the SLO budget planned follows the latency model's measured "
+                              "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
                                    "suspended, where that pays for the step's lost work", group="coserve")
     def __post_init__(self) -> None:
@@ -77,10 +95,14 @@ class CoServeConfig:
             raise InvalidRequestError("interference_slack must be >= 0")
         if not 0.0 < self.slo_margin <= 1.0:
             raise InvalidRequestError("slo_margin must be in (0, 1]")
+        if not 0.0 < self.slo_margin_max <= 1.0:
+            raise InvalidRequestError("slo_margin_max must be in (0, 1]")
         if not self.bank_reserve_prefills >= 0:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:
             raise InvalidRequestError("rider_cost_share must be >= 0")
+        if not self.prefill_cost_share >= 0:
+            raise InvalidRequestError("prefill_cost_share must be >= 0")
         if self.offline_batch_max_tokens < 1 or self.offline_batch_max_seqs < 1:
             raise InvalidRequestError("offline_batch_max_tokens and offline_batch_max_seqs must be >= 1")
 
@@ -100,6 +122,11 @@ class CoServePolicy(SchedulingPolicy):
         self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
         self.riders = Riders(latency, self._estimate_ms, cost_share=config.rider_cost_share,
                              batch_max_seqs=config.offline_batch_max_seqs)
+        # What each plan was predicted to take, to report the model's error on the steps that ran.
+        self.model_error = ModelErrorLog()
+        self._planned: tuple[BatchShape, float, str] | None = None
+        self._recent_ratios: deque[float] = deque(maxlen=MARGIN_WINDOW_STEPS)  # measured / predicted
+        self._margin = config.slo_margin
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:
@@ -109,6 +136,9 @@ class CoServePolicy(SchedulingPolicy):
         return self._corrections.get(self._bucket(num_tokens), self._overall_correction)
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] == shape:
+            self._observe_error(planned[2], planned[1], duration_ms)
         estimate = self.latency.estimate_ms(shape)
         if estimate <= 0 or duration_ms <= 0:
             return
@@ -118,6 +148,22 @@ class CoServePolicy(SchedulingPolicy):
         bucket = self._bucket(shape.num_tokens)
         self._corrections[bucket] = 0.9 * self._corrections.get(bucket, self._overall_correction) + 0.1 * ratio
         self._overall_correction = 0.9 * self._overall_correction + 0.1 * ratio
+
+    def _observe_error(self, mode: str, predicted_ms: float, measured_ms: float) -> None:
+        if self.model_error.observe(mode, predicted_ms, measured_ms) is None or mode != "co-serving":
+            return
+        self._recent_ratios.append(measured_ms / predicted_ms)
+        if self.config.adapt_margin and len(self._recent_ratios) >= MARGIN_MIN_STEPS:
+            # Plan so that a step as far over its estimate as one in ten recent ones still meets the
+            # budget (ConServe §4.5: the profile's error is what the margin is for).
+            ratios = sorted(self._recent_ratios)
+            p90 = ratios[min(len(ratios) - 1, int(0.9 * len(ratios)))]
+            self._margin = min(self.config.slo_margin_max, max(MARGIN_MIN, 1.0 / p90))
+
+    @property
+    def slo_margin(self) -> float:
+        """The share of the SLO budget steps are planned to: slo_margin, or adapted to the model's error."""
+        return self._margin
 
     def _estimate_ms(self, shape: BatchShape) -> float:
         return self.correction_for(shape.num_tokens) * self.latency.estimate_ms(shape)
@@ -147,17 +193,17 @@ class CoServePolicy(SchedulingPolicy):
         """The paper's per-step budget, already scaled by slo_margin (ConServe §4.5)."""
         cfg = self.config
         if any(s.running and not s.in_prefill for s in state.online):
-            return cfg.slo_margin * cfg.slo.tpot_ms
+            return self.slo_margin * cfg.slo.tpot_ms
         waited_ms = max((state.now_s - s.arrival_s) * 1e3 for s in state.online)
         # Never longer than a decode step's budget either: a request arriving during this step
         # waits for all of it, and in a burst such filled steps would stack up in its TTFT.
-        return cfg.slo_margin * min(max(cfg.slo.ttft_ms - waited_ms, 0.0), cfg.slo.tpot_ms)
+        return self.slo_margin * min(max(cfg.slo.ttft_ms - waited_ms, 0.0), cfg.slo.tpot_ms)
 
     def _banked_budget_ms(self, state: SchedulerState) -> float:
         """How long this step may take spending only what every decoding online request banked
         above the reserve for future prefills (see the module doc); never more than the SLO."""
         cfg = self.config
-        target_tpot_ms = cfg.slo_margin * cfg.slo.tpot_ms
+        target_tpot_ms = self.slo_margin * cfg.slo.tpot_ms
         decoding = [s for s in state.online if s.running and not s.in_prefill]
         if not decoding:
             return 0.0
@@ -212,18 +258,23 @@ class CoServePolicy(SchedulingPolicy):
         # Offline decodes added to the step drift with its online part, not with the (rarely seen)
         # bucket the mixed step lands in.
         correction = self.correction_for(plan.shape.num_tokens)
-        online_shape, riders_from = plan.shape, plan.mark()
-        # Neither a restore copy nor a prefill span's fixed cost per layer is in the latency model,
-        # so offline requests start and resume in offline batching mode, and co-serving steps carry
-        # offline decodes only: one token each.
-        rideable = [s for s in offline if not (s.needs_restore or s.in_prefill)]
-        self.riders.add(plan, [s for s in rideable if not s.suspended], state, budget_ms, correction, reserve)
-        if plan.tokens > online_shape.num_tokens and self.riders.saving_ms(state, online_shape, plan, correction) is None:
-            plan.rollback(riders_from)
-        held = [s for s in rideable if s.suspended]
+        online_shape = plan.shape
+        # A restore copy is not in the latency model: checkpointed requests resume in offline batching.
+        rideable = [s for s in offline if not s.needs_restore]
+        decodes = [s for s in rideable if not s.in_prefill]
+        self.riders.add(plan, [s for s in decodes if not s.suspended], state, budget_ms, correction, reserve)
+        held = [s for s in decodes if s.suspended]
         if held and cfg.release_suspended:
             self.riders.release_suspended(state, plan, held, budget_ms, correction, reserve)
+        if cfg.prefill_riders:
+            # Algorithm 1: what the budget leaves after the decodes goes to offline prompt chunks,
+            # oldest first (they finish first and free their blocks).
+            prompts = [s for s in rideable if s.in_prefill and not s.suspended]
+            share = None if cfg.prefill_cost_share == float("inf") else cfg.prefill_cost_share
+            self.riders.add_prefill(plan, prompts, budget_ms, correction, reserve, self._offline_tokens, share)
         self.riders.planned(online_shape, plan.shape, correction)
+        predicted_ms = self._estimate_ms(online_shape) + self.riders.added_ms(online_shape, plan.shape, correction)
+        self._planned = (plan.shape, predicted_ms, "co-serving")
         return plan.plan(mode="co-serving", budget_ms=budget_ms)
 
     # --- Offline batching mode ------------------------------------------------------------------
@@ -233,6 +284,7 @@ class CoServePolicy(SchedulingPolicy):
         if any(s.suspended for s in state.offline):
             # The step an online arrival aborted: continuing it from its safepoint keeps the layers
             # it already ran instead of redoing them.
+            self._planned = None  # a continued step is not timed whole
             return StepPlan(preemptible=True, mode="offline-batching", resume=True)
         # Prefills first: a decode step's fixed cost is spread over the requests decoding, so
         # admitting the waiting prompts at once beats giving each step to the few admitted decodes.
@@ -259,6 +311,7 @@ class CoServePolicy(SchedulingPolicy):
                     break
                 room = 1  # the step must make progress even if one token is over the estimate
             plan.add(seq, token_cap=room)
+        self._planned = (plan.shape, self._estimate_ms(plan.shape), "offline-batching")
         return plan.plan(preemptible=True, mode="offline-batching")
 
     # --- Algorithm 2: online arrival during a running step ---------------------------------------
@@ -282,4 +335,4 @@ class CoServePolicy(SchedulingPolicy):
             # The cap that bounds co-serving steps bounds the wait for offline work too: the paper's
             # rule (finish while the TTFT SLO holds) moves TTFTs up to the SLO.
             return True
-        return remain_ms + exec_ms + waited_ms > self.config.slo_margin * self.config.slo.ttft_ms
+        return remain_ms + exec_ms + waited_ms > self.slo_margin * self.config.slo.ttft_ms

@@ -2,7 +2,11 @@
 
 estimate_ms = interp(token_grid -> step_ms, tokens)
             + ms_per_kctx * (context tokens read by decode attention) / 1000
-            + ms_per_mpair * (query x key pairs of prefill attention) / 1e6
+            + ms_per_mpair * (query x key pairs of prompt chunks against their earlier context) / 1e6
+
+The token table is measured on chunks from position 0, so a chunk's attention within itself is in
+the table already; only what a later chunk reads of the context before it is added (the profiler
+measures ms_per_mpair as exactly that: a chunk far into a context against the same chunk at 0).
 
 A table, not a formula: on a CPU the step time is flat while weight reads dominate and
 linear once compute does, and a piecewise-linear table follows both without a model.
@@ -30,16 +34,17 @@ from backfill.errors import BackfillError
 class BatchShape:
     num_tokens: int = 0
     decode_context_tokens: int = 0
-    prefill_attention_pairs: int = 0
+    prefill_attention_pairs: int = 0   # all query x key pairs of prompt chunks (> 0: the step has one)
+    prefill_context_pairs: int = 0     # those against context before the chunk (what the table lacks)
 
     def plus(self, num_new: int, start_pos: int) -> "BatchShape":
         """This shape with one more chunk of num_new tokens starting at start_pos."""
         if num_new == 1 and start_pos > 0:
             return BatchShape(self.num_tokens + 1, self.decode_context_tokens + start_pos + 1,
-                              self.prefill_attention_pairs)
+                              self.prefill_attention_pairs, self.prefill_context_pairs)
         pairs = num_new * start_pos + num_new * (num_new + 1) // 2
         return BatchShape(self.num_tokens + num_new, self.decode_context_tokens,
-                          self.prefill_attention_pairs + pairs)
+                          self.prefill_attention_pairs + pairs, self.prefill_context_pairs + num_new * start_pos)
 
 
 def largest_chunk(estimate_ms: Callable[[BatchShape], float], base: BatchShape, budget_ms: float, start_pos: int,
@@ -94,7 +99,7 @@ class LatencyModel:
         if shape.num_tokens == 0:
             return 0.0
         return (self._base_ms(shape) + self.ms_per_kctx * shape.decode_context_tokens / 1e3
-                + self.ms_per_mpair * shape.prefill_attention_pairs / 1e6)
+                + self.ms_per_mpair * shape.prefill_context_pairs / 1e6)
 
     def max_new_tokens(self, base: BatchShape, budget_ms: float, start_pos: int, limit: int) -> int:
         """Largest n <= limit such that adding an n-token chunk at start_pos keeps the step within budget."""

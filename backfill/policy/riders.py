@@ -1,9 +1,9 @@
-"""Offline decodes riding in co-serving steps: which fit, whether they pay, what they really cost.
+"""Offline work riding in co-serving steps: which fits, whether it pays, what it really costs.
 
 A co-serving step (ConServe §4.2 Algorithm 1) fills what its SLO budget leaves with offline
-tokens. Here those tokens are decodes only, one per request ("riders"), and they ride only where
-they pay: what they add to the step must be at most a share of what an offline batch would spend
-on the same tokens. On a GPU a decode step is bound by reading the weights and a rider costs a few
+tokens: decodes, one per request ("riders"), then prompt chunks. They ride only where they pay:
+what they add to the step must be at most a share of what an offline batch would spend on the
+same tokens (1: break-even). On a GPU a decode step is bound by reading the weights and a rider costs a few
 percent of a batch's token; on a CPU every token costs compute, and a rider can cost more than the
 batch. What riders add is learned from the steps that carried them, apart from the online part's drift.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.planner import PlanBuilder
 from backfill.policy.interface import SchedulerState, SeqView
 
@@ -66,15 +66,63 @@ class Riders:
 
     def add(self, plan: PlanBuilder, candidates: list[SeqView], state: SchedulerState, budget_ms: float,
             correction: float, reserve: int) -> None:
-        """Add one decode token of each candidate that fits the step within budget_ms."""
-        # Cheapest first: an offline decode costs a token plus its context's attention, so the
-        # shortest contexts fit the most offline tokens into the budget; long ones advance in
-        # offline batching mode.
+        """Add the offline decodes (one token each) that fit the step within budget_ms, as many as pay.
+
+        Cheapest first: an offline decode costs a token plus its context's attention, so the shortest
+        contexts fit the most offline tokens into the budget; long ones advance in offline batching
+        mode. Riders are kept up to break-even, not one by one: a rider that moves a decode step into
+        a bigger CUDA-graph bucket costs the whole padding, which the riders after it fill for free,
+        so the kept prefix is the one whose riders together save the most, and a bucket the budget
+        cannot fill enough to pay is not entered."""
+        per_token_ms = self.batch_ms_per_token(state)
+        from_mark, start = plan.mark(), plan.shape
+        best_saving_ms, best_mark = 0.0, from_mark
         for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
             if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
-            if correction * self.latency.estimate_ms(plan.shape.plus(1, seq.num_computed_tokens)) <= budget_ms:
-                plan.add(seq, token_cap=1)
+            if correction * self.latency.estimate_ms(plan.shape.plus(1, seq.num_computed_tokens)) > budget_ms:
+                continue
+            if plan.add(seq, token_cap=1) == 0:
+                continue
+            saving_ms = self._saving_ms(start, plan, per_token_ms, correction)
+            if saving_ms > 0 and saving_ms >= best_saving_ms:
+                best_saving_ms, best_mark = saving_ms, plan.mark()
+        plan.rollback(best_mark)
+
+    def add_prefill(self, plan: PlanBuilder, candidates: list[SeqView], budget_ms: float, correction: float,
+                    reserve: int, batch_tokens: int, cost_share: float | None = None) -> None:
+        """Add offline prompt chunks (ConServe §4.2 Algorithm 1) as large as the budget allows; with a
+        cost_share, each kept only where it costs the step at most that share of what an offline
+        batch of batch_tokens spends on as many prompt tokens.
+
+        Without one, the budget alone decides, as in the paper: a prompt left waiting for offline
+        batching keeps its request from decoding, and under steady online load the riders the
+        backlog could supply run short, so a prompt's price is not what it costs in a batch alone."""
+        per_token_ms = self._estimate_ms(BatchShape().plus(batch_tokens, 0)) / batch_tokens
+        for seq in candidates:
+            if plan.tokens_left <= 0:
+                break
+            if not seq.running and plan.free_blocks - plan.state.blocks_for(seq, 1) < reserve:
+                continue
+            limit = min(seq.num_pending_tokens, plan.chunk_tokens, plan.tokens_left)
+            n = largest_chunk(lambda shape: correction * self.latency.estimate_ms(shape), plan.shape, budget_ms,
+                              seq.num_computed_tokens, limit)
+            if n <= 0:
+                continue
+            before, mark = plan.shape, plan.mark()
+            if plan.add(seq, token_cap=n) == 0:
+                continue
+            if cost_share is not None and self.added_ms(before, plan.shape, correction) > cost_share * n * per_token_ms:
+                plan.rollback(mark)
+
+    def added_ms(self, without: BatchShape, shape: BatchShape, correction: float) -> float:
+        """What the offline tokens from `without` to `shape` add to a step: the profile's difference,
+        corrected by the online step's drift and by what riders were measured to add."""
+        return self.correction * correction * (self.latency.estimate_ms(shape) - self.latency.estimate_ms(without))
+
+    def _saving_ms(self, without: BatchShape, plan: PlanBuilder, per_token_ms: float, correction: float) -> float:
+        batch_ms = (plan.tokens - without.num_tokens) * per_token_ms
+        return self.cost_share * batch_ms - self.added_ms(without, plan.shape, correction)
 
     def saving_ms(self, state: SchedulerState, without: BatchShape, plan: PlanBuilder,
                   correction: float) -> float | None:
@@ -84,13 +132,10 @@ class Riders:
         On a GPU a decode step is bound by reading the weights and an offline token rides along
         almost free, as ConServe assumes (§4.2). On a CPU every token costs compute, and a rider pays
         for its context's attention about what offline batching pays for one of its decode tokens:
-        riders then lengthen the online step and gain no offline throughput. The share is a margin
-        for the estimate's error.
+        riders then lengthen the online step and gain no offline throughput. A share below 1 is a
+        margin for the estimate's error.
         """
-        # What riders add: the profile's difference, corrected by the online step's drift and by
-        # what riders were measured to add.
-        added_ms = self.correction * correction * (self.latency.estimate_ms(plan.shape)
-                                                   - self.latency.estimate_ms(without))
+        added_ms = self.added_ms(without, plan.shape, correction)
         batch_ms = (plan.tokens - without.num_tokens) * self.batch_ms_per_token(state)
         return batch_ms - added_ms if added_ms <= self.cost_share * batch_ms else None
 

@@ -9,6 +9,7 @@ cost. The result is saved and reloaded at start, so serving does not pay for pro
 from __future__ import annotations
 
 import logging
+import statistics
 
 from backfill.engine.runner import ModelRunner, SeqChunk
 from backfill.policy.latency_model import LatencyModel
@@ -24,19 +25,61 @@ DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # offline token added to such a step costs, and the bench sizes its online load from it.
 DEFAULT_DECODE_GRID = (1, 2, 3, 4, 8, 16, 32, 64)
 # Saved profiles carry this in their file name: a changed grid or method measures anew.
-PROFILE_FORMAT = 5
+PROFILE_FORMAT = 6
+# A measurement further than this many median absolute deviations above the median is a stall
+# (another process, a first call's allocation or kernel pick), not the step's cost.
+OUTLIER_MADS = 3.0
+# A table point this much slower than a bigger shape's is measured again before the monotone pass.
+INVERSION_TOLERANCE = 1.25
 
 
-def _best_ms(runner: ModelRunner, build, repeats: int) -> float:
-    """Fastest of a few runs: a shared machine only ever adds time, and the scheduler corrects the
-    profile from measured steps while it serves."""
-    runner.execute(build())  # warm-up
-    return min(runner.execute(build()).duration_s * 1e3 for _ in range(repeats))
+def robust_ms(samples: list[float]) -> float:
+    """The median of the samples left once outliers are dropped.
+
+    A minimum takes the luckiest run and a mean takes the stalls; a median of the runs that agree
+    is what the step costs. Only slow outliers exist on a shared machine, but a symmetric rule is
+    no worse: it keeps at least half the samples."""
+    if not samples:
+        raise ValueError("robust_ms needs at least one sample")
+    ordered = sorted(samples)
+    median = statistics.median(ordered)
+    mad = statistics.median(abs(x - median) for x in ordered)
+    kept = [x for x in ordered if abs(x - median) <= OUTLIER_MADS * max(mad, 0.01 * median)]
+    return statistics.median(kept)
+
+
+def remeasure_inversions(values: list[float], measure_point, tolerance: float = INVERSION_TOLERANCE,
+                         tries: int = 2) -> list[float]:
+    """Measure again each point of a table that a bigger shape beats by more than `tolerance`: a
+    point slowed as a whole (every repeat in a stall) would otherwise raise its neighbours in the
+    monotone pass. The faster of the two measurements is kept."""
+    out = list(values)
+    for _ in range(tries):
+        suspects = [i for i in range(len(out) - 1) if out[i] > tolerance * min(out[i + 1:])]
+        if not suspects:
+            break
+        for i in suspects:
+            out[i] = min(out[i], measure_point(i))
+    return out
+
+
+def _measured_ms(runner: ModelRunner, build, repeats: int, warmups: int) -> float:
+    """A step shape's cost: warm-up runs first (a new shape's first runs pay for allocation, kernel
+    selection or a graph capture), then the robust median of the repeats."""
+    for _ in range(warmups):
+        runner.execute(build())
+    return robust_ms([runner.execute(build()).duration_s * 1e3 for _ in range(repeats)])
 
 
 def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID,
-                    decode_grid: tuple[int, ...] = DEFAULT_DECODE_GRID, repeats: int = 5,
+                    decode_grid: tuple[int, ...] = DEFAULT_DECODE_GRID, repeats: int = 7, warmups: int = 2,
                     model_name: str = "") -> LatencyModel:
+    if repeats < 1 or warmups < 0:
+        raise ValueError(f"profiling needs repeats >= 1 and warmups >= 0, got {repeats} and {warmups}")
+
+    def measure(build) -> float:
+        return _measured_ms(runner, build, repeats, warmups)
+
     kv = runner.kv
     max_len = runner.config.max_position_embeddings
     grid = tuple(n for n in grid if kv.blocks_needed(n) <= kv.num_usable and n < max_len)
@@ -53,33 +96,42 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
     short_ctx, batch = 32, 8
     decode_grid = tuple(n for n in decode_grid if n * kv.blocks_needed(short_ctx + 1) <= kv.num_usable)
     try:
-        step_ms = []
         steps = len(grid) + len(decode_grid) + 1
-        for i, n in enumerate(grid):
+
+        def chunk_point(i: int) -> float:
+            n = grid[i]
             log.info("profiling step latency %d/%d: a prefill chunk of %d tokens", i + 1, steps, n)
             t = table(max(n, short_ctx + 1))
-            step_ms.append(_best_ms(runner, lambda: [SeqChunk("p", [5] * n, 0, t, want_logits=True)], repeats))
-            kv.free(scratch.pop())
-        decode_ms = []
-        for i, n in enumerate(decode_grid):  # n sequences decoding; their context's attention is taken out below
+            try:
+                return measure(lambda: [SeqChunk("p", [5] * n, 0, t, want_logits=True)])
+            finally:
+                kv.free(scratch.pop())
+
+        def decode_point(i: int) -> float:  # n sequences decoding; their context's attention is taken out below
+            n = decode_grid[i]
             log.info("profiling step latency %d/%d: %d sequences decoding", len(grid) + i + 1, steps, n)
             tables = [table(short_ctx + 1) for _ in range(n)]
-            decode_ms.append(_best_ms(runner, decode(short_ctx, tables), repeats))
-            while scratch:
-                kv.free(scratch.pop())
+            try:
+                return measure(decode(short_ctx, tables))
+            finally:
+                while scratch:
+                    kv.free(scratch.pop())
+
+        step_ms = remeasure_inversions([chunk_point(i) for i in range(len(grid))], chunk_point)
+        decode_ms = remeasure_inversions([decode_point(i) for i in range(len(decode_grid))], decode_point)
         # Per-context cost of decode attention: 8 sequences decoding at short vs long context.
         log.info("profiling step latency %d/%d: attention cost per context token", steps, steps)
         long_ctx = min(1024, max_len - 2, kv.num_usable // (batch + 1) * kv.block_size - 1)
         tables = [table(long_ctx + 1) for _ in range(batch)]
         extra_ctx_tokens = batch * (long_ctx - short_ctx)
-        d_ms = _best_ms(runner, decode(long_ctx, tables), repeats) - _best_ms(runner, decode(short_ctx, tables), repeats)
+        d_ms = measure(decode(long_ctx, tables)) - measure(decode(short_ctx, tables))
         ms_per_kctx = max(0.0, d_ms / extra_ctx_tokens * 1e3) if extra_ctx_tokens > 0 else 0.0
         decode_ms = [max(0.0, ms - ms_per_kctx * n * (short_ctx + 1) / 1e3) for n, ms in zip(decode_grid, decode_ms)]
         # Prefill attention: the same chunk (64 tokens, less in a tiny pool) at position 0 and at the end of long_ctx.
         chunk = min(64, long_ctx // 2)
         t = tables[0]
-        near = _best_ms(runner, lambda: [SeqChunk("a", [5] * chunk, 0, t)], repeats)
-        far = _best_ms(runner, lambda: [SeqChunk("a", [5] * chunk, long_ctx - chunk, t)], repeats)
+        near = measure(lambda: [SeqChunk("a", [5] * chunk, 0, t)])
+        far = measure(lambda: [SeqChunk("a", [5] * chunk, long_ctx - chunk, t)])
         extra_pairs = chunk * (long_ctx - chunk)
         ms_per_mpair = max(0.0, (far - near) / extra_pairs * 1e6) if extra_pairs > 0 else 0.0
     finally:
@@ -92,8 +144,17 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
 
 
 def _monotone(step_ms: list[float]) -> tuple[float, ...]:
-    """A table must not decrease: noise on a shared machine can make a bigger batch look faster."""
-    out: list[float] = []
+    """The closest non-decreasing table (least squares, pool-adjacent-violators): a bigger batch does
+    not run faster, but a running maximum would carry one slow point across every larger size,
+    where pooling averages it with its neighbours."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
     for ms in step_ms:
-        out.append(max(ms, out[-1]) if out else ms)
+        blocks.append([ms, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out += [total / count] * int(count)
     return tuple(out)

@@ -132,7 +132,7 @@ class _Replay:
             if record.end_s is None:
                 record.cancelled = True  # offline work in flight when the run ended
         return RoundResult(RunResult(sorted(self.records.values(), key=lambda r: r.send_s), duration_s=end_s),
-                           engine_counters(self.scheduler.stats, self.mode_busy_s))
+                           engine_counters(self.scheduler.stats, self.mode_busy_s, policy=self.scheduler.policy))
 
     def _record(self, event) -> None:
         record = self.records[event.request_id]

@@ -68,8 +68,8 @@ def test_rounds_run_variants_interleaved_with_the_baseline_first():
 
     results = run_in_rounds(CoserveScenario(duration_s=2.0, rounds=2),
                             ("coserve:rider_cost_share=1", "coserve", "online-only"), run_mode)
-    assert calls == [(0, "online-only", 0.5), (0, "coserve:rider_cost_share=1", 1.0), (0, "coserve", 0.5),
-                     (1, "online-only", 0.5), (1, "coserve:rider_cost_share=1", 1.0), (1, "coserve", 0.5)]
+    assert calls == [(0, "online-only", 1.0), (0, "coserve:rider_cost_share=1", 1.0), (0, "coserve", 1.0),
+                     (1, "online-only", 1.0), (1, "coserve:rider_cost_share=1", 1.0), (1, "coserve", 1.0)]
     assert list(results) == ["online-only", "coserve:rider_cost_share=1", "coserve"]
     variant = results["coserve:rider_cost_share=1"].config
     assert variant["policy"] == "coserve" and variant["overrides"] == {"rider_cost_share": 1.0}

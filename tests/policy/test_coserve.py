@@ -88,8 +88,10 @@ def test_co_serving_puts_online_first_and_fills_tpot_budget_with_offline():
     assert 30 <= plan.num_tokens - 4 <= 34
 
 
-def test_co_serving_steps_carry_offline_decodes_only():
-    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0))
+@pytest.mark.parametrize("prefill_riders", [True, False])
+def test_co_serving_steps_carry_offline_decodes_and_prompt_chunks_never_restores(prefill_riders):
+    policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
+                                                          prefill_riders=prefill_riders, adapt_margin=False))
     # Preempted: no device blocks, 40 tokens of KV on the host; a fresh offline request (prefill);
     # and one decoding.
     preempted = seq(1, OFF, tokens=41, computed=40, ckpt=40, arrival=0.1)
@@ -97,7 +99,11 @@ def test_co_serving_steps_carry_offline_decodes_only():
     running = decoding(3, OFF, arrival=0.3)
     assert preempted.needs_restore and not fresh.needs_restore and fresh.in_prefill
     co = policy.schedule(state(decoding(0, ON, arrival=0.5), preempted, fresh, running))
-    assert co.mode == "co-serving" and set(ids(co)) == {"online0", "offline3"}
+    # Algorithm 1: the budget left after the decodes takes the fresh request's whole prompt.
+    expected = {"online0", "offline3"} | ({"offline2"} if prefill_riders else set())
+    assert co.mode == "co-serving" and set(ids(co)) == expected
+    if prefill_riders:
+        assert dict((item.seq_id, item.num_tokens) for item in co.scheduled)["offline2"] == 10
     batching = policy.schedule(state(preempted, fresh, running))
     assert batching.mode == "offline-batching" and {"offline1", "offline2", "offline3"} <= set(ids(batching))
 
@@ -370,11 +376,14 @@ def test_offline_tokens_ride_only_where_they_cost_no_more_than_in_an_offline_bat
     # same three tokens on the online step cost 9.7 ms more, 3.2 ms each: they ride.
     few = CoServePolicy(compiled, LAYOUT, cfg).schedule(state(online, *[decoding(i, OFF) for i in range(3)]))
     assert ids(few) == {"online0": 1, "offline0": 1, "offline1": 1, "offline2": 1}
-    # Unless prompts wait too: offline batching would run them with those decodes, 203 tokens for
-    # 218 ms, 1.07 ms each. The online decode goes alone.
-    waiting = CoServePolicy(compiled, LAYOUT, cfg).schedule(
-        state(online, *[decoding(i, OFF) for i in range(3)], seq(9, OFF, tokens=200, arrival=2.0)))
-    assert ids(waiting) == {"online0": 1}
+    # With a prompt waiting, an offline batch of the four costs 21.7 ms, 5.4 ms a token: the three
+    # riders' 9.3 ms is within break-even (16.3 ms) but over a half share (8.1 ms), and at break-even
+    # a chunk of the waiting prompt rides as well (ConServe Algorithm 1).
+    backlog = state(online, *[decoding(i, OFF) for i in range(3)], seq(9, OFF, tokens=200, arrival=2.0))
+    half = CoServePolicy(compiled, LAYOUT, replace(cfg, rider_cost_share=0.5, prefill_riders=False)).schedule(backlog)
+    assert ids(half) == {"online0": 1}
+    even = ids(CoServePolicy(compiled, LAYOUT, cfg).schedule(backlog))
+    assert {"offline0", "offline1", "offline2", "offline9"} <= set(even) and even["offline9"] > 1
     # Where a step is bound by reading the weights (a GPU), riders are nearly free: they fill the
     # step up to its sequence cap.
     flat = LatencyModel((1, 64, 1024), (12.0, 12.5, 40.0))
@@ -434,7 +443,8 @@ def test_riders_are_weighed_against_the_whole_backlog_decoding_not_its_prompts()
 def test_riders_that_prove_dearer_than_profiled_stop_riding():
     latency = LatencyModel((1, 2048), (11.0, 19.0), ms_per_kctx=0.1, decode_grid=(1, 64), decode_ms=(3.0, 3.5))
     policy = CoServePolicy(latency, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
-                                                  interference_slack=0.05))
+                                                  interference_slack=0.05, rider_cost_share=0.5,
+                                                  prefill_riders=False))
     busy = state(decoding(0, ON, arrival=0.5), *[decoding(i, OFF) for i in range(8)],
                  *[seq(100 + i, OFF, tokens=300) for i in range(40)])
     online_ms = latency.estimate_ms(BatchShape().plus(1, 40))

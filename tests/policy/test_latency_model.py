@@ -16,6 +16,16 @@ def test_interpolates_extrapolates_and_adds_context_terms():
 def test_shape_plus_counts_decode_context_and_prefill_pairs():
     s = BatchShape().plus(1, 99).plus(4, 0)
     assert s.num_tokens == 5 and s.decode_context_tokens == 100 and s.prefill_attention_pairs == 10
+    assert s.prefill_context_pairs == 0
+    assert s.plus(4, 10).prefill_context_pairs == 40
+
+
+def test_a_chunk_from_position_0_costs_what_the_table_says():
+    # The table was measured on chunks from position 0: their own attention is in it, and only the
+    # pairs against earlier context are added (no double count).
+    m = LatencyModel((1, 512), (10.0, 20.0), ms_per_mpair=100.0)
+    assert m.estimate_ms(BatchShape().plus(512, 0)) == 20.0
+    assert m.estimate_ms(BatchShape().plus(512, 1000)) == pytest.approx(20.0 + 100.0 * 512 * 1000 / 1e6)
 
 
 def test_max_new_tokens_inverts_estimate():

@@ -43,7 +43,7 @@ def test_a_rider_must_save_against_the_backlog_decoding_at_most_its_share():
     assert riders(max_seqs=8).batch_ms_per_token(s) == pytest.approx(LATENCY.estimate_ms(_backlog(8)) / 8)
     plan = online_plan(s)
     without = plan.shape
-    riders().add(plan, list(s.offline[:1]), s, budget_ms=100.0, correction=1.0, reserve=0)
+    riders(share=1.0).add(plan, list(s.offline[:1]), s, budget_ms=100.0, correction=1.0, reserve=0)
     added_ms = LATENCY.estimate_ms(plan.shape) - LATENCY.estimate_ms(without)  # 0.1 ms
     assert riders(share=1.0).saving_ms(s, without, plan, 1.0) == pytest.approx(per_token - added_ms)
     # At half a batch token's cost (0.073 ms) the same rider is too dear, and so it is at full
@@ -78,3 +78,38 @@ def test_only_the_step_planned_with_riders_teaches_what_riders_add():
         r.planned(online, with_riders, 1.0)
         r.observe_step(with_riders, 1e6)
     assert r.correction == pytest.approx(8.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("bigger_bucket_ms, riders_kept", [(6.0, 7), (4.0, 15)])
+def test_riders_stop_short_of_a_bigger_graph_bucket_unless_filling_it_pays(bigger_bucket_ms, riders_kept):
+    # CUDA graphs pad a decode step to its bucket: 1 to 8 sequences cost 3 ms, 9 to 16 the bigger
+    # bucket's cost. The ninth sequence pays for the padding, the ones after it ride free: riders
+    # are kept up to the prefix that saves the most (break-even), not judged one at a time.
+    buckets = LatencyModel((1, 2048), (11.0, 19.0), decode_grid=(1, 8, 9, 16),
+                           decode_ms=(3.0, 3.0, bigger_bucket_ms, bigger_bucket_ms))
+    n = riders_kept if riders_kept == 15 else 8
+    s = state(decoding(0, ON), *[decoding(i, OFF) for i in range(n)])
+    plan = online_plan(s)
+    Riders(buckets, buckets.estimate_ms, cost_share=1.0, batch_max_seqs=256).add(
+        plan, list(s.offline), s, budget_ms=100.0, correction=1.0, reserve=0)
+    assert len(plan.scheduled) - 1 == riders_kept
+
+
+def test_prompt_chunks_ride_within_the_budget_priced_or_not():
+    # GPU-like: a lone decode takes 3 ms on its graph, any step with a prompt chunk the eager path's
+    # 10 ms and up; an offline batch of 2048 prompt tokens 40 ms (0.0195 ms a token).
+    gpu = LatencyModel((1, 512, 2048), (10.0, 12.0, 40.0), decode_grid=(1, 64), decode_ms=(3.0, 4.0))
+    s = state(decoding(0, ON), seq(7, OFF, tokens=600))
+    plan = online_plan(s)
+    budget_ms = gpu.estimate_ms(BatchShape().plus(1, 40).plus(512, 0))
+    r = Riders(gpu, gpu.estimate_ms, cost_share=1.0, batch_max_seqs=256)
+    r.add_prefill(plan, list(s.offline), budget_ms, correction=1.0, reserve=0, batch_tokens=2048, cost_share=1.0)
+    # 512 tokens add 9 ms to the step, against 10 ms in an offline batch: they ride.
+    assert [(v.seq_id, v.num_tokens) for v in plan.scheduled[1:]] == [("offline7", 512)]
+    # A budget of a few tokens: leaving the 3 ms graph for a 10 ms eager step is not worth them.
+    small = online_plan(s)
+    r.add_prefill(small, list(s.offline), gpu.estimate_ms(BatchShape().plus(8, 0)), 1.0, 0, 2048, cost_share=1.0)
+    assert len(small.scheduled) == 1
+    # Without a price (ConServe Algorithm 1 as written), the budget alone decides.
+    r.add_prefill(small, list(s.offline), gpu.estimate_ms(BatchShape().plus(8, 0)), 1.0, 0, 2048)
+    assert [(v.seq_id, v.num_tokens) for v in small.scheduled[1:]] == [("offline7", 7)]

@@ -168,7 +168,7 @@ def test_rider_cost_share_from_flag_or_file_reaches_the_riders(tmp_path):
     from backfill.policy.latency_model import LatencyModel
     from backfill.serving.build import make_policy
 
-    assert parse().serving.coserve.rider_cost_share == 0.5
+    assert parse().serving.coserve.rider_cost_share == 1.0
     assert parse("--rider-cost-share", "1").serving.coserve.rider_cost_share == 1.0
     toml = tmp_path / "c.toml"
     toml.write_text("rider-cost-share = 0.8\n")

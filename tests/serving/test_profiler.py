@@ -1,5 +1,7 @@
 """The latency profiler on a tiny random model: what it measures and what it fits."""
 
+import pytest
+
 from backfill.engine.runner import StepOutput
 from backfill.policy.latency_model import BatchShape
 from backfill.serving.profiler import profile_latency
@@ -36,9 +38,51 @@ def test_tables_never_decrease_and_decode_steps_read_the_decode_table(tiny_runne
         assert table[0] > 0 and all(a <= b for a, b in zip(table, table[1:]))
     assert latency.ms_per_kctx >= 0 and latency.ms_per_mpair >= 0
     two_decodes = BatchShape().plus(1, 40).plus(1, 40)
-    assert latency.estimate_ms(two_decodes) == latency.decode_ms[1] + latency.ms_per_kctx * 82 / 1e3
+    assert latency.estimate_ms(two_decodes) == pytest.approx(latency.decode_ms[1] + latency.ms_per_kctx * 82 / 1e3)
 
 
 def test_a_pool_too_small_for_two_decodes_gives_no_decode_table(tiny_runner):
     latency = profile_latency(tiny_runner, grid=(1, 2), decode_grid=(1, 10_000), repeats=1)
     assert latency.decode_grid == () and latency.decode_ms == ()
+
+
+def test_robust_ms_drops_a_stall_and_takes_the_median():
+    from backfill.serving.profiler import robust_ms
+
+    assert robust_ms([10.0, 10.2, 9.9, 10.1, 55.0]) == 10.05  # the stall is dropped before the median
+    assert robust_ms([4.0]) == 4.0
+    with pytest.raises(ValueError):
+        robust_ms([])
+
+
+def test_monotone_pass_pools_one_slow_point_instead_of_carrying_it():
+    from backfill.serving.profiler import _monotone
+    # A running maximum would make every size after the 19 ms point cost 19 ms.
+    table = _monotone([10.0, 19.0, 11.0, 12.0, 13.0, 26.0])
+    assert all(a <= b for a, b in zip(table, table[1:]))
+    assert table[-2] < 19.0 and table[0] == 10.0 and table[-1] == 26.0
+
+
+def test_bad_repeat_counts_are_refused(tiny_runner):
+    with pytest.raises(ValueError):
+        profile_latency(tiny_runner, grid=(1, 2), decode_grid=(), repeats=0)
+
+
+def test_each_shape_is_warmed_up_before_it_is_timed(tiny_runner, monkeypatch):
+    shapes = _spy_shapes(tiny_runner, monkeypatch)
+    profile_latency(tiny_runner, grid=(1, 2), decode_grid=(1, 2), repeats=3, warmups=2)
+    assert shapes.count(((2, False),)) >= 5  # 2 warm-ups + 3 repeats of the 2-token chunk
+
+
+def test_a_point_slower_than_a_bigger_shape_is_measured_again():
+    from backfill.serving.profiler import remeasure_inversions
+    calls = []
+
+    def again(i):
+        calls.append(i)
+        return [10.0, 11.0, 12.0, 13.0][i]
+
+    # Point 1 stalled in every repeat: measured again, and the faster value kept; point 2 is fine.
+    assert remeasure_inversions([10.0, 90.0, 12.0, 13.0], again) == [10.0, 11.0, 12.0, 13.0]
+    assert calls == [1]
+    assert remeasure_inversions([10.0, 12.4, 10.0], lambda i: 99.0) == [10.0, 12.4, 10.0]  # within 1.25x

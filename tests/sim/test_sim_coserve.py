@@ -116,3 +116,33 @@ def test_without_riders_coserve_stays_under_its_offline_ceiling_and_riders_lift_
     riding = ceilings["coserve"]
     assert results["coserve"].config["engine"]["mode_offline_tokens"]["co-serving"] > 0
     assert riding.measured_tokens_per_s > 1.05 * riding.ceiling_tokens_per_s
+
+
+def test_the_report_states_the_latency_models_error_per_step_mode(results, tmp_path):
+    from backfill.bench.report import markdown_table
+
+    errors = results["coserve"].config["engine"]["model_error"]
+    assert set(errors) == {"co-serving", "offline-batching"}
+    for e in errors.values():  # the profile is the machine: the model is exact
+        assert e["steps"] > 10 and e["median"] < 0.01 and e["p90"] < 0.01
+    assert "priority" not in {m for m, r in results.items() if r.config["engine"].get("model_error")}
+    assert "## Latency model error" in markdown_table(results, "online-only")
+
+
+def test_a_profile_that_is_off_shows_in_the_model_error_and_in_the_frontier(tmp_path, capsys):
+    from backfill.bench.frontier import run_frontier, settings
+
+    # The policy plans on a profile 30% too fast; its drift correction takes most of that back.
+    fast = LatencyModel((1, 8, 1024), (14.0, 14.0, 370.0), ms_per_kctx=0.7)
+    short = CoserveScenario(duration_s=10.0, **{k: getattr(SCENARIO, k) for k in (
+        "prompt_len", "output_len", "offline_prompt_len", "offline_output_len", "offline_concurrency",
+        "offline_pool", "warmup_s")})
+    points = run_frontier(settings(short, [0.2, 0.4], [(500.0, 60.0)]),
+                          lambda sc, out: simulate(scenario=sc, latency=fast, modes=("priority", "coserve")),
+                          tmp_path, log=lambda *a: None)
+    assert [p.online_load for p in points] == [0.2, 0.4]
+    error = points[0].model_error["coserve"]["co-serving"]
+    assert error["steps"] > 0 and error["median"] > 0
+    table = (tmp_path / "frontier.md").read_text()
+    assert "| 0.2 | 500 / 60 |" in table and "| 0.4 | 500 / 60 |" in table
+    assert len(json.loads((tmp_path / "frontier.json").read_text())) == 2
