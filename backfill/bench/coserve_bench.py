@@ -53,7 +53,7 @@ from backfill.serving.api import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler, load_or_profile
 from backfill.serving.async_engine import AsyncEngine
-from backfill.serving.scheduler import SchedulerStats
+from backfill.serving.stats import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 
 MODES = POLICIES

@@ -84,16 +84,16 @@ def _offline_with_arrivals_at(tiny_runner, layer: int, num_offline: int, num_onl
     for r in offline:
         scheduler.add(r)
     arrivals = iter(_requests(num_online, ONLINE, params=SamplingParams.greedy_params(max_tokens=4), prefix="on"))
-    original = scheduler._safepoint
+    original = scheduler.step_preemption.safepoint
 
     def safepoint_with_arrival(at: int) -> bool:
-        if at == layer and not scheduler._abort.is_set():
+        if at == layer and not scheduler.step_preemption.abort.is_set():
             request = next(arrivals, None)
             if request is not None:
                 scheduler.add(request)
         return original(at)
 
-    scheduler._safepoint = safepoint_with_arrival
+    scheduler.step_preemption.safepoint = safepoint_with_arrival
     return scheduler, expected
 
 
@@ -134,9 +134,9 @@ def test_algorithm_2_sees_how_far_the_running_step_got(tiny_runner):
 
 def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_runner):
     scheduler, expected = _offline_with_arrivals_at(tiny_runner, 2, num_offline=4, num_online=1)
-    while scheduler._suspended is None:
+    while scheduler.step_preemption.suspended is None:
         scheduler.step()
-    victim = next(iter(scheduler._suspended.state))
+    victim = next(iter(scheduler.step_preemption.suspended.kv_state))
     scheduler.cancel(victim)
     out, reasons = _drain(scheduler)
     assert reasons[victim] is FinishReason.CANCELLED
@@ -157,17 +157,17 @@ def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identica
     for r in offline:
         scheduler.add(r)
     arrivals = iter(_requests(2, ONLINE, params=SamplingParams.greedy_params(max_tokens=16), prefix="on"))
-    original = scheduler._safepoint
+    original = scheduler.step_preemption.safepoint
 
     def safepoint_with_arrival(at: int) -> bool:
         # Once the offline requests decode: requests still in prefill never ride.
-        if at == 2 and scheduler.stats.steps >= 3 and not scheduler._abort.is_set():
+        if at == 2 and scheduler.stats.steps >= 3 and not scheduler.step_preemption.abort.is_set():
             request = next(arrivals, None)
             if request is not None:
                 scheduler.add(request)
         return original(at)
 
-    scheduler._safepoint = safepoint_with_arrival
+    scheduler.step_preemption.safepoint = safepoint_with_arrival
     out, _ = _drain(scheduler)
     assert scheduler.stats.aborted_steps >= 1
     assert scheduler.stats.wasted_tokens > 0 and scheduler.stats.wasted_forward_s > 0  # a step given up
