@@ -92,9 +92,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
-            # PyTorch 2.11 may send SDPA to cuDNN, which builds a plan for every new shape, and
-            # prefill spans come in every length: on an H100 a prefill step of unseen lengths took
-            # 122 ms against 15 ms with cuDNN off (scripts/gpu_prefill_shapes.py). Process-wide.
+            # PyTorch may send SDPA to cuDNN, which builds a plan for every new shape, and prefill
+            # spans come in every length (scripts/gpu_prefill_shapes.py shows the cost). Process-wide.
             log.info("turning off cuDNN attention: it plans every new prefill shape anew")
             torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -345,8 +344,8 @@ class LlamaModel:
         keys = kv.k[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
         values = kv.v[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
         # The query heads sharing a KV head become that head's "query rows" (they all sit at the
-        # same position): one attention per KV head, no expanded copies of K and V. On CPU this is
-        # 3-6x faster than enable_gqa with a mask, which dominated long-context decode steps.
+        # same position): one attention per KV head, no expanded copies of K and V; on CPU enable_gqa
+        # with a mask is several times slower and dominated long-context decode steps.
         grouped = q.reshape(batch, n_kv, n_q // n_kv, hd)
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_key_mask)
         return o.reshape(batch, n_q, hd)
