@@ -148,6 +148,15 @@ class RequestPreemption:
         # AQUA §7: swap space that preempted requests' KV is paged to and back (offload/pager.py).
         self.pager: KVPager | None = None
 
+    def at_step_boundary(self, policy: SchedulingPolicy) -> None:
+        """AQUA §7: elastic tensors may move between steps; a policy that watches swapping is told."""
+        if self.pager is None:
+            return
+        observe_swap = getattr(policy, "observe_swap", None)
+        report = self.pager.at_step_boundary()
+        if observe_swap is not None:
+            observe_swap(report)
+
     def preempt(self, seq: Sequence, *, save_tail: bool = True) -> None:
         """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed.
 

@@ -131,18 +131,10 @@ class Scheduler:
     def snapshot(self) -> SchedulerState:
         suspension = self.step_preemption.suspended
         suspended = suspension.kv_state if suspension is not None else {}
-        views = tuple(self._view(s, seq_id in suspended) for seq_id, s in self.seqs.items())
+        views = tuple(s.view(seq_id in suspended) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len,
                               suspension.ran_s * 1e3 if suspension is not None else 0.0)
-
-    @staticmethod
-    def _view(s: Sequence, suspended: bool) -> SeqView:
-        request = s.request
-        return SeqView(request.request_id, request.request_class, request.arrival_time, len(s.prompt_ids),
-                       s.num_tokens, s.num_computed, len(s.block_table), s.status is SeqStatus.RUNNING,
-                       s.checkpoint.num_tokens, request.sampling.max_tokens, len(s.output_ids),
-                       s.first_token_s, suspended)
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()
@@ -150,11 +142,7 @@ class Scheduler:
         self.step_preemption.drop_if_changed(self.seqs)
         if not self.seqs:
             return events
-        if self.pager is not None:  # a step boundary: elastic tensors may move now
-            observe_swap = getattr(self.policy, "observe_swap", None)
-            report = self.pager.at_step_boundary()
-            if observe_swap is not None:
-                observe_swap(report)
+        self.request_preemption.at_step_boundary(self.policy)
         plan = self.policy.schedule(self.snapshot())
         self.stats.last_step_mode = plan.mode
         online_tokens = sum(item.num_tokens for item in plan.scheduled
@@ -246,31 +234,14 @@ class Scheduler:
         self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
-        params = seq.request.sampling
         now = self.clock()
-        if seq.first_token_s is None:
-            seq.first_token_s = now
-        seq.output_ids.append(token)
+        reason = seq.append_token(token, now, self.eos_token_ids, self.max_model_len)
         self.stats.output_tokens[seq.request_class.value] += 1
-        n_out = len(seq.output_ids)
-        stop_ids = params.stop_token_ids + (() if params.ignore_eos else self.eos_token_ids)
-        reason = None
-        if token in stop_ids and n_out > params.min_tokens:
-            reason = FinishReason.STOP
-        else:
-            before = len(seq.text)
-            seq.append_text([token])
-            cut = seq.find_stop_string(params.stop, len(seq.text) - before)
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                reason = FinishReason.STOP
-        if reason is None and (n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
         logprobs = (logprob,) if logprob is not None else ()
         if reason is not None:
             return self._finish(seq, reason, (token,), logprobs)
-        return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(params.stop, final=False),
-                          num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=n_out, time=now,
+        return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(seq.request.sampling.stop, final=False),
+                          num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), time=now,
                           logprobs=logprobs)
 
     def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = (),

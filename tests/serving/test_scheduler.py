@@ -145,6 +145,17 @@ def test_a_cancel_voids_the_suspended_step_which_is_redone_for_the_others(tiny_r
     assert tiny_runner.kv.num_free == tiny_runner.kv.num_blocks
 
 
+class SteadyRunner(ModelRunner):
+    """The real runner, with each suspended step reporting 1 ms of forward time: giving a step up is
+    weighed against that time, which a loaded machine stretches a hundredfold."""
+
+    def execute(self, chunks, safepoint=None, resume=None):
+        out = super().execute(chunks, safepoint, resume)
+        if out.suspended is not None:
+            out.suspended.ran_s = 0.001
+        return out
+
+
 def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identical_tokens(tiny_runner):
     """Riders cost nothing in this profile (decodes flat at 1 ms), and each online request has 15
     decodes left: co-serving steps give the suspended step up and take its requests as riders.
@@ -153,7 +164,7 @@ def test_requests_of_a_suspended_step_ride_in_co_serving_and_still_give_identica
     expected = {r.request_id: _alone(tiny_runner, r) for r in offline}
     free_riders = LatencyModel((1, 4096), (1.0, 41.0), decode_grid=(1, 64), decode_ms=(1.0, 1.0))
     policy = CoServePolicy(free_riders, TINY_LAYOUT, CoServeConfig(slo=SLO(ttft_ms=0.001, tpot_ms=50.0)))
-    scheduler = Scheduler(tiny_runner, policy)
+    scheduler = Scheduler(SteadyRunner(tiny_runner.model, tiny_runner.kv), policy)
     for r in offline:
         scheduler.add(r)
     arrivals = iter(_requests(2, ONLINE, params=SamplingParams.greedy_params(max_tokens=16), prefix="on"))
