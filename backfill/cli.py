@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from backfill.command_parser import CommandParser
 from backfill.errors import BackfillError, InvalidRequestError
-from backfill.options import add_arguments, build, given, options_of
 
 # The commands here run the fastest sound dtype by default; `backfill serve` keeps ServingConfig's
 # float32 unless asked, so a server's outputs do not change with the CPU it lands on.
@@ -16,12 +16,14 @@ CLI_DEFAULTS = {"dtype": "auto"}
 
 
 def _engine_options():
+    from backfill.options import options_of
     from backfill.serving.config import ServingConfig
 
     return options_of(ServingConfig, "engine")
 
 
 def _coserve_options():
+    from backfill.options import options_of
     from backfill.policy.coserve import CoServeConfig
 
     return options_of(CoServeConfig, "coserve")
@@ -29,6 +31,7 @@ def _coserve_options():
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from backfill.engine.shapes import add_shape_args
+    from backfill.options import add_arguments
 
     add_arguments(p, _engine_options(), CLI_DEFAULTS)
     add_shape_args(p)
@@ -36,9 +39,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _serving(args: argparse.Namespace, **changes):
     """The ServingConfig of the engine (and, where the command has them, coserve) flags given."""
-    from backfill.serving.config import ServingConfig
-
     from backfill.engine.shapes import model_from_args
+    from backfill.options import build, given
+    from backfill.serving.config import ServingConfig
 
     values = given(args, _engine_options() + _coserve_options()) | changes
     if getattr(args, "random_weights", False) or getattr(args, "shape", None) is not None:
@@ -83,6 +86,7 @@ MODES_HELP = ("policies to run in turn (online-only, fcfs, priority, coserve); a
 
 def _scenario(args: argparse.Namespace, **changes):
     from backfill.bench.scenario import CoserveScenario
+    from backfill.options import build, given, options_of
 
     return build(CoserveScenario, given(args, options_of(CoserveScenario)) | changes)
 
@@ -210,6 +214,7 @@ def _add_scenario_args(p: argparse.ArgumentParser, rounds: dict | None = None) -
     """The scenario's, the engine's and coserve's options; with rounds (the command's defaults),
     also --rounds and --warmup-s."""
     from backfill.bench.scenario import CoserveScenario
+    from backfill.options import add_arguments, options_of
 
     _add_model_args(p)
     add_arguments(p, options_of(CoserveScenario, "scenario"))
@@ -238,129 +243,135 @@ def _run_server(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser; with command, only that command's options are filled (the others are
-    listed), so `backfill --help` imports none of the config dataclasses the options come from."""
-
-    def want(name: str) -> bool:
-        return command is None or command == name
-
-    parser = argparse.ArgumentParser(prog="backfill", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("generate", help="stream a completion from the model")
-    if want("generate"):
-        p.add_argument("prompt")
-        _add_model_args(p)
-        p.add_argument("--max-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--seed", type=int, default=None)
-        p.add_argument("--stop", action="append", help="stop string (repeatable)")
-        p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-        p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with the Batch API for offline work")
-    if want("serve"):
-        from backfill.server.config import add_serve_arguments
-
-        add_serve_arguments(p)
-        p.set_defaults(func=_run_server)
-
-    p = sub.add_parser("demo", help="the main job in a short run: online latency next to offline tokens harvested")
-    if want("demo"):
-        from backfill.bench.scenario import CoserveScenario
-
-        _add_model_args(p)
-        add_arguments(p, tuple(o for o in options_of(CoserveScenario) if o.name == "duration"), {"duration": 30.0})
-        p.add_argument("--out", default="runs/demo")
-        p.add_argument("--quiet", action="store_true", help="no progress bars")
-        p.set_defaults(func=cmd_demo)
-
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    if want("bench"):
-        p = bench.add_parser("engine", help="engine speed vs bandwidth floor and HF transformers")
-        _add_model_args(p)
-        p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                       choices=["auto", "float32", "bfloat16", "float16"])
-        p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-        p.add_argument("--prompt-tokens", type=int, default=128)
-        p.add_argument("--new-tokens", type=int, default=32)
-        p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-        p.add_argument("--json", default=None, help="write results to this JSON file")
-        p.set_defaults(func=cmd_bench_engine)
-
-        p = bench.add_parser("coserve", help="online + offline co-serving scenario, all policies back to back")
-        _add_scenario_args(p, rounds={})
-        p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
-        p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
-        p.add_argument("--served-model", default=None, help="model name to send with --url")
-        p.add_argument("--label", default="http", help="mode name for --url results")
-        p.add_argument("--api-key", default=None)
-        p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
-        _add_frontier_args(p)
-        p.set_defaults(func=cmd_bench_coserve)
-
-        p = bench.add_parser("server", help="the coserve scenario in-process and over HTTP (backfill serve), "
-                                            "side by side")
-        _add_scenario_args(p)
-        p.add_argument("--out", default="runs/server", help="report folder")
-        p.set_defaults(func=cmd_bench_server)
-
-        p = bench.add_parser("node", help="Valve: online + offline engine processes under the node runtime "
-                                          "(options: see python -m backfill.node.bench --help)", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
-
-    sim = sub.add_parser("sim", help="simulations: the real scheduler and policies, with steps costed "
-                                     "on a virtual clock instead of run").add_subparsers(dest="sim", required=True)
-    if want("sim"):
-        p = sim.add_parser("coserve", help="the coserve benchmark's scenario, simulated (seconds instead of minutes; "
-                                           "any machine a step-cost table describes)")
-        _add_scenario_args(p, rounds={"warmup_s": 0.0})
-        p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
-        p.add_argument("--profile", default=None,
-                       help="latency profile the policies plan with (default: the one `backfill profile` saved "
-                            "for these model options)")
-        p.add_argument("--machine", default=None,
-                       help="latency-profile JSON of what steps cost on the simulated machine (default: the profile)")
-        p.add_argument("--step-overhead-ms", type=float, default=0.0,
-                       help="host time each step adds beyond its cost table (Python between steps)")
-        p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
-        p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
-        _add_frontier_args(p)
-        p.set_defaults(func=cmd_sim_coserve)
-
-    p = sub.add_parser("profile", help="measure and save the step-latency profile used by coserve")
-    if want("profile"):
-        _add_model_args(p)
-        p.add_argument("--out", default=None)
-        p.set_defaults(func=cmd_profile)
-
-    p = sub.add_parser("export-hf", help="write the model as an HF directory (for transformers / vLLM)")
-    if want("export-hf"):
-        p.add_argument("out_dir")
-        p.add_argument("--model", default=None)
-        p.set_defaults(func=cmd_export_hf)
-
-    if command not in _CORE_COMMANDS:  # each capability registers its commands from its own layer
-        from backfill.cluster.cli import add_commands as add_cluster_commands
-        from backfill.finetune.cli import add_commands as add_finetune_commands
-        from backfill.offload.cli import add_commands as add_offload_commands
-        from backfill.realtime.cli import add_commands as add_realtime_commands
-        from backfill.server.finetune_cli import add_commands as add_fine_tuning_commands
-
-        add_finetune_commands(sub, bench)
-        add_fine_tuning_commands(sub)
-        add_offload_commands(sub, bench)
-        add_cluster_commands(sub, bench, sim)
-        add_realtime_commands(sub, bench)
-    return parser
+def _fill_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.set_defaults(func=cmd_generate)
 
 
-# Commands whose options build_parser fills itself; any other command (bench, sim, a capability's
-# own command, or none for --help) also loads the capabilities' commands.
-_CORE_COMMANDS = ("generate", "serve", "demo", "profile", "export-hf")
+def _fill_serve(p: argparse.ArgumentParser) -> None:
+    from backfill.server.config import add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(func=_run_server)
+
+
+def _fill_demo(p: argparse.ArgumentParser) -> None:
+    from backfill.bench.scenario import CoserveScenario
+    from backfill.options import add_arguments, options_of
+
+    _add_model_args(p)
+    add_arguments(p, tuple(o for o in options_of(CoserveScenario) if o.name == "duration"), {"duration": 30.0})
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_demo)
+
+
+def _fill_bench_engine(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--json", default=None, help="write results to this JSON file")
+    p.set_defaults(func=cmd_bench_engine)
+
+
+def _fill_bench_coserve(p: argparse.ArgumentParser) -> None:
+    _add_scenario_args(p, rounds={})
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
+    p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--label", default="http", help="mode name for --url results")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
+    _add_frontier_args(p)
+    p.set_defaults(func=cmd_bench_coserve)
+
+
+def _fill_bench_server(p: argparse.ArgumentParser) -> None:
+    _add_scenario_args(p)
+    p.add_argument("--out", default="runs/server", help="report folder")
+    p.set_defaults(func=cmd_bench_server)
+
+
+def _fill_bench_node(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rest", nargs=argparse.REMAINDER)  # main() hands these to the node benchmark
+
+
+def _fill_sim_coserve(p: argparse.ArgumentParser) -> None:
+    _add_scenario_args(p, rounds={"warmup_s": 0.0})
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
+    p.add_argument("--profile", default=None,
+                   help="latency profile the policies plan with (default: the one `backfill profile` saved "
+                        "for these model options)")
+    p.add_argument("--machine", default=None,
+                   help="latency-profile JSON of what steps cost on the simulated machine (default: the profile)")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="host time each step adds beyond its cost table (Python between steps)")
+    p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
+    p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
+    _add_frontier_args(p)
+    p.set_defaults(func=cmd_sim_coserve)
+
+
+def _fill_profile(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_profile)
+
+
+def _fill_export_hf(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir")
+    p.add_argument("--model", default=None)
+    p.set_defaults(func=cmd_export_hf)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `backfill` parser. With argv, only the command it names gets its options, so that
+    `backfill --help` imports no config dataclass, torch or server; None builds every command."""
+    from backfill.cluster.cli import add_commands as add_cluster_commands
+    from backfill.finetune.cli import add_commands as add_finetune_commands
+    from backfill.offload.cli import add_commands as add_offload_commands
+    from backfill.realtime.cli import add_commands as add_realtime_commands
+    from backfill.server.finetune_cli import add_commands as add_fine_tuning_api_commands
+
+    commands = CommandParser("backfill", __doc__, argv)
+    commands.defer("generate", "stream a completion from the model", _fill_generate)
+    commands.defer("serve", "OpenAI-compatible HTTP server with the Batch API for offline work", _fill_serve)
+    commands.defer("demo", "the main job in a short run: online latency next to offline tokens harvested",
+                   _fill_demo)
+    commands.group("bench", "benchmarks")
+    commands.defer("bench engine", "engine speed vs bandwidth floor and HF transformers", _fill_bench_engine)
+    commands.defer("bench coserve", "online + offline co-serving scenario, all policies back to back",
+                   _fill_bench_coserve)
+    commands.defer("bench server", "the coserve scenario in-process and over HTTP (backfill serve), side by side",
+                   _fill_bench_server)
+    commands.defer("bench node", "Valve: online + offline engine processes under the node runtime "
+                                 "(options: see python -m backfill.node.bench --help)", _fill_bench_node,
+                   add_help=False)
+    commands.group("sim", "simulations: the real scheduler and policies, with steps costed on a virtual clock "
+                          "instead of run")
+    commands.defer("sim coserve", "the coserve benchmark's scenario, simulated (seconds instead of minutes; "
+                                  "any machine a step-cost table describes)", _fill_sim_coserve)
+    commands.defer("profile", "measure and save the step-latency profile used by coserve", _fill_profile)
+    commands.defer("export-hf", "write the model as an HF directory (for transformers / vLLM)", _fill_export_hf)
+    # Each capability registers its commands from its own layer.
+    add_finetune_commands(commands)
+    add_fine_tuning_api_commands(commands)
+    add_offload_commands(commands)
+    add_cluster_commands(commands)
+    add_realtime_commands(commands)
+    return commands.parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"backfill: error: {exc}", file=sys.stderr)
             return 2
         return 0
-    args = build_parser(argv[0] if argv else "").parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except BackfillError as exc:

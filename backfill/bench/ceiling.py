@@ -10,8 +10,7 @@ riders aside, co-serving's offline tokens/s is at most
 
 Riders lift the bound only where an offline token costs a co-serving step less than it costs a
 batch: on a GPU, where a decode step is bound by reading the weights, but not on a CPU, where a
-rider was measured to add more than a batch spends on a token (docs/benchmarks.md, co-serving,
-eighth session). Set against priority's offline tokens/s, the bound says whether a ratio target
+rider costs more than a batch spends on a token (docs/coserving.md). Set against priority's offline tokens/s, the bound says whether a ratio target
 is reachable on this machine at all, whatever the policy.
 """
 

@@ -18,11 +18,10 @@ measures that drift too. --rounds R splits the run into R rounds, each a fresh t
 duration/R seconds (seed + round) replayed against every mode in turn, and pools each mode's
 rounds. The SLOs come from the first round's online-only run.
 
-Every run but the first follows minutes of a busy engine, and this machine serves the same trace
-slower then than right after loading: online-only's round-0 TTFTs came out 10-15% lower alone than
-after 60 s of full load (the same requests, 330 against 378 ms), so round 0 favoured the baseline.
-A warm-up of offline batching (--warmup-s, 30 s by default: 10 s closed a third of the gap, 30 s
-nearly all) puts the first run in the state of the others; its results are discarded.
+Every run but the first follows minutes of a busy engine, and a CPU serves the same trace slower
+then than right after loading, so an unwarmed round 0 favours the baseline. A warm-up of offline
+batching (--warmup-s, 30 s by default) puts the first run in the state of the others; its results
+are discarded.
 
 With --url, the same workload is sent to an OpenAI-compatible server instead (one mode,
 named by --label), measured the same way.
@@ -54,7 +53,7 @@ from backfill.serving.api import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler, load_or_profile
 from backfill.serving.async_engine import AsyncEngine
-from backfill.serving.scheduler import SchedulerStats
+from backfill.serving.stats import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread
 
 MODES = POLICIES

@@ -1,4 +1,4 @@
-"""The cluster layer's commands, registered into `backfill` by build_parser:
+"""The cluster layer's commands, registered into `backfill` by its build_parser:
 
     backfill bench placer [--servers 16 --gpus 8 --time-limit-s 5 --json F]   AQUA-PLACER on 128 devices
     backfill sim fleet [--devices 8054 --duration-s 3600 --placers valve most-idle --json F]
@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
+from backfill.command_parser import CommandParser
 
 
 def _write(path: str | None, data: dict) -> None:
@@ -23,6 +22,8 @@ def _write(path: str | None, data: dict) -> None:
 
 
 def cmd_bench_placer(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from backfill.cluster.placer import random_problem, solve
 
     rows = []
@@ -42,6 +43,8 @@ def cmd_bench_placer(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_fleet(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from backfill.cluster.fleet_sim import FleetConfig, simulate
 
     cfg = FleetConfig(devices=args.devices, duration_s=args.duration_s, seed=args.seed)
@@ -71,9 +74,16 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
-                 sim: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("placer", help="AQUA-PLACER (AQUA §5): the integer program on a cluster of servers")
+def add_commands(commands: CommandParser) -> None:
+    commands.defer("bench placer", "AQUA-PLACER (AQUA §5): the integer program on a cluster of servers",
+                   _fill_bench_placer)
+    commands.defer("sim fleet", "Valve §6: the cluster scheduler on a simulated fleet, against naive placers",
+                   _fill_sim_fleet)
+    commands.defer("bench cluster", "3 Ray nodes on 127.0.0.1: online traffic, 3 batch jobs, an SLA eviction "
+                                    "and a killed node", _fill_bench_cluster)
+
+
+def _fill_bench_placer(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, default=16)
     p.add_argument("--gpus", type=int, default=8, help="GPUs per server")
     p.add_argument("--models", type=int, default=100, help="models drawn (until the GPUs are full)")
@@ -83,7 +93,8 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_bench_placer)
 
-    p = sim.add_parser("fleet", help="Valve §6: the cluster scheduler on a simulated fleet, against naive placers")
+
+def _fill_sim_fleet(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=8054)
     p.add_argument("--duration-s", type=int, default=3600)
     p.add_argument("--placers", nargs="+", default=["valve", "most-idle"], choices=["valve", "most-idle", "random"])
@@ -91,8 +102,8 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_sim_fleet)
 
-    p = bench.add_parser("cluster", help="3 Ray nodes on 127.0.0.1: online traffic, 3 batch jobs, an SLA "
-                                         "eviction and a killed node")
+
+def _fill_bench_cluster(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", choices=["tiny", "default"])
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_bench_cluster)

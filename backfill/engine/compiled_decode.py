@@ -2,46 +2,40 @@
 
 A decode step of a few sequences reads every weight once and does little arithmetic, so its time
 is memory traffic plus per-op overhead. Eager PyTorch pays both badly here: about twenty dispatches
-per layer (norms, RoPE, SiLU, views, residual adds), and oneDNN's and MKL's matrix-vector
-kernels read the weights at about 25 GB/s on the 2-core EPYC, where a plain reduction streams
-50-60 GB/s. Inductor turns each piece into one C++ loop that takes the weight's rows as dot
-products (a reduction, at reduction speed) with the residual adds, norms, RoPE and SiLU fused in.
-`backfill bench engine --compile-decode` measures both paths side by side (docs/benchmarks.md).
+per layer (norms, RoPE, SiLU, views, residual adds), and oneDNN's and MKL's matrix-vector kernels
+read the weights well below the speed a plain reduction streams them at. Inductor turns each piece
+into one C++ loop that takes the weight's rows as dot products (a reduction, at reduction speed)
+with the residual adds, norms, RoPE and SiLU fused in. `backfill bench engine --compile-decode`
+measures both paths side by side (docs/benchmarks.md).
 
 Four pieces per layer, each one matmul and the pointwise work after it: q/k/v with RoPE; o with
 the residual and the MLP's norm; gate/up with SiLU; down with the residual and the next layer's
 norm (or the final norm, before the LM head). A matmul's input is always a finished tensor: fused
-after a norm, inductor recomputed the normed vector for every weight row, which made bf16 decode
-compute-bound (a lone bf16 decode went 13.4-14.4 -> 11.6-11.7 ms when each norm's output became
-a piece's output; fp32 did not move). Each piece is traced once (make_fx) and
-lowered by inductor's inner compiler, and the generated code is called with nothing in front of
-it: torch.compile's dynamo front end checked guards on every call (20 us each, a tenth of the
-step), and AOT autograd's runtime wrappers cost 14 us more per call (lone decode 14.6 -> 13.7 ms
-in bf16, 22.9 -> 21.6 ms in fp32 when they went). Without guards the pieces trust their inputs'
-shapes, which a decode of a given batch size fixes: the pieces are compiled once per batch size.
+after a norm, inductor recomputes the normed vector for every weight row, which makes bf16 decode
+compute-bound. Each piece is traced once (make_fx) and lowered by inductor's inner compiler, and
+the generated code is called with nothing in front of it: torch.compile's guard checks and AOT
+autograd's runtime wrappers cost a visible share of a small step on every call. Without guards
+the pieces trust their inputs' shapes, which a decode of a given batch size fixes: the pieces are
+compiled once per batch size.
 
 Batches of two and three sequences take the same pieces with one dot product per (row, sequence),
-all sequences' products of a row in one pass over it, so the weights are still read once: the
-matmuls of a whole bf16 step took 7.2, 8.4 and 11.1 ms at batch 1, 2 and 3 in isolation, against
-14.6-19.9 ms for eager matmuls at batch 1-4. At batch 4 the products' arithmetic catches up with
-the eager GEMMs (13.9 ms in isolation), at 8 it is slower (25.4 against 18.2): their horizontal
-sums cost as much as the products. So with dot products, bigger batches stay eager.
+all sequences' products of a row in one pass over it, so the weights are still read once. From
+about four sequences the products' horizontal sums cost as much as the eager GEMMs, so bigger
+batches stay eager.
 
 On a CPU with AVX-512 BF16, the pieces multiply through the small-batch kernel instead
 (engine/small_batch_matmul.py), in bf16 or fp32: the weights are packed for it at load, it reads
 them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to
-8. On the 2-core Zen 5 a whole bf16 step of 1 / 4 / 8 sequences took 6.3 / 9.5 / 13.0 ms, against
-9.8 / 12.9 / 16.8 ms eager (scripts/small_batch_decode.py). A co-serving step that carries a few offline
-decodes with an online one is such a batch.
+8 (scripts/small_batch_decode.py compares them with eager). A co-serving step that carries a few
+offline decodes with an online one is such a batch.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
-its context grows every step and would recompile a static graph, and a dynamic one ran slower
-than eager (it also lost to eager with the block-table gather fused in, once the KV is not in
-cache). It runs through the paged-attention kernel where that is built (engine/paged_attention.py),
-else through gather + SDPA. The KV writes are the eager model's. The safepoints are before each
-layer and before its down projection; the eager path's third one, between attention and the MLP,
-is left out: for up to three sequences the o and gate/up projections take a fraction of a
-millisecond.
+its context grows every step and would recompile a static graph, and a dynamic one runs slower
+than eager (also with the block-table gather fused in, once the KV is not in cache). It runs
+through the paged-attention kernel where that is built (engine/paged_attention.py), else through
+gather + SDPA. The KV writes are the eager model's. The safepoints are before each layer and
+before its down projection (ConServe §4.3); the eager path's third one, between attention and the
+MLP, is left out: for a few sequences the o and gate/up projections are a small share of a layer.
 """
 
 from __future__ import annotations
@@ -74,7 +68,7 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
     One reduction per sequence, over the same rows: inductor fuses them into one loop over the
     weight that feeds all B accumulators. Broadcast as [B, out, in] instead, it loops over the
-    sequences outside and reads the weights B times (16.4 ms against 8.4 at batch 2, bf16).
+    sequences outside and reads the weights B times.
     """
     return torch.stack([(weight.float() * x[b].float()).sum(-1) for b in range(x.shape[0])])
 
@@ -120,9 +114,8 @@ def _lm_head(x, w_head, matmul: Matmul = _gemv):
 def _compile(fn, example_args: tuple[torch.Tensor, ...]):
     """fn traced on the example tensors and compiled by inductor, called with no wrapper in front.
 
-    torch.compile guards every call (about 20 us each on this CPU, 90 calls per step: 2 ms of a
-    25 ms step), and even torch._inductor.compile runs each call through AOT autograd's runtime
-    wrappers (another 14 us). Here the graph is traced with inductor's decompositions and lowered
+    torch.compile checks guards on every call (a step makes about ninety), and even
+    torch._inductor.compile runs each call through AOT autograd's runtime wrappers. Here the graph is traced with inductor's decompositions and lowered
     by its inner compiler, and the generated module's own entry point is called directly. Without
     its size asserts nothing checks the inputs: the caller must pass contiguous tensors of the
     examples' shapes and dtypes, which fixed-shape batch-1 decode does. The pieces are pure

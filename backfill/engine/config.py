@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from backfill.errors import CorruptModelError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -35,6 +37,8 @@ class Llama3RopeScaling:
 
     def freq_divisors(self, inv_freq: torch.Tensor) -> torch.Tensor:
         """What each inverse frequency is divided by (llama.cpp stores these as rope_freqs)."""
+        import torch  # here, not at the top: the command line reads these configs without torch
+
         wavelen = 2 * math.pi / inv_freq
         original = self.original_max_position_embeddings
         smooth = (original / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
@@ -54,6 +58,8 @@ class Llama3RopeScaling:
         a line through the band's points gives the edges; with fewer than two points there, any
         edges between the neighbouring wavelengths that give the same divisors will do.
         """
+        import torch
+
         divisors, inv_freq = divisors.double(), inv_freq.double()
         factor = float(divisors.max())
         if abs(factor - 1.0) < 1e-6 and float(divisors.min()) > 1 - 1e-6:
@@ -154,6 +160,8 @@ class ModelConfig:
 
     def rope_inv_freq(self) -> torch.Tensor:
         """RoPE's inverse frequencies [head_dim / 2] in fp64, with the model's scaling applied."""
+        import torch
+
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64)
                                               / self.head_dim))
         if self.rope_scaling is not None:

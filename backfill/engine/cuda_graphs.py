@@ -1,8 +1,8 @@
 """Decode steps replayed from captured CUDA graphs: one graph per layer, per (batch, context) bucket.
 
-On a GPU a decode step of a small model is bound by kernel launches from Python (about 500 per
-step for SmolLM2-135M), not by memory: the H100 spent 10-20 ms on a step whose weights it reads in
-0.2 ms (docs/benchmarks.md). Replaying a captured graph launches a layer's kernels in one call.
+On a GPU a decode step of a small model is bound by kernel launches from Python (hundreds per
+step), not by memory: the step takes many times the time its weights take to read (docs/gpu.md
+has the figures). Replaying a captured graph launches a layer's kernels in one call.
 The graphs are per layer, not per step, so the scheduler's safepoint still runs between two layers
 (ConServe §4.3: an offline step yields at the next layer) and an abort leaves the KV pool as the
 eager path leaves it: the uncommitted positions written so far are overwritten when the step is redone.

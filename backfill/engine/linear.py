@@ -1,9 +1,9 @@
 """Weight matmuls in the layout the device's fastest kernel wants, chosen once at load.
 
 On x86 CPUs PyTorch sends a plain fp32 `mm` to MKL, which takes its AVX-512 kernels only on
-Intel CPUs: on the AMD EPYC development machine a decode step's fp32 GEMMs ran 1.5-4.7x slower
-than the same product through oneDNN with the weight reordered once into oneDNN's blocked
-layout (scripts/matmul_bench.py; the bf16 LM head at batch 1 gained 7x). oneDNN picks its
+Intel CPUs: on AMD EPYC a decode step's fp32 GEMMs run several times slower than the same
+product through oneDNN with the weight reordered once into oneDNN's blocked layout
+(scripts/matmul_bench.py measures it). oneDNN picks its
 kernels from the CPU's instruction set, not its vendor. The packed weight is opaque (only
 oneDNN can read it), so the embedding table keeps its own plain copy.
 
@@ -24,8 +24,8 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU has native bf16 GEMM kernels (AVX-512 BF16 / AMX / AVX-NE-CONVERT via oneDNN).
 
-    Without them (e.g. AVX2-only Zen 3) PyTorch's bf16 matmuls fall back to a scalar-ish path:
-    on such a machine scripts/matmul_bench.py measured 8-50x the fp32 time for the same shapes.
+    Without them (e.g. an AVX2-only CPU) PyTorch's bf16 matmuls fall back to a scalar-ish path,
+    many times slower than fp32 for the same shapes (scripts/matmul_bench.py measures it).
     """
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return torch.backends.mkldnn.is_available() and probe is not None and bool(probe())
@@ -70,7 +70,7 @@ def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
     compute_dtype = dtype
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16_matmul():
         # No bf16 GEMM on this CPU: keep bf16 activations and KV cache but multiply in fp32,
-        # which is 8-50x faster here than PyTorch's bf16 fallback.
+        # which is far faster than PyTorch's bf16 fallback.
         compute_dtype = torch.float32
     return MatmulKernel(onednn_packing_enabled(device, compute_dtype), compute_dtype,
                         dtype if compute_dtype != dtype else None)

@@ -5,7 +5,7 @@ one [T] vector. Decoding sequences (one new token each) share one batched attent
 sequences in (chunked) prefill attend one at a time. Between layers the caller's safepoint
 may abort the pass (ConServe §4.3): the KV written so far belongs to positions the
 scheduler has not committed, so it is simply overwritten when the work is redone. The abort
-also carries where the pass stopped (PartialForward), so the caller may continue it instead.
+also carries where the pass stopped (a SuspendedStep), so the caller may continue it instead.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
+from backfill.engine.suspended_step import SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
@@ -36,30 +37,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, rotated, sin)
 
 
-@dataclass
-class PartialForward:
-    """Where an aborted forward stopped: enough to continue it later instead of redoing it.
-
-    stage 0 is before the layer's attention, 1 before its MLP, 2 before its down projection;
-    layer == num_layers is the LM head: stage 0 before the final norm, stage i before LM head slice
-    i (hidden: the normed rows; act: the logits of slices 0..i-1). Valid only while the KV blocks the
-    step writes are untouched (the caller's to guarantee).
-    """
-
-    layer: int
-    stage: int
-    hidden: torch.Tensor
-    act: torch.Tensor | None = None
-
-
 class StepAborted(Exception):
-    """Raised inside forward when the safepoint asks to abort; carries the layer reached and,
-    where the eager path can continue from there, the partial forward."""
+    """Raised inside forward when the safepoint asks to abort: the layer reached and, where the
+    path can continue from there (the eager one), the suspended step to continue."""
 
-    def __init__(self, layer: int, partial: PartialForward | None = None) -> None:
+    def __init__(self, layer: int, suspended: SuspendedStep | None = None) -> None:
         super().__init__(f"step aborted before layer {layer}")
         self.layer = layer
-        self.partial = partial
+        self.suspended = suspended
 
 
 @dataclass
@@ -107,9 +92,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
-            # PyTorch 2.11 may send SDPA to cuDNN, which builds a plan for every new shape, and
-            # prefill spans come in every length: on an H100 a prefill step of unseen lengths took
-            # 122 ms against 15 ms with cuDNN off (scripts/gpu_prefill_shapes.py). Process-wide.
+            # PyTorch may send SDPA to cuDNN, which builds a plan for every new shape, and prefill
+            # spans come in every length (scripts/gpu_prefill_shapes.py shows the cost). Process-wide.
             log.info("turning off cuDNN attention: it plans every new prefill shape anew")
             torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -229,7 +213,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
-                safepoint: Safepoint | None = None, resume: PartialForward | None = None) -> torch.Tensor:
+                safepoint: Safepoint | None = None, resume: SuspendedStep | None = None) -> torch.Tensor:
         """Run all layers on the flat batch; return fp32 logits [N, vocab] for meta.logits_index.
 
         With resume, continue an aborted forward of the same batch from where it stopped.
@@ -244,11 +228,11 @@ class LlamaModel:
         if resume is None:
             h, act, start_layer, start_stage = self.embed.index_select(0, input_ids), None, 0, 0
         else:
-            h, act, start_layer, start_stage = resume.hidden, resume.act, resume.layer, resume.stage
+            (h, act), start_layer, start_stage = resume.carry, resume.layer, resume.stage
 
         def check(li: int, stage: int) -> None:
             if safepoint is not None and safepoint(li):
-                raise StepAborted(li, PartialForward(li, stage, h, act if stage == 2 else None))
+                raise StepAborted(li, SuspendedStep(li, stage, (h, act if stage == 2 else None)))
 
         for li in range(start_layer, cfg.num_layers):
             layer = self.layers[li]
@@ -293,7 +277,7 @@ class LlamaModel:
             last, parts = h, [act]
         for i in range(head_stage, len(self.lm_head_slices)):
             if i > head_stage and safepoint is not None and safepoint(cfg.num_layers):
-                raise StepAborted(cfg.num_layers, PartialForward(cfg.num_layers, i, last, torch.cat(parts, dim=1)))
+                raise StepAborted(cfg.num_layers, SuspendedStep(cfg.num_layers, i, (last, torch.cat(parts, dim=1))))
             parts.append(self.lm_head_slices[i](last))
         return torch.cat(parts, dim=1).float()
 
@@ -360,8 +344,8 @@ class LlamaModel:
         keys = kv.k[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
         values = kv.v[li].index_select(0, flat).view(batch, ctx, n_kv, hd).transpose(1, 2)
         # The query heads sharing a KV head become that head's "query rows" (they all sit at the
-        # same position): one attention per KV head, no expanded copies of K and V. On CPU this is
-        # 3-6x faster than enable_gqa with a mask, which dominated long-context decode steps.
+        # same position): one attention per KV head, no expanded copies of K and V; on CPU enable_gqa
+        # with a mask is several times slower and dominated long-context decode steps.
         grouped = q.reshape(batch, n_kv, n_q // n_kv, hd)
         o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_key_mask)
         return o.reshape(batch, n_q, hd)

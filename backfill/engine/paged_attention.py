@@ -1,10 +1,9 @@
 """Decode attention that reads the paged KV pool in place: a small C++ kernel, built at first use (CPU).
 
 The eager path gathers a sequence's blocks into a copy (index_select) and runs SDPA over it: per
-layer that is two gathers, SDPA's setup and its thread launch, about 90 us at 160 tokens of
-context on the 2-core EPYC, most of it fixed cost. The kernel
-(`csrc/paged_decode_attention.cpp`) walks the block table and keeps a running softmax, reading
-each key and value once where it lies: about 30 us. In a batch nothing is padded, so each
+layer that is two gathers, SDPA's setup and its thread launch, mostly fixed cost at short
+contexts. The kernel (`csrc/paged_decode_attention.cpp`) walks the block table and keeps a running
+softmax, reading each key and value once where it lies. In a batch nothing is padded, so each
 sequence costs its own context. Its arithmetic runs on ATen's Vectorized<float> (AVX-512, AVX2 or
 scalar, picked at build time like PyTorch's own kernels), and a batch with fewer (sequence, head)
 pairs than threads has its contexts cut into stretches merged afterwards. Every decode attention

@@ -17,8 +17,8 @@ import torch
 
 from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import (LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PartialForward, PrefillSpan,
-                                   Safepoint, StepAborted)
+from backfill.engine.model import LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PrefillSpan, Safepoint, StepAborted
+from backfill.engine.suspended_step import SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
@@ -68,17 +68,6 @@ class SeqChunk:
     @property
     def is_decode(self) -> bool:
         return len(self.token_ids) == 1 and self.start_pos > 0
-
-
-@dataclass
-class SuspendedStep:
-    """An aborted step that can be continued (ModelRunner.execute's resume): its prepared batch and
-    where its forward stopped. Valid while the blocks of its chunks are untouched."""
-
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    logit_ids: list[int | str]
-    partial: PartialForward
 
 
 @dataclass
@@ -139,7 +128,7 @@ class ModelRunner:
         elif resume is None:
             input_ids, meta, logit_ids = self._prepare(chunks)
         else:
-            input_ids, meta, logit_ids = resume.input_ids, resume.meta, resume.logit_ids
+            (input_ids, meta), logit_ids = resume.prepared, list(resume.logit_ids)
         num_tokens = len(chunks) if graphed else int(input_ids.shape[0])
         if safepoint is not None and self.device.type == "cuda":
             safepoint = paced_on_gpu(safepoint)
@@ -147,14 +136,17 @@ class ModelRunner:
             if graphed:
                 logits = self.decode_graphs.forward(chunks, safepoint)
             else:
-                logits = self.model.forward(input_ids, meta, self.kv, safepoint,
-                                            resume=None if resume is None else resume.partial)
+                logits = self.model.forward(input_ids, meta, self.kv, safepoint, resume=resume)
         except StepAborted as abort:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the step has yielded once its queued kernels are done
-            suspended = None if abort.partial is None else SuspendedStep(input_ids, meta, logit_ids, abort.partial)
+            duration_s = time.perf_counter() - start
+            suspended = abort.suspended
+            if suspended is not None:
+                ran_s = (resume.ran_s if resume is not None else 0.0) + duration_s
+                suspended.attach_batch(chunks, (input_ids, meta), logit_ids, ran_s)
             return StepOutput(None, [], aborted=True, aborted_at_layer=abort.layer,
-                              duration_s=time.perf_counter() - start, num_tokens=num_tokens, suspended=suspended)
+                              duration_s=duration_s, num_tokens=num_tokens, suspended=suspended)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepOutput(logits, logit_ids, duration_s=time.perf_counter() - start, num_tokens=num_tokens)

@@ -1,13 +1,12 @@
 """x @ W.T for one to eight rows at the speed of a streaming read (CPU, AVX-512; bf16 or fp32).
 
 Decode steps of a few sequences are weight reads. Inductor's dot products (engine/compiled_decode.py)
-read the weights at the streaming speed of about 45 GB/s for one sequence on the 2-core Zen 5.
-From four sequences they turn compute-bound, because each ends in a sum across lanes. The kernel
-in `csrc/small_batch_matmul.cpp` multiplies against a weight packed once at load into the pair
-layout of the VDPBF16PS instruction. It keeps every row's accumulators in registers, so a weight
-byte is read once for all rows and no sums across lanes are needed: 46 GB/s at one row, 32 at
-eight, against 36 and 31 for oneDNN with pre-packed weights, and 25 and 22 for F.linear.
-Above all it runs inside the compiled pieces, so a decode step of up to eight sequences runs in
+read the weights at streaming speed for one sequence, but from four sequences they turn
+compute-bound, because each ends in a sum across lanes. The kernel in `csrc/small_batch_matmul.cpp`
+multiplies against a weight packed once at load into the pair layout of the VDPBF16PS instruction.
+It keeps every row's accumulators in registers, so a weight byte is read once for all rows and no
+sums across lanes are needed; that reads faster than oneDNN with pre-packed weights or F.linear at
+one to eight rows. Above all it runs inside the compiled pieces, so a decode step of up to eight sequences runs in
 compiled code (scripts/small_batch_matmul.py, scripts/small_batch_decode.py; docs/benchmarks.md).
 fp32 weights take the same layout, one input feature at a time, with fused multiply-adds.
 

@@ -75,12 +75,12 @@ def cmd_bench_finetune(args) -> int:
         loaded = load_model(serving.model)
         latency = load_saved_latency(loaded.config.name)
         if latency is None:
-            raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+            raise InvalidRequestError("no HARLI latency profile: run `backfill finetune profile` first")
         return _run_sim(args, modes, loaded, latency)
     loaded, runner, step_latency = load_and_profile(serving)
     latency = load_saved_latency(loaded.config.name)
     if "harli" in modes and latency is None:
-        raise InvalidRequestError("no HARLI latency profile: run `backfill finetune --profile` first")
+        raise InvalidRequestError("no HARLI latency profile: run `backfill finetune profile` first")
     tmp = Path(tempfile.mkdtemp(prefix="bench-finetune-"))
     data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
     config = _ft_config(args)
@@ -172,7 +172,7 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
 
 def _start_separate(args, data: Path, config, job_dir: Path):
     """The finetuning job in a process of its own with --ft-threads threads (HARLI's SeparateMode)."""
-    cmd = [sys.executable, "-m", "backfill.cli", "finetune", "--training-file", str(data), "--out", str(job_dir),
+    cmd = [sys.executable, "-m", "backfill.cli", "finetune", "run", "--training-file", str(data), "--out", str(job_dir),
            "--threads", str(args.ft_threads), "--steps", str(config.max_steps), "--checkpoint-every",
            str(config.checkpoint_every_steps), "--batch-size", str(config.batch_size), "--micro-batch-size",
            str(config.micro_batch_size), "--max-seq-len", str(config.max_seq_len), "--rank", str(config.rank),

@@ -1,4 +1,6 @@
-"""`backfill finetune` (a standalone job, or --profile) and `backfill bench finetune`."""
+"""`backfill finetune run` (a standalone LoRA job), `backfill finetune profile` (HARLI §5's latency
+predictor) and `backfill bench finetune`; the server's jobs are `backfill finetune create` and its
+siblings (backfill/server/finetune_cli.py)."""
 
 from __future__ import annotations
 
@@ -6,27 +8,54 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
+from backfill.command_parser import CommandParser
+
+if TYPE_CHECKING:
+    from backfill.finetune.config import FinetuneConfig
 
 
-def add_commands(sub, bench) -> None:
+def add_commands(commands: CommandParser) -> None:
+    commands.group("finetune", "LoRA finetuning: a job on this machine, HARLI's latency profile, or jobs on a "
+                               "running server's fine-tuning API")
+    commands.defer("finetune run", "LoRA-finetune the model on a chat JSONL file (OpenAI format), standalone; "
+                                   "resumes from --out", _fill_run)
+    commands.defer("finetune profile", "fit HARLI's co-location latency predictor (HARLI §5) on this machine "
+                                       "and save it", _fill_profile)
+    commands.defer("bench finetune", "HARLI: finetuning co-located with the decode trace, four modes", _fill_bench)
+
+
+def _fill_run(p: argparse.ArgumentParser) -> None:
     from backfill.cli import _add_model_args
 
-    p = sub.add_parser("finetune", help="LoRA-finetune the model on a chat JSONL file (OpenAI format); "
-                                         "--profile fits HARLI's co-location latency predictor")
     _add_model_args(p)
-    p.add_argument("--training-file", type=Path, help="JSONL, one {\"messages\": [...]} per line")
-    p.add_argument("--out", type=Path, help="job directory: checkpoints, events.jsonl, adapter/ (resumes from it)")
+    p.add_argument("--training-file", type=Path, required=True, help="JSONL, one {\"messages\": [...]} per line")
+    p.add_argument("--out", type=Path, required=True,
+                   help="job directory: checkpoints, events.jsonl, adapter/ (resumes from it)")
     _add_config_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU share of this process)")
-    p.add_argument("--profile", action="store_true",
-                   help="fit the two-stage latency predictor (HARLI §5) on this machine and save it")
-    p.add_argument("--repeats", type=int, default=7, help="--profile: token intervals per grid point")
-    p.add_argument("--json", default=None, help="--profile: also write the points and errors here")
-    p.set_defaults(func=cmd_finetune)
+    p.set_defaults(func=cmd_finetune_run)
 
-    p = bench.add_parser("finetune", help="HARLI: finetuning co-located with the decode trace, four modes")
+
+def _fill_profile(p: argparse.ArgumentParser) -> None:
+    from backfill.cli import _add_model_args
+
+    from backfill.finetune.config import FinetuneConfig
+
+    _add_model_args(p)
+    d = FinetuneConfig()
+    p.add_argument("--rank", type=int, default=d.rank)
+    p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="capped at 128 for the profile")
+    p.add_argument("--layers-per-unit", type=int, default=d.layers_per_unit)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU share of this process)")
+    p.add_argument("--repeats", type=int, default=7, help="token intervals per grid point")
+    p.add_argument("--json", default=None, help="also write the points and errors here")
+    p.set_defaults(func=cmd_finetune_profile)
+
+
+def _fill_bench(p: argparse.ArgumentParser) -> None:
     from backfill.finetune.bench import add_bench_args
 
     add_bench_args(p)
@@ -34,6 +63,8 @@ def add_commands(sub, bench) -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
+    from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
+
     d = FinetuneConfig()
     p.add_argument("--rank", type=int, default=d.rank)
     p.add_argument("--alpha", type=float, default=d.alpha)
@@ -50,6 +81,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, base_model: str = "") -> FinetuneConfig:
+    from backfill.finetune.config import FinetuneConfig
+
     return FinetuneConfig(rank=args.rank, alpha=args.alpha, target_modules=tuple(t for t in args.targets.split(",") if t),
                           learning_rate=args.learning_rate, max_steps=args.steps, epochs=args.epochs,
                           batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, seed=args.seed,
@@ -57,28 +90,28 @@ def config_from_args(args: argparse.Namespace, base_model: str = "") -> Finetune
                           layers_per_unit=args.layers_per_unit, base_model=base_model)
 
 
-def cmd_finetune(args: argparse.Namespace) -> int:
+def _load_model(args: argparse.Namespace, **serving_changes):
+    """The serving config and the model the engine serves (its kernels and layout), with a small KV pool."""
     import torch
 
     from backfill.cli import _serving
     from backfill.engine.weights import load_model
-    from backfill.errors import FinetuneConfigError
-    from backfill.serving.build import build_runner
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.profile and (args.training_file is None or args.out is None):
-        raise FinetuneConfigError("give --training-file and --out (or --profile)")
-    # The same model the engine serves (its kernels and layout); a small KV pool for --profile's decode
-    # batches; training never reads the paged KV cache, so no decode-attention kernel to build.
-    serving = _serving(args, kv_cache_gb=0.25, **({} if args.profile else {"decode_attention": "sdpa"}))
+    serving = _serving(args, kv_cache_gb=0.25, **serving_changes)
     loaded = load_model(serving.model)
+    return serving, loaded
+
+
+def cmd_finetune_run(args: argparse.Namespace) -> int:
+    from backfill.finetune.job import FinetuneJob
+    from backfill.serving.build import build_runner
+
+    # Training never reads the paged KV cache, so no decode-attention kernel to build.
+    serving, loaded = _load_model(args, decode_attention="sdpa")
     config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
     runner = build_runner(loaded.config, loaded.weights, serving)
-    if args.profile:
-        return _profile(args, runner, loaded)
-    from backfill.finetune.job import FinetuneJob
-
     job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out)
     print(f"finetuning {loaded.config.name}: {len(job.samples)} examples, {job.total_steps} steps "
           f"(from step {job.steps_done}), rank {config.rank}, targets {','.join(config.target_modules)}", flush=True)
@@ -92,10 +125,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(args: argparse.Namespace, runner, loaded) -> int:
+def cmd_finetune_profile(args: argparse.Namespace) -> int:
     from backfill.finetune.colocate import harli_profile_path
+    from backfill.finetune.config import FinetuneConfig
     from backfill.finetune.profile import profile_finetune
+    from backfill.serving.build import build_runner
 
+    serving, loaded = _load_model(args)  # a small KV pool for the profile's decode batches
+    runner = build_runner(loaded.config, loaded.weights, serving)
     config = FinetuneConfig(rank=args.rank, alpha=args.alpha, batch_size=4, micro_batch_size=1,
                             max_seq_len=min(args.max_seq_len, 128), max_steps=10_000, checkpoint_every_steps=10_000,
                             layers_per_unit=args.layers_per_unit)

@@ -355,7 +355,7 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m backfill.node.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--duration-s", type=float, default=NodeBenchConfig.duration_s)
@@ -363,7 +363,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", choices=("default", "tiny"), default="default")
     ap.add_argument("--arrivals", default=NodeBenchConfig.arrivals)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
     cfg = replace(NodeBenchConfig(), duration_s=args.duration_s, model=args.model, arrivals=args.arrivals,
                   seed=args.seed, phases=tuple(p for p in args.phases.split(",") if p))
     return run_node_bench(cfg, args.json)

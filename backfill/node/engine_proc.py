@@ -32,7 +32,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput, SuspendedStep
+from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
+from backfill.engine.suspended_step import SuspendedStep
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 
 ROLES = ("online", "offline")

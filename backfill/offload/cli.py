@@ -6,12 +6,25 @@ import argparse
 import json
 from pathlib import Path
 
+from backfill.command_parser import CommandParser
 
-def add_commands(sub, bench) -> None:
+
+def add_commands(commands: CommandParser) -> None:
+    commands.defer("bench burst", "AQUA: a 2x burst on a memory-bound engine, FCFS vs CFS paging to host / "
+                                  "lent memory", _fill_bench_burst)
+    commands.defer("bench elastic", "AQUA: gathered paging vs one copy per KV block, to host and lent memory",
+                   _fill_bench_elastic)
+    commands.group("offload", "AQUA memory lending")
+    commands.defer("offload coordinator", "run the offload coordinator (HTTP, state in SQLite)",
+                   _fill_offload_coordinator)
+    commands.defer("offload profile", "AQUA §4: highest rate within the SLA, memory free there, swap for bursts",
+                   _fill_offload_profile)
+
+
+def _fill_bench_burst(p: argparse.ArgumentParser) -> None:
     from backfill.offload.burst import MODES, BurstScenario
 
     d = BurstScenario()
-    p = bench.add_parser("burst", help="AQUA: a 2x burst on a memory-bound engine, FCFS vs CFS paging to host / lent memory")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--rate", type=float, default=d.steady_rate_per_s, help="steady requests per second")
     p.add_argument("--burst-factor", type=float, default=d.burst_factor)
@@ -33,22 +46,24 @@ def add_commands(sub, bench) -> None:
     p.add_argument("--json", default="runs/burst.json")
     p.set_defaults(func=cmd_bench_burst)
 
-    p = bench.add_parser("elastic", help="AQUA: gathered paging vs one copy per KV block, to host and lent memory")
+
+def _fill_bench_elastic(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", nargs="+", type=int, default=[4, 16, 64])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--json", default="runs/elastic.json")
     p.set_defaults(func=cmd_bench_elastic)
 
-    offload = sub.add_parser("offload", help="AQUA memory lending").add_subparsers(dest="offload", required=True)
+
+def _fill_offload_coordinator(p: argparse.ArgumentParser) -> None:
     from backfill.offload.coordinator import add_arguments, serve
 
-    p = offload.add_parser("coordinator", help="run the offload coordinator (HTTP, state in SQLite)")
     add_arguments(p)
     p.set_defaults(func=serve)
 
+
+def _fill_offload_profile(p: argparse.ArgumentParser) -> None:
     from backfill.offload.profiler import add_profile_arguments
 
-    p = offload.add_parser("profile", help="AQUA §4: highest rate within the SLA, memory free there, swap for bursts")
     add_profile_arguments(p)
     p.set_defaults(func=cmd_offload_profile)
 

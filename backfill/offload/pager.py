@@ -49,7 +49,7 @@ def gather_blocks(kv: KVBlockPool, block_ids: list[int], out: torch.Tensor) -> N
 def scatter_blocks(kv: KVBlockPool, block_ids: list[int], page: torch.Tensor) -> None:
     """A page back into these device blocks: one transfer, then one indexed copy each for K and V
     over the pool seen as rows (index_copy_ along the pool's block dimension, or layer by layer,
-    ran 10-20x slower on CPU)."""
+    is an order of magnitude slower on CPU)."""
     rows = _rows(kv, block_ids)
     page = page.to(kv.device, non_blocking=True)
     _flat(kv.k).index_copy_(0, rows, page[0].reshape(len(rows), -1))

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 # Samples kept per step mode for a run's report: enough for a stable P90, bounded in memory.
 MAX_SAMPLES_PER_MODE = 20_000
 
@@ -34,6 +32,8 @@ class ErrorSummary:
 def summarize(signed_errors: list[float]) -> ErrorSummary | None:
     if not signed_errors:
         return None
+    import numpy as np  # here, not at import: the policy modules load for `--help` too
+
     e = np.asarray(signed_errors, dtype=float)
     a = np.abs(e)
     return ErrorSummary(len(e), float(np.median(a)), float(np.percentile(a, 90)), float(np.median(e)))

@@ -6,11 +6,12 @@ import argparse
 import os
 from pathlib import Path
 
-from backfill.realtime.bench import (ALL_MODELS, DISB_SCALES, MODE_CONFIGS, TINY_SCALES, bench_preemption, run_disb,
-                                     write_json)
+from backfill.command_parser import CommandParser
 
 
 def _scales(args: argparse.Namespace) -> dict[str, float]:
+    from backfill.realtime.bench import ALL_MODELS, DISB_SCALES, TINY_SCALES
+
     if args.size == "full":
         return {name: 1.0 for name in ALL_MODELS}
     return dict(TINY_SCALES if args.size == "tiny" else DISB_SCALES)
@@ -22,6 +23,8 @@ def _renice(args: argparse.Namespace) -> None:
 
 
 def cmd_disb(args: argparse.Namespace) -> int:
+    from backfill.realtime.bench import ALL_MODELS, run_disb, write_json
+
     _renice(args)
     all_models = tuple(m for m in ALL_MODELS if m not in args.exclude)
     report = run_disb([w.upper() for w in args.workload], args.modes, args.duration, args.rounds, args.seed,
@@ -32,6 +35,8 @@ def cmd_disb(args: argparse.Namespace) -> int:
 
 
 def cmd_preempt(args: argparse.Namespace) -> int:
+    from backfill.realtime.bench import bench_preemption, write_json
+
     _renice(args)
     out = bench_preemption(args.models, args.paths, args.trials, _scales(args), args.seed,
                            Path(args.metadata_dir) if args.metadata_dir else None)
@@ -40,7 +45,7 @@ def cmd_preempt(args: argparse.Namespace) -> int:
 
 
 def cmd_idempotence(args: argparse.Namespace) -> int:
-    from backfill.realtime.bench import load_models
+    from backfill.realtime.bench import load_models, write_json
     from backfill.realtime.idempotence import format_table
 
     scales = _scales(args)
@@ -66,8 +71,18 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "other jobs (needs privilege); all modes get the same")
 
 
-def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("disb", help="REEF's DISB A-E: RT latency and throughput of seq / concurrent / rt-only / reef")
+def add_commands(commands: CommandParser) -> None:
+    commands.defer("bench disb", "REEF's DISB A-E: RT latency and throughput of seq / concurrent / rt-only / reef",
+                   _fill_disb)
+    commands.defer("bench preempt", "REEF preemption latency (RT arrival to BE stopped) per path and model",
+                   _fill_preempt)
+    commands.defer("idempotence", "REEF §4.4 idempotence table of the DNN models (saves the maps)",
+                   _fill_idempotence)
+
+
+def _fill_disb(p: argparse.ArgumentParser) -> None:
+    from backfill.realtime.bench import ALL_MODELS, MODE_CONFIGS
+
     p.add_argument("--workload", nargs="+", default=["A", "B", "C", "D", "E"], help="DISB letters")
     p.add_argument("--file", default=None, help="a DISB JSON file instead of the presets")
     p.add_argument("--modes", nargs="+", default=list(MODE_CONFIGS),
@@ -79,14 +94,20 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     _common(p)
     p.set_defaults(func=cmd_disb)
 
-    p = bench.add_parser("preempt", help="REEF preemption latency (RT arrival to BE stopped) per path and model")
+
+def _fill_preempt(p: argparse.ArgumentParser) -> None:
+    from backfill.realtime.bench import ALL_MODELS
+
     p.add_argument("--models", nargs="+", default=["resnet152", "vgg19", "bert", "gpt2"], choices=list(ALL_MODELS))
     p.add_argument("--paths", nargs="+", default=["evict", "kill"], choices=["evict", "kill", "auto"])
     p.add_argument("--trials", type=int, default=40)
     _common(p)
     p.set_defaults(func=cmd_preempt)
 
-    p = sub.add_parser("idempotence", help="REEF §4.4 idempotence table of the DNN models (saves the maps)")
+
+def _fill_idempotence(p: argparse.ArgumentParser) -> None:
+    from backfill.realtime.bench import ALL_MODELS
+
     p.add_argument("--models", nargs="+", default=["resnet152", "vgg19", "bert", "gpt2"], choices=list(ALL_MODELS))
     _common(p)
     p.set_defaults(func=cmd_idempotence)

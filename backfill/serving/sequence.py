@@ -11,6 +11,7 @@ import torch
 from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.lora import LoraAdapter
 from backfill.engine.sampler import make_generator
+from backfill.policy.interface import SeqView
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
 
 
@@ -79,6 +80,34 @@ class Sequence:
         if end <= len(prompt):
             return prompt[start:end]
         return (prompt + self.output_ids)[start:end]
+
+    def view(self, suspended: bool) -> SeqView:
+        """This request as the policy sees it; suspended: its tokens are in the suspended step."""
+        request = self.request
+        return SeqView(request.request_id, request.request_class, request.arrival_time, len(self.prompt_ids),
+                       self.num_tokens, self.num_computed, len(self.block_table), self.status is SeqStatus.RUNNING,
+                       self.checkpoint.num_tokens, request.sampling.max_tokens, len(self.output_ids),
+                       self.first_token_s, suspended)
+
+    def append_token(self, token: int, now_s: float, eos_token_ids: tuple[int, ...],
+                     max_model_len: int) -> FinishReason | None:
+        """Add a sampled token and its text; the reason the request ends with it, if it does."""
+        params = self.request.sampling
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        self.output_ids.append(token)
+        stop_ids = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+        if token in stop_ids and len(self.output_ids) > params.min_tokens:
+            return FinishReason.STOP
+        before = len(self.text)
+        self.append_text([token])
+        cut = self.find_stop_string(params.stop, len(self.text) - before)
+        if cut is not None:
+            self.text = self.text[:cut]
+            return FinishReason.STOP
+        if len(self.output_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def append_text(self, token_ids: list[int]) -> None:
         if self.detokenizer is not None:

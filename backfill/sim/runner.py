@@ -19,7 +19,6 @@ from that safepoint when resumed, as on the real engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -29,6 +28,7 @@ from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LAYER_STRETCH_SHARES, LM_HEAD_SLICES, Safepoint
 from backfill.engine.runner import SeqChunk, StepOutput
+from backfill.engine.suspended_step import SuspendedStep
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape
 
@@ -56,22 +56,6 @@ class VirtualClock:
 
     def advance_to(self, t_s: float) -> None:
         self.now_s = max(self.now_s, t_s)
-
-
-@dataclass(frozen=True)
-class SimPartial:
-    """Where an aborted simulated step stopped: the scheduler reads `layer` on resume."""
-
-    layer: int
-    stretch: int                  # index of the next stretch to run
-    checks: tuple[int, ...]       # the step's stretches, as _stretches made them
-    stretch_ms: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class SimSuspendedStep:
-    partial: SimPartial
-    logit_ids: tuple[int | str, ...]
 
 
 def sim_model_config(real: ModelConfig) -> ModelConfig:
@@ -135,7 +119,7 @@ class SimulatedRunner:
         return checks, ms
 
     def execute(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None,
-                resume: SimSuspendedStep | None = None) -> StepOutput:
+                resume: SuspendedStep | None = None) -> StepOutput:
         if not chunks:
             return StepOutput(None, [], duration_s=0.0)
         shape = BatchShape()
@@ -151,14 +135,16 @@ class SimulatedRunner:
             checks, stretch_ms = self._stretches(step_ms, shape.num_tokens, len(logit_ids))
             first = 0
         else:
-            checks, stretch_ms, first = resume.partial.checks, resume.partial.stretch_ms, resume.partial.stretch
+            (checks, stretch_ms), first = resume.carry, resume.stage
         ran_ms = 0.0
         for i in range(first, len(checks)):
             self.on_time(self.clock())
             if checks[i] >= 0 and safepoint is not None and safepoint(checks[i]):
-                partial = SimPartial(checks[i], i, tuple(checks), tuple(stretch_ms))
+                ran_s = (resume.ran_s if resume is not None else 0.0) + ran_ms / 1e3
+                suspended = SuspendedStep(checks[i], i, (tuple(checks), tuple(stretch_ms)))
+                suspended.attach_batch(chunks, (), logit_ids, ran_s)
                 return StepOutput(None, [], aborted=True, aborted_at_layer=checks[i], duration_s=ran_ms / 1e3,
-                                  num_tokens=shape.num_tokens, suspended=SimSuspendedStep(partial, logit_ids))
+                                  num_tokens=shape.num_tokens, suspended=suspended)
             self.clock.advance_ms(stretch_ms[i])
             ran_ms += stretch_ms[i]
         self.on_time(self.clock())

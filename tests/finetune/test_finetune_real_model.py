@@ -1,4 +1,4 @@
-"""`backfill finetune` on the real default model (SmolLM2-135M), through the command line."""
+"""`backfill finetune run` on the real default model (SmolLM2-135M), through the command line."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_cli_finetunes_the_default_model_and_resumes(tmp_path):
     data.write_text("\n".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is the code word {i}?"},
         {"role": "assistant", "content": f"The code word {i} is zebra-{i}."}]}) for i in range(4)) + "\n")
-    cmd = [sys.executable, "-m", "backfill.cli", "finetune", "--training-file", str(data), "--out", str(tmp_path / "job"),
+    cmd = [sys.executable, "-m", "backfill.cli", "finetune", "run", "--training-file", str(data), "--out", str(tmp_path / "job"),
            "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--max-seq-len", "64",
            "--checkpoint-every", "1", "--rank", "4", "--threads", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -39,5 +39,5 @@ def test_cli_finetunes_the_default_model_and_resumes(tmp_path):
     # A bad file fails with a clear message and exit code 2.
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
-    failed = subprocess.run(cmd[:5] + [str(bad)] + cmd[6:], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    failed = subprocess.run(cmd[:6] + [str(bad)] + cmd[7:], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert failed.returncode == 2 and "line 1: no assistant message" in failed.stderr

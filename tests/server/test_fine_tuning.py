@@ -272,22 +272,28 @@ def test_adapters_load_and_unload_at_run_time(server, tmp_path):
         chat(client, "sql")
 
 
-def test_fine_tuning_command_follows_a_job(server, tmp_path, capsys):
+def test_finetune_commands_create_follow_get_and_cancel_a_server_job(server, tmp_path, capsys):
     from backfill.cli import main
 
     path = tmp_path / "train.jsonl"
     path.write_bytes(training_jsonl())
-    common = ["fine-tuning", str(path), "--url", server.url, "--batch-size", "2", "--max-steps", "3"]
+    common = ["finetune", "create", str(path), "--url", server.url, "--batch-size", "2", "--max-steps", "3"]
     assert main(common + ["--rank", "0"]) == 2
     assert "rank must be a positive integer" in capsys.readouterr().err
     assert main(common + ["--rank", "2", "--targets", "q_proj,v_proj", "--seed", "1"]) == 0
     out = capsys.readouterr().out
     assert "Step 3/3: training loss=" in out and "fine-tuned model: " in out
     job_id = out.split("created ", 1)[1].split()[0]
-    assert main(["fine-tuning", "--list", "--url", server.url]) == 0
+    assert main(["finetune", "list", "--url", server.url]) == 0
     assert job_id in capsys.readouterr().out
-    assert main(["fine-tuning", "--cancel", job_id, "--url", server.url]) == 2
+    assert main(["finetune", "get", job_id, "--url", server.url]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "succeeded"
+    assert main(["finetune", "events", job_id, "--url", server.url, "--limit", "1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["finetune", "cancel", job_id, "--url", server.url]) == 2
     assert "already succeeded" in capsys.readouterr().err
+    assert main(["finetune", "get", "ftjob-nope", "--url", server.url]) == 2
+    assert "404" in capsys.readouterr().err
 
 
 @pytest.mark.slow
