@@ -106,10 +106,10 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
     return results
 
 
-def _tokenizer(args: argparse.Namespace):
+def _tokenizer(model: str | None):
     from backfill.engine.weights import load_model
 
-    return load_model(args.model).tokenizer
+    return load_model(model).tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from backfill.bench.http_target import HttpTarget
 
-        tokenizer = _tokenizer(args)
+        tokenizer = _tokenizer(serving.model)
         model = args.served_model or httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
 
         async def go() -> list[LevelResult]:
