@@ -47,7 +47,8 @@ stop_server() {
     fi
     SERVER_PID=""
 }
-trap stop_server EXIT INT TERM
+trap stop_server EXIT
+trap 'exit 143' INT TERM   # the EXIT trap stops the server
 
 free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
