@@ -18,7 +18,7 @@ import asyncio
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from backfill.bench.driver import run_workload
@@ -36,11 +36,16 @@ class BurstShape:
     prompt_tokens: int = 128
     output_tokens: int = 64
     bursts: int = 2            # measured bursts per level, pooled
-    warmup_requests: int = 8   # one unmeasured burst of this many first (0: none)
+    # One unmeasured burst first, as large as the largest level (first shapes pay one-off costs:
+    # kernel primitives, allocator growth), of warmup_tokens each; 0 requests: none.
+    warmup_requests: int | None = None   # None: the largest level
+    warmup_tokens: int = 8
 
     def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.bursts < 1 or self.warmup_requests < 0:
-            raise WorkloadError("need prompt_tokens, output_tokens, bursts >= 1 and warmup_requests >= 0")
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.bursts < 1 or self.warmup_tokens < 1:
+            raise WorkloadError("need prompt_tokens, output_tokens, bursts and warmup_tokens >= 1")
+        if self.warmup_requests is not None and self.warmup_requests < 0:
+            raise WorkloadError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,10 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
         raise WorkloadError(f"concurrency levels must be positive, got {levels!r}")
     prompts = PromptSource(tokenizer, seed=0)
     index = 0
-    if shape.warmup_requests:
-        await run_workload(target, burst_workload(prompts, shape, shape.warmup_requests, index), progress=False,
-                           start_delay_s=0.0)
+    warmup = max(levels) if shape.warmup_requests is None else shape.warmup_requests
+    if warmup:
+        await run_workload(target, burst_workload(prompts, replace(shape, output_tokens=shape.warmup_tokens), warmup,
+                                                  index), progress=False, start_delay_s=0.0)
     results = []
     for concurrency in levels:
         bursts = []

@@ -28,7 +28,7 @@ def test_bursts_reach_the_server_all_at_once():
     with FakeOpenAIServer(pace_s=0.01) as server:
         async def go():
             async with HttpTarget(server.base_url, "m", prompt_as="token_ids") as target:
-                return await run_bursts(target, BPETokenizer(), (1, 4), BurstShape(16, 5, bursts=2,
+                return await run_bursts(target, BPETokenizer(), (1, 4), BurstShape(16, 5, bursts=2, warmup_tokens=5,
                                                                                    warmup_requests=2),
                                         log=lambda *a: None)
         results = asyncio.run(go())
