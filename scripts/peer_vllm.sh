@@ -81,7 +81,7 @@ cd "$ROOT"
 MODEL_DIR=$OUT/model
 [[ -f $MODEL_DIR/config.json ]] || "$BF" export-hf "$MODEL_DIR" || exit 1
 { echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"; echo "uptime: $(uptime)";
-  echo "commit: $(git -C "$ROOT" rev-parse --short HEAD)"; } > "$OUT/machine.txt"
+  echo "commit: $(git -C "$ROOT" rev-parse --short HEAD), parts: $PARTS"; } >> "$OUT/machine.txt"
 
 # coserve plans with a step-latency profile, measured for minutes on first use; where none is
 # cached for these flags, the one docs/results holds for this machine kind seeds the cache.
