@@ -92,7 +92,7 @@ def _scenario(args: argparse.Namespace, **changes):
 
 
 def cmd_bench_coserve(args: argparse.Namespace) -> int:
-    from backfill.bench.coserve_bench import run_coserve_bench, run_http_bench, save_json
+    from backfill.bench.coserve_bench import run_coserve_bench, run_http_bench, run_http_with_baseline, save_json
     scenario = _scenario(args)
     serving = _serving(args)
     if args.url:
@@ -102,9 +102,14 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
             raise InvalidRequestError("--rounds interleaves in-process modes; with --url there is one mode")
 
         loaded, _, latency = load_and_profile(serving)
-        result = run_http_bench(args.url, args.served_model or loaded.config.name, scenario, loaded.tokenizer,
-                                latency, label=args.label, api_key=args.api_key, out_dir=args.out)
-        results = {args.label: result}
+        model = args.served_model or loaded.config.name
+        if args.online_baseline:
+            results = run_http_with_baseline(args.url, model, scenario, loaded.tokenizer, latency, label=args.label,
+                                             api_key=args.api_key, out_dir=args.out, offline_mark=args.offline_mark)
+        else:
+            results = {args.label: run_http_bench(args.url, model, scenario, loaded.tokenizer, latency,
+                                                  label=args.label, api_key=args.api_key, out_dir=args.out,
+                                                  offline_mark=args.offline_mark)}
     elif args.loads or args.slos:
         from backfill.bench.coserve_bench import load_and_profile
         from backfill.bench.frontier import parse_slos, run_frontier, settings
@@ -293,6 +298,12 @@ def _fill_bench_coserve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--offline-mark", choices=["flex", "priority", "both"], default="both",
+                   help="with --url, how offline requests are marked: service_tier flex (backfill), "
+                        "vLLM's priority field (larger is later), or both")
+    p.add_argument("--online-baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --url, first run the same trace without the offline backlog against the "
+                        "same server (ratios to it)")
     p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
     _add_frontier_args(p)
     p.set_defaults(func=cmd_bench_coserve)

@@ -74,7 +74,8 @@ SHAPE_FLAGS = {"random_weights", "shape"}
 
 
 @pytest.mark.parametrize("command, extra", [
-    (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "out", "json", "loads", "slos"}),
+    (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "offline_mark", "online_baseline",
+                            "out", "json", "loads", "slos"}),
     (("sim", "coserve"), {"modes", "profile", "machine", "step_overhead_ms", "noise_cv", "out", "json", "loads",
                           "slos"}),
     (("bench", "server"), {"out", "json"}),

@@ -260,23 +260,43 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
 
 def run_http_bench(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel, *,
                    label: str = "http", api_key: str | None = None, out_dir: str | Path = "runs/coserve-http",
-                   with_offline: bool = True, progress: bool = True) -> ModeResult:
-    """The same scenario against any OpenAI-compatible server (offline requests use service_tier=flex
-    where the server supports it)."""
+                   with_offline: bool = True, offline_mark: str = "both", progress: bool = True,
+                   write: bool = True, slo: SLO | None = None) -> ModeResult:
+    """The same scenario against any OpenAI-compatible server; offline requests are marked as
+    offline_mark says (bench/http_target.py OFFLINE_MARKS)."""
     from backfill.bench.http_target import HttpTarget
 
     workload = make_workload(scenario, tokenizer, latency, with_offline=with_offline)
 
     async def go() -> ModeResult:
-        async with HttpTarget(url, model, api_key=api_key, prompt_as="token_ids") as target:
+        async with HttpTarget(url, model, api_key=api_key, prompt_as="token_ids", offline_mark=offline_mark) as target:
             run = await run_workload(target, workload, progress=progress)
-        return ModeResult(compute_metrics(run.records, duration_s=run.duration_s, engine_samples=run.samples),
-                          run.records, {"url": url, "scenario": asdict(scenario)})
+        return ModeResult(compute_metrics(run.records, slo=slo, duration_s=run.duration_s, engine_samples=run.samples),
+                          run.records, {"url": url, "scenario": asdict(scenario), "offline_mark": offline_mark,
+                                        "with_offline": with_offline})
 
     result = asyncio.run(go())
-    write_report({label: result}, out_dir, baseline=None)
+    if write:
+        write_report({label: result}, out_dir, baseline=None)
     print_summary(label, result.metrics)
     return result
+
+
+def run_http_with_baseline(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel, *,
+                           label: str = "http", api_key: str | None = None, out_dir: str | Path = "runs/coserve-http",
+                           offline_mark: str = "both", progress: bool = True) -> dict[str, ModeResult]:
+    """The trace alone (label + " online-only"), then with the offline backlog (label), against the
+    same server: ratios to the server's own online-only latency exist for any server. The second
+    run's SLO attainment is counted against the first run's P99s, as in-process modes are."""
+    base_label = f"{label} {BASELINE}"
+    common = dict(api_key=api_key, offline_mark=offline_mark, progress=progress, write=False)
+    alone = run_http_bench(url, model, scenario, tokenizer, latency, label=base_label, with_offline=False, **common)
+    slo = SLO(scenario.ttft_slo_ms or alone.metrics.online.ttft_ms.p99 or 1e6,
+              scenario.tpot_slo_ms or alone.metrics.online.tpot_ms.p99 or 1e6)
+    both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, slo=slo, **common)
+    results = {base_label: alone, label: both}
+    write_report(results, out_dir, baseline=base_label)
+    return results
 
 
 def save_json(results: dict[str, ModeResult], path: str | Path) -> None:

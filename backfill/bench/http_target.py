@@ -7,6 +7,10 @@ completion tokens than were counted (several tokens in one chunk, or a token who
 held back), the difference is credited to the last chunk, which is why chunks are yielded one
 step late (their receive times are kept exactly).
 
+Offline requests are marked the way the server under test understands best-effort work
+(OFFLINE_MARKS): OpenAI's `service_tier: "flex"` (backfill), vLLM's `priority` field (larger is
+later under `--scheduling-policy priority`), or both; a server ignores the field it does not know.
+
 sample_stats() reads gauges from the server's Prometheus /metrics (queue lengths, KV-cache use);
 a server without /metrics yields {}.
 """
@@ -26,6 +30,11 @@ from backfill.bench.workload import BenchRequest
 from backfill.errors import TargetError, WorkloadError
 from backfill.serving.api import RequestClass
 
+# How offline requests are marked: OpenAI's best-effort tier, vLLM's request priority, or both.
+OFFLINE_MARKS = ("flex", "priority", "both")
+# vLLM's priority scheduling serves lower values first; online requests keep its default 0.
+OFFLINE_PRIORITY = 1
+
 # Gauges worth plotting next to throughput; matched as substrings of the metric name.
 STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_", "preempt")
 
@@ -33,20 +42,22 @@ STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_",
 class HttpTarget:
     def __init__(self, base_url: str, model: str, api_key: str | None = None, *, max_connections: int = 1024,
                  timeout_s: float = 6 * 3600.0, prompt_as: str = "text", temperature: float = 0.0,
-                 extra_body: dict | None = None, offline_service_tier: str | None = "flex") -> None:
+                 extra_body: dict | None = None, offline_mark: str = "both") -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise WorkloadError(f"base_url must be an http(s) URL, got {base_url!r}")
         if prompt_as not in ("text", "token_ids"):
             raise WorkloadError(f"prompt_as must be 'text' or 'token_ids', got {prompt_as!r}")
         if not isinstance(max_connections, int) or max_connections < 1:
             raise WorkloadError(f"max_connections must be a positive integer, got {max_connections!r}")
+        if offline_mark not in OFFLINE_MARKS:
+            raise WorkloadError(f"offline_mark must be one of {', '.join(OFFLINE_MARKS)}, got {offline_mark!r}")
         root = base_url.rstrip("/")
         self.base_url = root[: -len("/v1")] if root.endswith("/v1") else root
         self.model = model
         self.prompt_as = prompt_as
         self.temperature = temperature
         self.extra_body = dict(extra_body or {})
-        self.offline_service_tier = offline_service_tier
+        self.offline_mark = offline_mark
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._timeout = httpx.Timeout(timeout_s, connect=30.0)
@@ -69,8 +80,11 @@ class HttpTarget:
                 "stream_options": {"include_usage": True}}
         if request.ignore_eos:
             body["ignore_eos"] = True  # vLLM / backfill extension; fixes output length to max_tokens
-        if request.request_class is RequestClass.OFFLINE and self.offline_service_tier:
-            body["service_tier"] = self.offline_service_tier  # OpenAI's name for best-effort work
+        if request.request_class is RequestClass.OFFLINE:
+            if self.offline_mark in ("flex", "both"):
+                body["service_tier"] = "flex"  # OpenAI's name for best-effort work
+            if self.offline_mark in ("priority", "both"):
+                body["priority"] = OFFLINE_PRIORITY
         body.update(self.extra_body)
         return body
 

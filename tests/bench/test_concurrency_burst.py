@@ -1,0 +1,47 @@
+import asyncio
+
+import pytest
+from bench_helpers import BPETokenizer, FakeOpenAIServer
+
+from backfill.bench.concurrency_burst import BurstShape, level_result, run_bursts
+from backfill.bench.http_target import HttpTarget
+from backfill.bench.metrics import RequestRecord
+from backfill.errors import WorkloadError
+
+
+def _record(send_s: float, first_s: float, end_s: float, tokens: int, error: str | None = None) -> RequestRecord:
+    return RequestRecord("r", "online", send_s=send_s, first_token_s=first_s, end_s=end_s, output_tokens=tokens,
+                         error=error)
+
+
+def test_level_result_pools_bursts_by_their_wall_time():
+    bursts = [[_record(0.0, 0.1, 1.0, 10), _record(0.0, 0.3, 2.0, 10)],
+              [_record(5.0, 5.2, 6.0, 10), _record(5.0, 5.0, 6.0, 0, error="HTTP 500")]]
+    r = level_result(2, bursts)
+    assert r.requests == 4 and r.failed == 1 and r.output_tokens == 30
+    assert r.wall_s == pytest.approx(3.0) and r.tokens_per_s == pytest.approx(10.0)
+    assert r.mean_ttft_ms == pytest.approx(200.0)
+    assert r.p50_tpot_ms == pytest.approx(900 / 9)
+
+
+def test_bursts_reach_the_server_all_at_once():
+    with FakeOpenAIServer(pace_s=0.01) as server:
+        async def go():
+            async with HttpTarget(server.base_url, "m", prompt_as="token_ids") as target:
+                return await run_bursts(target, BPETokenizer(), (1, 4), BurstShape(16, 5, bursts=2, warmup_tokens=5,
+                                                                                   warmup_requests=2),
+                                        log=lambda *a: None)
+        results = asyncio.run(go())
+    assert [r.concurrency for r in results] == [1, 4]
+    assert [r.output_tokens for r in results] == [10, 40] and all(r.failed == 0 for r in results)
+    assert server.max_running == 4 and len(server.bodies) == 2 + 2 + 8
+    assert all(b["max_tokens"] == 5 and b["ignore_eos"] and len(b["prompt"]) == 16 for b in server.bodies)
+    # 5 tokens 10 ms apart: a burst lasts at least 50 ms, so no level exceeds 4 x 5 / 0.05 tok/s.
+    assert 0 < results[1].tokens_per_s <= 400 and results[1].p50_tpot_ms >= 9
+
+
+def test_bad_shapes_and_levels():
+    with pytest.raises(WorkloadError):
+        BurstShape(prompt_tokens=0)
+    with pytest.raises(WorkloadError, match="concurrency"):
+        asyncio.run(run_bursts(HttpTarget("http://127.0.0.1:1", "m"), BPETokenizer(), (0,)))
