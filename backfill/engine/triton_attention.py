@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Tokens one program reads per loop step: four blocks of 16 keep enough loads in flight per program.
-TOKENS_PER_STEP = 64
+# A loop step's [group, tokens, head_dim] product is held in registers: about this many fp32 values
+# (64 per thread of 4 warps) keeps it out of local memory; a step is 16 to 64 tokens.
+STEP_VALUES = 8192
 # A stretch is never shorter than this: below it the merge costs more than the extra programs win.
 MIN_SPLIT_TOKENS = 256
 # Programs to aim for when cutting contexts: a few per SM keeps an H100/H200 (132 SMs) busy.
@@ -41,6 +42,12 @@ def split_count(batch: int, kv_heads: int, table_tokens: int, target_programs: i
         raise ValueError(f"need a non-empty batch, heads and context, got {batch}, {kv_heads}, {table_tokens}")
     wanted = -(-target_programs // (batch * kv_heads))
     return max(1, min(wanted, -(-table_tokens // MIN_SPLIT_TOKENS)))
+
+
+def tokens_per_step(group: int, head_dim: int) -> int:
+    """Tokens one program reads per loop step: as many as STEP_VALUES allows, a power of two in [16, 64]."""
+    fit = STEP_VALUES // (triton.next_power_of_2(group) * triton.next_power_of_2(head_dim))
+    return max(16, min(64, 1 << max(0, fit.bit_length() - 1)))
 
 
 def _target_programs(device: torch.device) -> int:
@@ -140,7 +147,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     table_tokens = block_tables.shape[1] * block_size
     splits = num_splits or split_count(batch, n_kv, table_tokens, _target_programs(q.device))
     split_tokens = -(-table_tokens // splits)
-    split_tokens = -(-split_tokens // TOKENS_PER_STEP) * TOKENS_PER_STEP
+    step = tokens_per_step(group, hd)
+    split_tokens = -(-split_tokens // step) * step
     splits = -(-table_tokens // split_tokens)  # no stretch starts past the table
     dim_p2 = triton.next_power_of_2(hd)
     if splits > 1:
@@ -153,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         block_tables.stride(0), n_q, math.log2(math.e) / math.sqrt(hd), split_tokens, splits,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), HEAD_DIM=hd, DIM_P2=dim_p2,
-        BLOCK_SIZE=block_size, STEP=TOKENS_PER_STEP, SPLIT=splits > 1)
+        BLOCK_SIZE=block_size, STEP=step, SPLIT=splits > 1)
     if splits > 1:
         _merge_stretches[(batch, n_q)](part_out, part_lse, out, n_q, splits, HEAD_DIM=hd, DIM_P2=dim_p2,
                                        SPLITS_P2=triton.next_power_of_2(splits))

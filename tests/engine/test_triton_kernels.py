@@ -16,7 +16,8 @@ from backfill.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from backfill.engine.kv_pool import KVBlockPool  # noqa: E402
 from backfill.engine.model import AttentionMetadata, LlamaModel  # noqa: E402
 from backfill.engine.runner import ModelRunner, SeqChunk  # noqa: E402
-from backfill.engine.triton_attention import MIN_SPLIT_TOKENS, paged_decode_attention, split_count  # noqa: E402
+from backfill.engine.triton_attention import (MIN_SPLIT_TOKENS, paged_decode_attention, split_count,  # noqa: E402
+                                              tokens_per_step)
 from backfill.engine.triton_fused import add_rms_norm_, qkv_rope_write, silu_mul  # noqa: E402
 from backfill.engine.weights import random_model  # noqa: E402
 
@@ -84,6 +85,7 @@ def test_split_count_fills_the_device_and_keeps_stretches_long():
     assert split_count(64, 8, 8192, target_programs=1) == 1
     with pytest.raises(ValueError, match="non-empty"):
         split_count(0, 8, 128, target_programs=4)
+    assert [tokens_per_step(g, d) for g, d in ((4, 128), (1, 128), (1, 64), (8, 24), (16, 256))] == [16, 64, 64, 32, 16]
 
 
 def test_paged_attention_rejects_mismatched_shapes(device):
