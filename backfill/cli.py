@@ -29,11 +29,17 @@ def _coserve_options():
     return options_of(CoServeConfig, "coserve")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, several: tuple[str, ...] = ()) -> None:
+    """The engine's options; those named in `several` take one or more values (a benchmark compares
+    them) and land in args.<name>_compared, so they never reach the config directly."""
     from backfill.engine.shapes import add_shape_args
     from backfill.options import add_arguments
 
-    add_arguments(p, _engine_options(), CLI_DEFAULTS)
+    add_arguments(p, tuple(o for o in _engine_options() if o.name not in several), CLI_DEFAULTS)
+    for o in _engine_options():
+        if o.name in several:
+            p.add_argument(o.flag, dest=f"{o.name}_compared", nargs="+", choices=o.choices, default=[o.default],
+                           help=f"{o.help}; several are measured in turn (default: {o.default})")
     add_shape_args(p)
 
 
@@ -71,7 +77,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result = run_engine_bench(cfg.model, tuple(args.dtypes), tuple(args.batches), args.prompt_tokens,
                               args.new_tokens, cfg.device, with_hf=not args.no_hf,
                               compile_decode=cfg.compile_decode,
-                              decode_attention=cfg.decode_attention, cuda_graphs=cfg.cuda_graphs)
+                              decode_attention=cfg.decode_attention, cuda_graphs=cfg.cuda_graphs,
+                              cuda_kernels=tuple(args.cuda_kernels_compared))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -280,7 +287,7 @@ def _fill_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _fill_bench_engine(p: argparse.ArgumentParser) -> None:
-    _add_model_args(p)
+    _add_model_args(p, several=("cuda_kernels",))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])

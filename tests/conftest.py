@@ -1,13 +1,15 @@
 import os
 
-import pytest
-import torch
-
-from backfill.engine.config import ModelConfig
-
-
 # BACKFILL_TEST_DEVICE=cuda runs the engine and scheduler tests on a GPU (never required).
 TEST_DEVICE = os.environ.get("BACKFILL_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    # The Triton kernels' tests run in Triton's interpreter on CPU; it is read when triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from backfill.engine.config import ModelConfig  # noqa: E402
 
 
 @pytest.fixture(scope="session")

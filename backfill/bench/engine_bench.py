@@ -5,7 +5,9 @@ Measured in one run, so ratios compare like with like on a shared, noisy machine
   - the bandwidth floor of one decode step (weight bytes / bandwidth);
   - decode tokens/s and TPOT at several batch sizes, through the real scheduler;
   - prefill tokens/s for 512-token prompts;
-  - HF transformers `generate` on the same weights at batch 1 and 8.
+  - HF transformers `generate` on the same weights at batch 1 and 8;
+  - on CUDA, per kernel set (`cuda_kernels`, torch and triton), whether graphs and eager decode, and
+    triton and torch, give the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -49,24 +51,33 @@ class BandwidthProbe:
         return self.buffer.nbytes / (time.perf_counter() - start) / 1e9
 
 
-def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int, probe: BandwidthProbe | None = None) -> dict:
+def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int, probe: BandwidthProbe | None = None,
+                 tokens: list[list[int]] | None = None) -> dict:
     """Decode steps through the scheduler (sampling and bookkeeping included); with a probe, a
-    bandwidth read after each step (untimed), whose median is the step's paired bandwidth."""
+    bandwidth read after each step (untimed), whose median is the step's paired bandwidth. With
+    tokens, each request's greedy tokens are appended to it, in the requests' order."""
     scheduler = build_scheduler(runner, ServingConfig(policy="fcfs", max_model_len=prompt_len + new_tokens + 8,
                                                       limits=_limits(batch, prompt_len)))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    order = {}
     for i in range(batch):
-        scheduler.add(GenerationRequest(_prompt(prompt_len, i, runner.config.vocab_size), params,
-                                        RequestClass.OFFLINE))
+        request = GenerationRequest(_prompt(prompt_len, i, runner.config.vocab_size), params, RequestClass.OFFLINE)
+        order[request.request_id] = i
+        scheduler.add(request)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
     step_s, probe_gbs = [], []
     while scheduler.has_work():
         prefill = any(s.num_computed < len(s.prompt_ids) for s in scheduler.seqs.values())
         start = time.perf_counter()
-        scheduler.step()
+        events = scheduler.step()
         if not prefill:
             step_s.append(time.perf_counter() - start)
             if probe is not None:
                 probe_gbs.append(probe.read_gbs())
+        for event in events:
+            outputs[order[event.request_id]].extend(event.token_ids)
+    if tokens is not None:
+        tokens.extend(outputs)
     tpot_ms = statistics.median(step_s) * 1e3
     d = {"batch": batch, "tpot_ms": tpot_ms, "tokens_per_s": batch / (tpot_ms / 1e3),
          "decode_steps": len(step_s), "context_tokens": prompt_len + new_tokens}
@@ -77,14 +88,27 @@ def bench_decode(runner, batch: int, prompt_len: int, new_tokens: int, probe: Ba
     return d
 
 
+def greedy_agreement(expected: list[list[int]], got: list[list[int]]) -> dict:
+    """How far two runs' greedy tokens agree, sequence by sequence: how many are identical and how
+    many tokens the sequences share before they part (bf16 rounding may flip a near tie)."""
+    if len(expected) != len(got):
+        raise ValueError(f"{len(expected)} sequences against {len(got)}")
+    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(expected, got)]
+    return {"sequences": len(expected), "identical": sum(x == y for x, y in zip(expected, got)),
+            "tokens_per_sequence": max((len(x) for x in expected), default=0),
+            "shortest_common_prefix": min(common, default=0),
+            "mean_common_prefix": statistics.mean(common) if common else 0.0}
+
+
 def _bench_without(owner, attr: str, runner, batch: int, prompt_len: int, new_tokens: int, floor_ms: float,
-                   probe: BandwidthProbe | None = None) -> dict:
+                   probe: BandwidthProbe | None = None, tokens: list[list[int]] | None = None) -> dict:
     """A batch with owner.attr (a fast path: compiled decode, CUDA graphs) set to None, right after
     the run that used it, on the same model: a side-by-side pair."""
     fast = getattr(owner, attr)
     setattr(owner, attr, None)
     try:
-        d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
+        d = bench_decode(runner, batch, prompt_len, new_tokens, probe, tokens)
     finally:
         setattr(owner, attr, fast)
     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
@@ -156,7 +180,8 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                      batches: tuple[int, ...] = (1, 8, 32, 64), prompt_len: int = 128, new_tokens: int = 32,
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
                      compile_decode: bool = False, decode_attention: str = "auto", cuda_graphs: bool = True,
-                     log=print) -> dict:
+                     cuda_kernels: tuple[str, ...] = ("torch",), log=print) -> dict:
+    """Runs are keyed by dtype, with "+triton" for the Triton kernels (CUDA only: skipped elsewhere)."""
     from backfill.engine.shapes import DEFAULT_SHAPE
     from backfill.engine.weights import load_model, random_model_name
 
@@ -170,32 +195,38 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     probe = BandwidthProbe(device)
     result["read_bandwidth_gbs"] = bandwidth
     log(f"read bandwidth: {bandwidth:.1f} GB/s")
-    for asked in dtypes:
+    torch_tokens: dict[tuple[str, int], list[list[int]]] = {}  # (dtype, batch) -> the torch kernels' tokens
+    for asked, kernels in [(d, k) for d in dtypes for k in cuda_kernels]:
         cfg = ServingConfig(dtype=asked, device=device, kv_cache_gb=2.0,
                             max_model_len=prompt_len + new_tokens + 8, compile_decode=compile_decode,
-                            decode_attention=decode_attention, cuda_graphs=cuda_graphs)
+                            decode_attention=decode_attention, cuda_graphs=cuda_graphs, cuda_kernels=kernels)
         dtype_name = cfg.resolved_dtype
+        if kernels != "torch" and not cfg.uses_triton_kernels:
+            log(f"[{dtype_name}] cuda_kernels={kernels} runs on CUDA only: skipped on {device}")
+            continue
+        label = dtype_name if kernels == "torch" else f"{dtype_name}+{kernels}"
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
                "compiled_decode": runner.model.compiled_decode is not None,
                "paged_attention_kernel": runner.model.paged_decode_attention is not None,
-               "cuda_graphs": runner.decode_graphs is not None,
+               "cuda_graphs": runner.decode_graphs is not None, "cuda_kernels": kernels,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
-        log(f"[{dtype_name}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
+        log(f"[{label}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
             f"matmuls via {runner.model.matmul_kernel}" + (", decode in CUDA graphs" if run["cuda_graphs"] else ""))
+        tokens: dict[int, list[list[int]]] = {}
         for batch in batches:
-            d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
+            d = bench_decode(runner, batch, prompt_len, new_tokens, probe, tokens.setdefault(batch, []))
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
             run["decode"].append(d)
-            log(f"[{dtype_name}] batch {batch:3d}: TPOT {d['tpot_ms']:.2f} ms ({d['tpot_over_floor']:.2f}x floor, "
+            log(f"[{label}] batch {batch:3d}: TPOT {d['tpot_ms']:.2f} ms ({d['tpot_over_floor']:.2f}x floor, "
                 f"{d['tpot_over_paired_floor']:.2f}x the paired floor of {d['paired_floor_ms']:.1f} ms), "
                 f"{d['tokens_per_s']:.0f} tok/s")
         if runner.model.compiled_decode is not None and 1 in batches:
             eager = run["decode_batch1_eager"] = _bench_without(
                 runner.model, "compiled_decode", runner, 1, prompt_len, new_tokens, floor_ms, probe)
-            log(f"[{dtype_name}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
+            log(f"[{label}] batch   1 without compiled decode: TPOT {eager['tpot_ms']:.1f} ms "
                 f"({eager['tpot_over_floor']:.2f}x floor, {eager['tpot_over_paired_floor']:.2f}x paired)")
         if run["cuda_graphs"]:
             # The steps above replay one graph per step (no safepoint); offline steps replay per-layer ones.
@@ -206,24 +237,37 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                     d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
                     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
                     run["decode_per_layer_graphs"].append(d)
-                    log(f"[{dtype_name}] batch {batch:3d} with per-layer graphs: TPOT {d['tpot_ms']:.2f} ms, "
+                    log(f"[{label}] batch {batch:3d} with per-layer graphs: TPOT {d['tpot_ms']:.2f} ms, "
                         f"{d['tokens_per_s']:.0f} tok/s")
             finally:
                 runner.decode_graphs.whole_step = True
-            run["decode_without_cuda_graphs"] = []
+            run["decode_without_cuda_graphs"], run["greedy_graphs_vs_eager"] = [], []
             for batch in batches:
-                d = _bench_without(runner, "decode_graphs", runner, batch, prompt_len, new_tokens, floor_ms, probe)
+                eager_tokens: list[list[int]] = []
+                d = _bench_without(runner, "decode_graphs", runner, batch, prompt_len, new_tokens, floor_ms, probe,
+                                   eager_tokens)
                 run["decode_without_cuda_graphs"].append(d)
-                log(f"[{dtype_name}] batch {batch:3d} without CUDA graphs: TPOT {d['tpot_ms']:.2f} ms, "
-                    f"{d['tokens_per_s']:.0f} tok/s")
+                agree = {"batch": batch, **greedy_agreement(eager_tokens, tokens[batch])}
+                run["greedy_graphs_vs_eager"].append(agree)
+                log(f"[{label}] batch {batch:3d} without CUDA graphs: TPOT {d['tpot_ms']:.2f} ms, "
+                    f"{d['tokens_per_s']:.0f} tok/s; greedy tokens identical in {agree['identical']} of {batch}")
+        if kernels == "torch":
+            torch_tokens.update({(dtype_name, b): t for b, t in tokens.items()})
+        elif all((dtype_name, b) in torch_tokens for b in batches):
+            run["greedy_triton_vs_torch"] = [{"batch": b, **greedy_agreement(torch_tokens[dtype_name, b], tokens[b])}
+                                             for b in batches]
+            for agree in run["greedy_triton_vs_torch"]:
+                log(f"[{label}] batch {agree['batch']:3d}: greedy tokens identical to torch's in "
+                    f"{agree['identical']} of {agree['sequences']} (shortest common prefix "
+                    f"{agree['shortest_common_prefix']} of {agree['tokens_per_sequence']})")
         run["prefill"] = bench_prefill(runner)
-        log(f"[{dtype_name}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
-        if with_hf:
+        log(f"[{label}] prefill 512: {run['prefill']['tokens_per_s']:.0f} tok/s")
+        if with_hf and kernels == "torch":  # once per dtype
             for batch in (1, 8):
                 h = bench_hf(loaded, batch, prompt_len, new_tokens, cfg.torch_dtype, run["device"])
                 run["hf"].append(h)
-                log(f"[{dtype_name}] HF generate batch {batch}: {h['tokens_per_s']:.0f} tok/s "
+                log(f"[{label}] HF generate batch {batch}: {h['tokens_per_s']:.0f} tok/s "
                     f"(decode {h['decode_tokens_per_s']:.0f} tok/s, TPOT {h['tpot_ms']:.1f} ms)")
-        result["runs"][dtype_name] = run
+        result["runs"][label] = run
         del runner
     return result

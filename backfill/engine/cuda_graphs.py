@@ -76,6 +76,7 @@ class _StaticBatch:
             decode_key_mask=torch.zeros(batch, 1, 1, key_slots, dtype=model.dtype, device=dev),
             prefills=[], logits_index=rows, decode_context_lens=context_lens)
         self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=model.dtype, device=dev)
+        self.normed = torch.zeros_like(self.hidden)  # triton layers: the next matmul's normed input
         self.cos = torch.zeros(batch, 1, cfg.head_dim, dtype=model.dtype, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.logits = logits  # [batch, vocab] fp32, shared by the batch's buckets: one step runs at a time
@@ -217,11 +218,17 @@ class DecodeGraphs:
         return _Bucket(static, [graph.replay for graph in graphs],
                        whole.replay if whole is not None else lambda: [graph.replay() for graph in graphs])
 
-    # The parts: the eager forward's decode math on fixed tensors (backfill/engine/model.py).
+    # The parts: the eager forward's decode math on fixed tensors (backfill/engine/model.py), or with
+    # cuda_kernels="triton" the fused layer (backfill/engine/triton_fused.py), which carries each
+    # layer's normed output to the next part in s.normed.
     @torch.inference_mode()
     def _prologue(self, s: _StaticBatch) -> None:
         m = self.model
         s.hidden.copy_(m.embed.index_select(0, s.input_ids))
+        if m.cuda_kernels == "triton":  # RoPE reads the tables by position, attention the context lengths
+            cfg = m.config
+            s.normed.copy_(F.rms_norm(s.hidden, (cfg.hidden_size,), m.layers[0]["attn_norm"], cfg.rms_norm_eps))
+            return
         s.cos.copy_(m.rope_cos.index_select(0, s.meta.positions).unsqueeze(1))
         s.sin.copy_(m.rope_sin.index_select(0, s.meta.positions).unsqueeze(1))
         padding = s.key_positions.unsqueeze(0) >= s.meta.decode_context_lens.unsqueeze(1)
@@ -231,6 +238,12 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _layer(self, li: int, s: _StaticBatch) -> None:
         m, cfg = self.model, self.model.config
+        if m.cuda_kernels == "triton":
+            from backfill.engine.triton_fused import decode_layer
+
+            next_norm = m.layers[li + 1]["attn_norm"] if li + 1 < cfg.num_layers else m.final_norm
+            decode_layer(m, li, s.hidden, s.normed, s.meta, self.kv, next_norm)
+            return
         layer = m.layers[li]
         n_q, hd = cfg.num_heads, cfg.head_dim
         rows = s.batch
@@ -246,5 +259,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _head(self, s: _StaticBatch) -> None:
         m, cfg = self.model, self.model.config
-        x = F.rms_norm(s.hidden, (cfg.hidden_size,), m.final_norm, cfg.rms_norm_eps)
+        if m.cuda_kernels == "triton":
+            x = s.normed  # the last layer normed its output with the final norm
+        else:
+            x = F.rms_norm(s.hidden, (cfg.hidden_size,), m.final_norm, cfg.rms_norm_eps)
         s.logits.copy_(torch.cat([part(x) for part in m.lm_head_slices], dim=1))

@@ -87,8 +87,15 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 compile_decode: bool = False, paged_attention_kernel: bool = False) -> None:
+                 compile_decode: bool = False, paged_attention_kernel: bool = False,
+                 cuda_kernels: str = "torch") -> None:
+        """cuda_kernels="triton": decode attention and the CUDA-graph decode layers run Triton kernels
+        (engine/triton_attention.py, engine/triton_fused.py); any device, so tests run them on CPU in
+        Triton's interpreter. The serving config asks for them on CUDA only."""
+        if cuda_kernels not in ("torch", "triton"):
+            raise ValueError(f"cuda_kernels must be torch or triton, got {cuda_kernels!r}")
         self.config = config
+        self.cuda_kernels = cuda_kernels
         self.dtype = dtype
         self.device = torch.device(device)
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
@@ -146,6 +153,10 @@ class LlamaModel:
             from backfill.engine.paged_attention import load_paged_decode_attention
 
             self.paged_decode_attention = load_paged_decode_attention()
+        if cuda_kernels == "triton":
+            from backfill.engine.triton_attention import paged_decode_attention
+
+            self.paged_decode_attention = paged_decode_attention
 
     def _attention_extras(self, prefix: str, w: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Qwen2's q/k/v biases as one [q + k + v] vector; Qwen3's q and k norm weights as one

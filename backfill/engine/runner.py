@@ -22,6 +22,7 @@ from backfill.engine.suspended_step import SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
+    from backfill.engine.device_sampler import DeviceSampler
     from backfill.engine.lora import AdapterRegistry, LoraAdapter
 
 
@@ -90,6 +91,8 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.decode_graphs = decode_graphs
+        # Samples on the logits' device where a step's rows allow (engine/device_sampler.py); None: on the host.
+        self.device_sampler: DeviceSampler | None = None
         self._adapters: AdapterRegistry | None = None
 
     @property

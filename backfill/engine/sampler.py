@@ -8,11 +8,14 @@ on the raw logits, then temperature, top-k, top-p and min-p. Logprobs are the ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from backfill.engine.device_sampler import DeviceSampler
 
 
 # Below this, logits / temperature overflows float32; such a temperature means greedy (as in vLLM).
@@ -52,8 +55,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def sample_picks(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 histories: list[History | None] | None = None) -> list[Pick]:
-    """logits [N, vocab] -> one Pick per row; histories[i] is needed where params[i].penalized."""
+                 histories: list[History | None] | None = None,
+                 device_sampler: DeviceSampler | None = None) -> list[Pick]:
+    """logits [N, vocab] -> one Pick per row; histories[i] is needed where params[i].penalized.
+
+    With a device sampler, a step whose rows it can all take is sampled where the logits are."""
+    if device_sampler is not None:
+        from backfill.engine.device_sampler import fits
+
+        if fits(params):
+            return [Pick(token) for token in device_sampler.sample(logits, params, generators)]
     logits = logits.float().cpu()
     plain = [not p.penalized and p.temperature < _MIN_TEMPERATURE for p in params]
     greedy_tokens = logits.argmax(dim=-1).tolist() if any(plain) else []

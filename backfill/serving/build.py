@@ -44,6 +44,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     if cfg.compile_decode and device == "cpu" and load_small_batch_matmul():  # built already by the runner
         kernel += f"-sb{small_batch_digest()}"  # compiled decode packs its weights for this kernel
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
+    kernel += "-triton" if cfg.uses_triton_kernels else ""
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"
                                 f"-p{PROFILE_FORMAT}.json")
 
@@ -55,7 +56,8 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
     model_config.check_context(cfg.max_model_len)  # a sliding window must not be reached
     model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
                        compile_decode=cfg.compile_decode,
-                       paged_attention_kernel=cfg.uses_paged_attention_kernel)
+                       paged_attention_kernel=cfg.uses_paged_attention_kernel,
+                       cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
     graphs = None
@@ -64,7 +66,12 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
         started = time.perf_counter()
         count = graphs.capture_all(cfg.max_model_len)
         log.info("captured decode graphs for %d buckets in %.1f s", count, time.perf_counter() - started)
-    return ModelRunner(model, kv, graphs)
+    runner = ModelRunner(model, kv, graphs)
+    if cfg.uses_triton_kernels:
+        from backfill.engine.device_sampler import DeviceSampler
+
+        runner.device_sampler = DeviceSampler(model.device)
+    return runner
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:

@@ -17,6 +17,7 @@ from backfill.policy.planner import BatchLimits
 POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
+CUDA_KERNELS_CHOICES = ("torch", "triton")
 
 
 def auto_dtype(device: str) -> str:
@@ -48,6 +49,11 @@ class ServingConfig:
     # CUDA: per-layer graphs captured at load for every (batch, context) bucket (engine/cuda_graphs.py).
     cuda_graphs: bool = knob(True, "CUDA: replay captured graphs for decode steps of up to 64 sequences",
                              group="engine")
+    # CUDA: "torch" until a GPU run of `bench engine --cuda-kernels torch triton` shows triton faster.
+    cuda_kernels: str = knob("torch", "CUDA: kernels of a decode step; triton: decode attention reading the paged "
+                             "KV cache in place, fused RoPE + KV write, residual + RMSNorm and SwiGLU "
+                             "(engine/triton_*.py) and sampling on the device", group="engine",
+                             choices=CUDA_KERNELS_CHOICES)
     policy: str = knob("coserve", "scheduling policy", group="serving", choices=POLICIES)
     max_model_len: int = knob(2048, "longest prompt + output, tokens", group="serving")
     block_size: int = 16
@@ -77,6 +83,9 @@ class ServingConfig:
         if self.decode_attention not in DECODE_ATTENTION_CHOICES:
             raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
                                       f"got {self.decode_attention!r}")
+        if self.cuda_kernels not in CUDA_KERNELS_CHOICES:
+            raise InvalidRequestError(f"cuda_kernels must be one of {', '.join(CUDA_KERNELS_CHOICES)}, "
+                                      f"got {self.cuda_kernels!r}")
 
     @property
     def resolved_dtype(self) -> str:
@@ -98,6 +107,10 @@ class ServingConfig:
     @property
     def uses_cuda_graphs(self) -> bool:
         return self.cuda_graphs and self.resolved_device().startswith("cuda")
+
+    @property
+    def uses_triton_kernels(self) -> bool:
+        return self.cuda_kernels == "triton" and self.resolved_device().startswith("cuda")
 
     @property
     def uses_paged_attention_kernel(self) -> bool:

@@ -198,7 +198,7 @@ class Scheduler:
         seqs = [self.seqs[i] for i in out.logit_seq_ids]
         picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
                              [History(s.prompt_ids, s.output_ids) if s.request.sampling.penalized else None
-                              for s in seqs]) if seqs else []
+                              for s in seqs], getattr(self.runner, "device_sampler", None)) if seqs else []
         events = [self._append_token(seq, pick.token_id, pick.logprob) for seq, pick in zip(seqs, picks)]
         if offline_kv_grew:
             # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot

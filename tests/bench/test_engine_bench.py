@@ -43,3 +43,21 @@ def test_engine_bench_reports_both_floors_for_each_batch():
         assert d["tpot_ms"] > 0 and d["paired_read_bandwidth_gbs"] > 0
         assert d["tpot_over_floor"] == pytest.approx(d["tpot_ms"] / run["bandwidth_floor_ms"])
         assert d["tpot_over_paired_floor"] == pytest.approx(d["tpot_ms"] / d["paired_floor_ms"])
+
+
+def test_decode_bench_collects_each_requests_greedy_tokens(tiny_runner):
+    first, second = [], []
+    engine_bench.bench_decode(tiny_runner, batch=3, prompt_len=8, new_tokens=5, tokens=first)
+    engine_bench.bench_decode(tiny_runner, batch=3, prompt_len=8, new_tokens=5, tokens=second)
+    assert [len(t) for t in first] == [5, 5, 5] and first == second
+    assert first[0] != first[1]  # in the requests' order, each its own prompt's tokens
+    agree = engine_bench.greedy_agreement(first, second)
+    assert agree == {"sequences": 3, "identical": 3, "tokens_per_sequence": 5, "shortest_common_prefix": 5,
+                     "mean_common_prefix": 5}
+
+
+def test_greedy_agreement_counts_where_sequences_part():
+    agree = engine_bench.greedy_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]])
+    assert agree["identical"] == 1 and agree["shortest_common_prefix"] == 1 and agree["mean_common_prefix"] == 2
+    with pytest.raises(ValueError, match="2 sequences against 1"):
+        engine_bench.greedy_agreement([[1], [2]], [[1]])

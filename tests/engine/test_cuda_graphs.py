@@ -213,3 +213,27 @@ def test_steps_without_a_safepoint_run_as_one_whole_step(model, tiny_config, dev
     assert graphs.whole_step_runs == 1
     _close(whole, layered)
     _close(whole, per_layer)
+
+
+@pytest.mark.parametrize("policy, request_class", [("fcfs", "online"), ("coserve", "offline")])
+def test_the_scheduler_replays_whole_steps_only_where_no_safepoint_may_stop_them(model, tiny_config, device,
+                                                                                policy, request_class):
+    """Online decode steps have no safepoint and replay the whole-step graph; coserve's offline
+    batches are preemptible (ConServe §4.3) and replay the per-layer graphs, checking between them."""
+    from backfill.engine.sampling_params import SamplingParams
+    from backfill.policy.latency_model import LatencyModel
+    from backfill.serving.api import GenerationRequest, RequestClass
+    from backfill.serving.build import build_scheduler
+    from backfill.serving.config import ServingConfig
+
+    _, runner = _runners(model, tiny_config, device, capture=device == "cuda")
+    scheduler = build_scheduler(runner, ServingConfig(policy=policy, max_model_len=64),
+                                latency=LatencyModel((1, 4096), (1.0, 41.0)))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for prompt in _prompts([7, 12]):
+        scheduler.add(GenerationRequest(prompt, params, RequestClass(request_class)))
+    while scheduler.has_work():
+        scheduler.step()
+    graphs = runner.decode_graphs
+    assert graphs.captured_buckets  # the decode steps ran through the graphs
+    assert graphs.whole_step_runs == (5 if request_class == "online" else 0)
