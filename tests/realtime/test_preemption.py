@@ -128,3 +128,40 @@ def test_restart_waits_for_the_spare_and_never_forks_in_the_caller(tiny_models):
             assert time.monotonic() < deadline
             time.sleep(0.0005)
         assert _bits(w.ws.output()) == ref
+
+
+@pytest.mark.parametrize("cores", [2, 1])
+def test_padding_keeps_a_be_stream_on_each_core_the_rt_op_leaves(tiny_models, cores):
+    """§5 on a CPU: with one RT thread on 2 cores one BE stream goes on through the RT request
+    (its ops topped up between RT ops) and the other is preempted; on 1 core both are. Outputs stay
+    bit-exact either way."""
+    refs = {m: _bits(tiny_models[m].model.infer(tiny_models[m].model.example_input)) for m in ("resnet152", "vgg19")}
+    config = SchedulerConfig(mode="reef", pad=True, cores=cores, rt_threads=1)
+    with Scheduler(config, tiny_models, {"be-a": "resnet152", "be-b": "vgg19"}) as sched:
+        for client, model in (("be-a", "resnet152"), ("be-b", "vgg19")):
+            sched.submit(Request(client, model, False, tiny_models[model].model.example_input, time.perf_counter()))
+        sched.service_be(_Quiet())
+        assert all(s.current is not None for s in sched.streams.values())
+        for _ in range(10):  # RT work long enough for the padded worker to take more ops
+            sched.submit(Request("rt", "vgg19", True, tiny_models["vgg19"].model.example_input, time.perf_counter()))
+        sched.run(_Quiet(), until_s=time.perf_counter())  # serves the RT requests that arrived, then returns
+        assert [r.client for r in sched.completed if r.realtime] == ["rt"] * 10
+        assert sched.preemptions[-1].streams == 3 - cores  # the padded stream was not preempted
+        assert (sched.padded_ops > 0) == (cores == 2)
+        for s in sched.streams.values():
+            _serve_until(sched, s, lambda s=s: s.current is None)
+        be = {r.model: r for r in sched.completed if not r.realtime}
+        assert {m: _bits(r.output) for m, r in be.items()} == refs
+        assert sorted(r.preemptions for r in be.values()) == ([0, 1] if cores == 2 else [1, 1])
+
+
+def test_rt_load_scale_scales_every_rt_rate_and_is_checked(tiny_models):
+    solo = {n: m.solo_s for n, m in tiny_models.items()}
+    full = dnn_preset("D", solo, 1.0, SHAPES)
+    scaled = dnn_preset("D", solo, 1.0, SHAPES, rt_load_scale=0.8)
+    for a, b in zip(full.clients, scaled.clients):
+        if a.priority == "real-time":
+            assert b.rate_per_s == pytest.approx(0.8 * a.rate_per_s)
+    for bad in (0.0, 1.5):
+        with pytest.raises(RealtimeError, match="rt_load_scale"):
+            dnn_preset("A", solo, 1.0, SHAPES, rt_load_scale=bad)
