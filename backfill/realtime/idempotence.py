@@ -272,7 +272,10 @@ def format_table(maps: list[IdempotenceMap]) -> str:
     for m in maps:
         s = m.summary()
         ops = ", ".join(f"{k} {v}" for k, v in s["non_idempotent_ops"].items()) or "-"
-        sizes = ", ".join(f"{k}: {v}" for k, v in s["group_sizes"].items()) or "-"
+        pairs = [f"{k}: {v}" for k, v in s["group_sizes"].items()]
+        if len(pairs) > 6:  # a residual stream updated in place: one group size per layer
+            pairs = pairs[:2] + [f"... ({len(pairs)} sizes)"] + pairs[-1:]
+        sizes = ", ".join(pairs) or "-"
         lines.append(f"| {s['model']} | {s['ops']} | {s['idempotent']} | {s['idempotent_share']:.1%} | {ops} | "
                      f"{sizes} | {s['max_group']} |")
     return "\n".join(lines)
