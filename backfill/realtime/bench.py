@@ -50,8 +50,7 @@ def dnn_preset(letter: str, solo_s: dict[str, float], duration_s: float,
     """REEF Table 2 with DNN models: rates are shares of the RT model's solo maximum, times
     `rt_load_scale` (the same for every mode), which fits the RT load to a machine whose RT-only
     run saturates at Table 2's share (B's 100% is a queue at its critical load on a CPU core)."""
-    if not 0 < rt_load_scale <= 1:
-        raise RealtimeError(f"rt_load_scale must be in (0, 1], got {rt_load_scale}")
+    _check_rt_load_scale(rt_load_scale)
     table = {"A": (["vgg19"], 0.5, "uniform", ["resnet152"]), "B": (["vgg19"], 1.0, "uniform", ["resnet152"]),
              "C": (["vgg19"], 0.5, "uniform", list(all_models)), "D": (list(all_models), 0.1, "uniform", list(all_models)),
              "E": (list(all_models), 0.1, "poisson", list(all_models))}
@@ -63,6 +62,11 @@ def dnn_preset(letter: str, solo_s: dict[str, float], duration_s: float,
                for m in rt]
     clients += [DisbClient(f"be-{m}", "best-effort", "closed-loop", _FIXED, _FIXED, m, concurrency=1) for m in be]
     return DisbWorkload(key, float(duration_s), tuple(clients))
+
+
+def _check_rt_load_scale(rt_load_scale: float) -> None:
+    if not 0 < rt_load_scale <= 1:
+        raise RealtimeError(f"rt_load_scale must be in (0, 1], got {rt_load_scale}")
 
 
 class DisbSource:
@@ -209,6 +213,7 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
              rt_load_scale: float = 1.0) -> dict:
     for m in modes:
         mode_config(m)
+    _check_rt_load_scale(rt_load_scale)  # before the models load
     if rounds < 1 or duration_s <= 0:
         raise RealtimeError("rounds must be >= 1 and duration positive")
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backfill.errors import RealtimeError
-from backfill.realtime.bench import DisbSource, dnn_preset, run_once, summarize
+from backfill.realtime.bench import DisbSource, dnn_preset, run_disb, run_once, summarize
 from backfill.realtime.scheduler import Request, Scheduler, SchedulerConfig
 
 SHAPES = ("resnet152", "vgg19", "bert", "gpt2")
@@ -196,3 +196,5 @@ def test_rt_load_scale_scales_every_rt_rate_and_is_checked(tiny_models):
     for bad in (0.0, 1.5):
         with pytest.raises(RealtimeError, match="rt_load_scale"):
             dnn_preset("A", solo, 1.0, SHAPES, rt_load_scale=bad)
+    with pytest.raises(RealtimeError, match="rt_load_scale"):  # refused before any model is built
+        run_disb(["A"], ["rt-only"], 1.0, 1, rt_load_scale=2.0, scales={})
