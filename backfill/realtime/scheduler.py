@@ -167,6 +167,10 @@ class Scheduler:
         self.models = models
         capacity = config.inflight_capacity if config.mode == "reef" else _DEEP_QUEUE
         self._progress = __import__("multiprocessing").get_context("fork").Semaphore(0)
+        self._cores = sorted(os.sched_getaffinity(0))
+        if config.pad and len(self._cores) < config.cores:
+            raise RealtimeError(f"pad needs {config.cores} cores, this process may use {len(self._cores)}")
+        self._cores = self._cores[:config.cores]
         self.streams: dict[str, _Stream] = {}
         # Stream priority (REEF §3): the scheduler, which runs RT ops, sits be_nice levels above BE
         # work. It is raised where permitted rather than BE lowered, so that BE keeps the standing
@@ -186,10 +190,6 @@ class Scheduler:
         self.preemptions: list[Preemption] = []
         self.padded_ops = 0
         self._pad_next = 0
-        self._cores = sorted(os.sched_getaffinity(0))
-        if config.pad and len(self._cores) < config.cores:
-            raise RealtimeError(f"pad needs {config.cores} cores, this process may use {len(self._cores)}")
-        self._cores = self._cores[:config.cores]
         torch.set_num_threads(config.rt_threads)
 
     def _served(self, model: str) -> ServedModel:

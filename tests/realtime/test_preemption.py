@@ -94,6 +94,10 @@ def test_config_errors_are_typed(tiny_models):
             SchedulerConfig(**bad)
     with pytest.raises(RealtimeError, match="no served model"):
         Scheduler(SchedulerConfig(), tiny_models, {"be": "yolo"})
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with pytest.raises(RealtimeError, match="pad needs 512 cores"):
+        Scheduler(SchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # refused before the scheduler raised itself
     with Scheduler(SchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
         with pytest.raises(RealtimeError, match="no BE stream"):
             sched.submit(Request("other", "bert", False, tiny_models["bert"].model.example_input, 0.0))
