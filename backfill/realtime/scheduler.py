@@ -302,9 +302,9 @@ class Scheduler:
                     self._check_done(s, source)
                 self._progress.acquire(timeout=0.001)
         elif mode == "reef":
-            if self.config.pad:
-                self._partition_cores(True)
             self.preempt_all(self.rt_queue[0], keep=self._padded_streams() if self.config.pad else [])
+            if self.config.pad:  # after: an evicted op still running finishes on the core it has
+                self._partition_cores(True)
         while self.rt_queue:
             self._run_rt(self.rt_queue.popleft(), source)
             for r in source.due(time.perf_counter()):
