@@ -30,12 +30,14 @@ MODE_CONFIGS = {
     "seq": SchedulerConfig(mode="seq"),
     "concurrent": SchedulerConfig(mode="concurrent"),
     "reef": SchedulerConfig(mode="reef", preempt_path="kill"),
-    "reef-pad": SchedulerConfig(mode="reef", pad=True, preempt_path="kill"),
+    # §5 on a CPU: padded streams' queues are deeper because the scheduler tops them up only between
+    # RT ops (their ops are never evicted).
+    "reef-pad": SchedulerConfig(mode="reef", pad=True, preempt_path="kill", inflight_capacity=64),
     # The other preemption paths: wait for the running op (no kill, so no restore), or wait only
     # for an op about to end.
     "reef-evict": SchedulerConfig(mode="reef", preempt_path="evict"),
     "reef-auto": SchedulerConfig(mode="reef", preempt_path="auto"),
-    "reef-pad-evict": SchedulerConfig(mode="reef", pad=True, preempt_path="evict"),
+    "reef-pad-evict": SchedulerConfig(mode="reef", pad=True, preempt_path="evict", inflight_capacity=64),
 }
 # Model sizes (width scale) for the benchmark: a CPU inference of milliseconds to tens of ms.
 DISB_SCALES = {"resnet152": 0.5, "vgg19": 0.5, "bert": 0.25, "gpt2": 0.25, "llm": 1.0}
@@ -44,8 +46,11 @@ _FIXED = parse_length_spec("fixed:1")
 
 
 def dnn_preset(letter: str, solo_s: dict[str, float], duration_s: float,
-               all_models: tuple[str, ...] = ALL_MODELS) -> DisbWorkload:
-    """REEF Table 2 with DNN models: rates are shares of the RT model's solo maximum."""
+               all_models: tuple[str, ...] = ALL_MODELS, rt_load_scale: float = 1.0) -> DisbWorkload:
+    """REEF Table 2 with DNN models: rates are shares of the RT model's solo maximum, times
+    `rt_load_scale` (the same for every mode), which fits the RT load to a machine whose RT-only
+    run saturates at Table 2's share (B's 100% is a queue at its critical load on a CPU core)."""
+    _check_rt_load_scale(rt_load_scale)
     table = {"A": (["vgg19"], 0.5, "uniform", ["resnet152"]), "B": (["vgg19"], 1.0, "uniform", ["resnet152"]),
              "C": (["vgg19"], 0.5, "uniform", list(all_models)), "D": (list(all_models), 0.1, "uniform", list(all_models)),
              "E": (list(all_models), 0.1, "poisson", list(all_models))}
@@ -53,9 +58,15 @@ def dnn_preset(letter: str, solo_s: dict[str, float], duration_s: float,
     if key not in table:
         raise RealtimeError(f"unknown DISB workload {letter!r}; known: A, B, C, D, E")
     rt, share, arrival, be = table[key]
-    clients = [DisbClient(f"rt-{m}", "real-time", arrival, _FIXED, _FIXED, m, rate_per_s=share / solo_s[m]) for m in rt]
+    clients = [DisbClient(f"rt-{m}", "real-time", arrival, _FIXED, _FIXED, m, rate_per_s=share * rt_load_scale / solo_s[m])
+               for m in rt]
     clients += [DisbClient(f"be-{m}", "best-effort", "closed-loop", _FIXED, _FIXED, m, concurrency=1) for m in be]
     return DisbWorkload(key, float(duration_s), tuple(clients))
+
+
+def _check_rt_load_scale(rt_load_scale: float) -> None:
+    if not 0 < rt_load_scale <= 1:
+        raise RealtimeError(f"rt_load_scale must be in (0, 1], got {rt_load_scale}")
 
 
 class DisbSource:
@@ -198,9 +209,11 @@ def _latency_stats(pre: list[tuple[str, float, float]]) -> dict:
 
 def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: int, seed: int = 0,
              scales: dict[str, float] | None = None, all_models: tuple[str, ...] = ALL_MODELS,
-             workload_file: str | None = None, metadata_dir: Path | None = None, log=print) -> dict:
+             workload_file: str | None = None, metadata_dir: Path | None = None, log=print,
+             rt_load_scale: float = 1.0) -> dict:
     for m in modes:
         mode_config(m)
+    _check_rt_load_scale(rt_load_scale)  # before the models load
     if rounds < 1 or duration_s <= 0:
         raise RealtimeError("rounds must be >= 1 and duration positive")
     torch.set_num_threads(1)
@@ -215,9 +228,10 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
                                                 for n, m in models.items()))
     report = {"models": {n: {"solo_ms": m.solo_s * 1e3, "ops": len(m.model), "scale": scales[n]}
                          for n, m in models.items()},
-              "duration_s": duration_s, "rounds": rounds, "workloads": {}}
+              "duration_s": duration_s, "rounds": rounds, "rt_load_scale": rt_load_scale, "workloads": {}}
     for letter in ([custom.name or "custom"] if custom else letters):
-        wl = custom or dnn_preset(letter, {n: m.solo_s for n, m in models.items()}, duration_s, all_models)
+        wl = custom or dnn_preset(letter, {n: m.solo_s for n, m in models.items()}, duration_s, all_models,
+                                          rt_load_scale)
         results = []
         solo_runs: dict[str, list[float]] = {n: [] for n in models}
         for k in range(rounds):

@@ -28,7 +28,8 @@ def cmd_disb(args: argparse.Namespace) -> int:
     _renice(args)
     all_models = tuple(m for m in ALL_MODELS if m not in args.exclude)
     report = run_disb([w.upper() for w in args.workload], args.modes, args.duration, args.rounds, args.seed,
-                      _scales(args), all_models, args.file, Path(args.metadata_dir) if args.metadata_dir else None)
+                      _scales(args), all_models, args.file, Path(args.metadata_dir) if args.metadata_dir else None,
+                      rt_load_scale=args.rt_load_scale)
     report["size"] = args.size
     write_json(report, args.json)
     return 0
@@ -89,6 +90,9 @@ def _fill_disb(p: argparse.ArgumentParser) -> None:
                    help=f"of {', '.join(MODE_CONFIGS)}; reef modes take @CAPACITY (in-flight ops), e.g. reef@16")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per mode and workload (split over rounds)")
     p.add_argument("--rounds", type=int, default=2, help="modes interleaved in this many rounds")
+    p.add_argument("--rt-load-scale", type=float, default=1.0,
+                   help="multiply every preset's RT rate (a share of the RT model's solo maximum) by this, for "
+                        "all modes alike, e.g. 0.8 where B's 100%% saturates RT-only on this machine")
     p.add_argument("--exclude", nargs="*", default=[], choices=list(ALL_MODELS),
                    help="models left out of the 5-model (\"ALL\") clients of C-E")
     _common(p)

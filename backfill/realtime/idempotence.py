@@ -51,12 +51,6 @@ def _byte_addresses(view: View) -> slice | np.ndarray:
     return (offsets[:, None] * item + np.arange(item, dtype=np.int64)[None, :]).reshape(-1)
 
 
-def _extent(addr: slice | np.ndarray) -> int:
-    if isinstance(addr, slice):
-        return addr.stop
-    return int(addr.max()) + 1 if len(addr) else 0
-
-
 class _AccessTracer(TorchDispatchMode):
     """Records each aten call's reads (inputs) then writes (mutated args and fresh outputs)."""
 
@@ -117,32 +111,66 @@ def trace_ops(model: OpModel) -> list[list[Access]]:
     return traces
 
 
+def _runs(addr: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The byte ranges [start, end) an access covers (sorted byte offsets come in runs)."""
+    if isinstance(addr, slice):
+        return np.array([addr.start]), np.array([addr.stop])
+    if len(addr) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(addr) != 1) + 1
+    return addr[np.r_[0, breaks]], addr[np.r_[breaks - 1, len(addr) - 1]] + 1
+
+
+def _segment_masks(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[int, list[np.ndarray]]:
+    """Compress one storage's accesses to the segments between all their range boundaries.
+
+    Every access covers whole segments, so read-before-write questions have the same answers on
+    segments as on bytes, with masks of a few hundred entries instead of the storage's bytes (a
+    model's workspace is one storage of tens of MB, and the group search is quadratic in ops).
+    """
+    bounds = np.unique(np.concatenate([np.concatenate([a, b]) for a, b in runs] or [np.zeros(0, np.int64)]))
+    n = max(len(bounds) - 1, 0)
+    masks = []
+    for starts, ends in runs:
+        edge = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(edge, np.searchsorted(bounds, starts), 1)
+        np.add.at(edge, np.searchsorted(bounds, ends), -1)
+        masks.append(np.cumsum(edge[:n]) > 0)
+    return n, masks
+
+
 def _summaries(traces: list[list[Access]]) -> list[_OpSummary]:
     # Storages never written (weights, constants) cannot break idempotence; skip them.
     written_keys = {key for trace in traces for key, _, w in trace if w}
-    traces = [[(key, _byte_addresses(view), w) for key, view, w in trace if key in written_keys]
-              for trace in traces]
-    size: dict[int, int] = {}
+    per_key: dict[int, list] = {}
     for trace in traces:
-        for key, addr, _ in trace:
-            size[key] = max(size.get(key, 0), _extent(addr))
+        for key, view, _ in trace:
+            if key in written_keys:
+                per_key.setdefault(key, []).append(_runs(_byte_addresses(view)))
+    size, masks = {}, {}
+    for key, runs in per_key.items():
+        size[key], masks[key] = _segment_masks(runs)
+        masks[key].reverse()  # popped in trace order below
     out = []
     for trace in traces:
         seen: dict[int, np.ndarray] = {}
         rf: dict[int, np.ndarray] = {}
         wf: dict[int, np.ndarray] = {}
         wr: dict[int, np.ndarray] = {}
-        for key, addr, is_write in trace:
-            if _extent(addr) == 0:
+        for key, _, is_write in trace:
+            if key not in written_keys:
+                continue
+            addr = masks[key].pop()
+            if not addr.any():
                 continue
             for d in (seen, rf, wf, wr):
                 d.setdefault(key, np.zeros(size[key], dtype=bool))
-            first = ~seen[key][addr]  # bytes this op touches here for the first time
+            first = addr & ~seen[key]  # segments this op touches here for the first time
             target = (wf if is_write else rf)[key]
-            target[addr] |= first
-            seen[key][addr] = True
+            target |= first
+            seen[key] |= addr
             if is_write:
-                wr[key][addr] = True
+                wr[key] |= addr
         out.append(_OpSummary(rf, wf, wr))
     return out
 
@@ -244,7 +272,10 @@ def format_table(maps: list[IdempotenceMap]) -> str:
     for m in maps:
         s = m.summary()
         ops = ", ".join(f"{k} {v}" for k, v in s["non_idempotent_ops"].items()) or "-"
-        sizes = ", ".join(f"{k}: {v}" for k, v in s["group_sizes"].items()) or "-"
+        pairs = [f"{k}: {v}" for k, v in s["group_sizes"].items()]
+        if len(pairs) > 6:  # a residual stream updated in place: one group size per layer
+            pairs = pairs[:2] + [f"... ({len(pairs)} sizes)"] + pairs[-1:]
+        sizes = ", ".join(pairs) or "-"
         lines.append(f"| {s['model']} | {s['ops']} | {s['idempotent']} | {s['idempotent_share']:.1%} | {ops} | "
                      f"{sizes} | {s['max_group']} |")
     return "\n".join(lines)

@@ -264,16 +264,14 @@ class BEWorker:
             pass
         self.pid = None
 
-    def lower_priority(self, lower: bool) -> None:
-        """While RT work runs, a padded BE op runs 10 nice levels below the scheduler (§5: BE gets
-        only what the RT op leaves); back to its normal level after."""
+    def pin(self, cores: set[int]) -> None:
+        """Run the worker on these cores only (§5 on a CPU: the cores the RT op leaves)."""
         if self.pid is None:
             return
-        base = os.getpriority(os.PRIO_PROCESS, 0)
         try:
-            os.setpriority(os.PRIO_PROCESS, self.pid, min(19, base + (10 if lower else self.nice_offset)))
-        except (PermissionError, ProcessLookupError):
-            pass
+            os.sched_setaffinity(self.pid, cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # killed meanwhile; its replacement is pinned when it pads
 
     def restart(self) -> bool:
         """Replace a killed worker by its spare over the same shared workspace (what the killed op

@@ -75,6 +75,33 @@ def test_paper_figure_9_example():
     assert imap.entry(3) == 1
 
 
+def test_strided_in_place_residual_groups_reach_its_first_writer():
+    """A residual stream updated in place, part of it through a strided view (byte runs, not one
+    range): each in-place update's group reaches back to the op that wrote the stream out of place."""
+    b = _Builder("residual", torch.randn(4, 4))
+    b.values.update(H=torch.zeros(4, 4), X=torch.zeros(4, 2))
+    b.inplace("K0", lambda h, i: h.copy_(i + 1), "H", "input")           # writes H
+    b.inplace("K1", lambda x, h: x.copy_(h[:, :2] * 2), "X", "H")        # reads H's left half
+    b.inplace("K2", lambda h, x: h[:, :2].add_(x), "H", "X")             # left half in place
+    b.inplace("K3", lambda x, h: x.copy_(h[:, 2:]), "X", "H")            # reads H's right half
+    b.inplace("K4", lambda h, x: h[:, 2:].add_(x), "H", "X")             # right half in place
+    for name, shape in (("H", (4, 4)), ("X", (4, 2))):
+        b.buffers[name] = type(b.buffers["input"])(name, shape, torch.float32)
+    imap = analyze(b.finish("H"))
+    assert imap.idempotent == (True, True, False, True, False)
+    # K2 needs K0 (K1 reads H but does not write it); K4 touches only the right half, which K2 left
+    # alone, so its group is K3, K4 plus what wrote that half out of place: back to K0 as well.
+    assert imap.group_entry == (0, 1, 0, 3, 0)
+
+
+def test_table_elides_one_group_size_per_layer():
+    n = 40
+    idem = tuple(i % 5 != 4 for i in range(n))
+    imap = IdempotenceMap("llm-like", tuple(f"op{i}" for i in range(n)), idem, tuple(i if idem[i] else 0 for i in range(n)))
+    row = format_table([imap]).splitlines()[-1]
+    assert "5: 1, 10: 1, ... (8 sizes), 40: 1" in row and row.endswith("| 40 |")
+
+
 def test_metadata_roundtrip_and_errors(tmp_path, tiny_models):
     served = tiny_models["bert"]
     path = tmp_path / "bert.json"

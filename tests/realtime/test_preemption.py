@@ -1,13 +1,14 @@
 """Real worker processes: lazy eviction, kill and restore give the undisturbed output bit for bit."""
 
 import os
+import sys
 import time
 
 import pytest
 import torch
 
 from backfill.errors import RealtimeError
-from backfill.realtime.bench import DisbSource, dnn_preset, run_once, summarize
+from backfill.realtime.bench import DisbSource, dnn_preset, run_disb, run_once, summarize
 from backfill.realtime.scheduler import Request, Scheduler, SchedulerConfig
 
 SHAPES = ("resnet152", "vgg19", "bert", "gpt2")
@@ -93,6 +94,10 @@ def test_config_errors_are_typed(tiny_models):
             SchedulerConfig(**bad)
     with pytest.raises(RealtimeError, match="no served model"):
         Scheduler(SchedulerConfig(), tiny_models, {"be": "yolo"})
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with pytest.raises(RealtimeError, match="pad needs 512 cores"):
+        Scheduler(SchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # refused before the scheduler raised itself
     with Scheduler(SchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
         with pytest.raises(RealtimeError, match="no BE stream"):
             sched.submit(Request("other", "bert", False, tiny_models["bert"].model.example_input, 0.0))
@@ -128,3 +133,72 @@ def test_restart_waits_for_the_spare_and_never_forks_in_the_caller(tiny_models):
             assert time.monotonic() < deadline
             time.sleep(0.0005)
         assert _bits(w.ws.output()) == ref
+
+
+class _Affinities(_Quiet):
+    """Records the scheduler's and the live BE workers' cores whenever padding (between RT ops) polls
+    the source."""
+
+    def __init__(self, sched):
+        self.sched, self.during = sched, []
+
+    def due(self, now_s):
+        if sys._getframe(1).f_code.co_name == "_pad":
+            be = [os.sched_getaffinity(s.worker.pid) for s in self.sched.streams.values() if s.worker.pid]
+            self.during.append((os.sched_getaffinity(0), be))
+        return []
+
+
+@pytest.mark.parametrize("cores", [2, 1])
+def test_padding_keeps_a_be_stream_on_each_core_the_rt_op_leaves(tiny_models, cores):
+    """§5 on a CPU: with one RT thread on 2 cores one BE stream goes on through the RT request
+    (its ops topped up between RT ops) and the other is preempted; on 1 core both are. Outputs stay
+    bit-exact either way."""
+    refs = {m: _bits(tiny_models[m].model.infer(tiny_models[m].model.example_input)) for m in ("resnet152", "vgg19")}
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    all_cores = os.sched_getaffinity(0)
+    config = SchedulerConfig(mode="reef", pad=True, cores=cores, rt_threads=1)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with Scheduler(config, tiny_models, {"be-a": "resnet152", "be-b": "vgg19"}) as sched:
+        seen = _Affinities(sched)
+        # stream priority: the scheduler be_nice levels above BE, by raising itself where permitted
+        gap = [os.getpriority(os.PRIO_PROCESS, s.worker.pid) - os.getpriority(os.PRIO_PROCESS, 0)
+               for s in sched.streams.values()]
+        assert gap == [config.be_nice] * 2
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base - sched._raise
+        for client, model in (("be-a", "resnet152"), ("be-b", "vgg19")):
+            sched.submit(Request(client, model, False, tiny_models[model].model.example_input, time.perf_counter()))
+        sched.service_be(_Quiet())
+        assert all(s.current is not None for s in sched.streams.values())
+        for _ in range(10):  # RT work long enough for the padded worker to take more ops
+            sched.submit(Request("rt", "vgg19", True, tiny_models["vgg19"].model.example_input, time.perf_counter()))
+        sched.run(seen, until_s=time.perf_counter())  # serves the RT requests that arrived, then returns
+        assert [r.client for r in sched.completed if r.realtime] == ["rt"] * 10
+        assert sched.preemptions[-1].streams == 3 - cores  # the padded stream was not preempted
+        assert (sched.padded_ops > 0) == (cores == 2)
+        if cores == 2:  # in real-time mode the RT op has the first core, BE workers the other
+            first = min(all_cores)
+            assert seen.during and all(rt == {first} and all(w == all_cores - {first} for w in be)
+                                       for rt, be in seen.during)
+        assert os.sched_getaffinity(0) == all_cores  # normal mode: everything runs anywhere
+        for s in sched.streams.values():
+            _serve_until(sched, s, lambda s=s: s.current is None)
+        be = {r.model: r for r in sched.completed if not r.realtime}
+        assert {m: _bits(r.output) for m, r in be.items()} == refs
+        assert sorted(r.preemptions for r in be.values()) == ([0, 1] if cores == 2 else [1, 1])
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the raise is undone on close
+
+
+def test_rt_load_scale_scales_every_rt_rate_and_is_checked(tiny_models):
+    solo = {n: m.solo_s for n, m in tiny_models.items()}
+    full = dnn_preset("D", solo, 1.0, SHAPES)
+    scaled = dnn_preset("D", solo, 1.0, SHAPES, rt_load_scale=0.8)
+    for a, b in zip(full.clients, scaled.clients):
+        if a.priority == "real-time":
+            assert b.rate_per_s == pytest.approx(0.8 * a.rate_per_s)
+    for bad in (0.0, 1.5):
+        with pytest.raises(RealtimeError, match="rt_load_scale"):
+            dnn_preset("A", solo, 1.0, SHAPES, rt_load_scale=bad)
+    with pytest.raises(RealtimeError, match="rt_load_scale"):  # refused before any model is built
+        run_disb(["A"], ["rt-only"], 1.0, 1, rt_load_scale=2.0, scales={})
