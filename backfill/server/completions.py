@@ -365,6 +365,9 @@ class Generation:
                     self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
                 if self.first_of[index] is None:
                     self.first_of[index] = event.time
+                if event.scheduled_s is not None:
+                    self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
+                                                                          0.0))
                 self.last_token_s[index] = event.time
                 self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
             if event.finished:

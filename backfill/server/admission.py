@@ -1,0 +1,90 @@
+"""Admission of online requests by predicted time to first token, against the TTFT SLO.
+
+A request is admitted while the TTFT it is predicted to get is within the SLO (times
+admission_ttft_share); otherwise it gets 429 with Retry-After, the predicted time for the work
+queued ahead of it to drain. A queue length says nothing about time: 200 short prompts may meet
+the SLO where 20 long ones cannot.
+
+The prediction is the latency profile the scheduler already has (ConServe §4.5), applied to the
+queue ahead: the prompt tokens of admitted online requests still waiting for their first token,
+plus this one's, run in steps of at most max_batch_tokens, each step also carrying one token per
+online request decoding. Measured TTFTs correct it: the ratio of measured to predicted TTFT is
+tracked, so a profile measured on a quieter machine, or steps the model does not see (offline
+riders, preemption), do not let the queue grow past the SLO.
+
+Policy, not mechanism: a plain object over the server's view of what it admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from backfill.policy.latency_model import BatchShape
+
+# How fast the measured/predicted ratio follows new measurements, and the range it stays in.
+CORRECTION_WEIGHT = 0.2
+CORRECTION_RANGE = (0.5, 4.0)
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    """An admitted online request as admission sees it."""
+
+    num_prompt_tokens: int      # all its choices' prompts together
+    first_token: bool           # it has produced its first token (it is decoding now)
+    num_decoding: int = 1       # its choices decoding, once they have started
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: bool
+    predicted_ttft_ms: float
+    retry_after_ms: float = 0.0
+
+
+class TtftAdmission:
+    def __init__(self, estimate_ms: Callable[[BatchShape], float], ttft_slo_ms: float, max_batch_tokens: int,
+                 ttft_share: float = 1.0) -> None:
+        self.estimate_ms = estimate_ms
+        self.ttft_slo_ms = ttft_slo_ms
+        self.max_batch_tokens = max_batch_tokens
+        self.ttft_share = ttft_share
+        self.correction = 1.0
+
+    def prefill_ms(self, prefill_tokens: int, num_decoding: int) -> float:
+        """Steps to run prefill_tokens, each with num_decoding decodes riding along."""
+        total = 0.0
+        left = prefill_tokens
+        while left > 0:
+            chunk = min(left, self.max_batch_tokens)
+            total += self.estimate_ms(BatchShape(chunk + num_decoding))
+            left -= chunk
+        return total
+
+    def decide(self, num_prompt_tokens: int, admitted: Iterable[QueuedRequest]) -> Decision:
+        admitted = list(admitted)
+        ahead = sum(r.num_prompt_tokens for r in admitted if not r.first_token)
+        decoding = sum(r.num_decoding for r in admitted if r.first_token)
+        predicted = self.correction * self.prefill_ms(ahead + num_prompt_tokens, decoding)
+        limit = self.ttft_slo_ms * self.ttft_share
+        if predicted <= limit or not admitted:   # an idle server takes any request
+            return Decision(True, predicted)
+        # Retry once the queue ahead has drained enough for this request to fit the SLO.
+        drain = max(predicted - limit, self.correction * self.prefill_ms(ahead, decoding))
+        return Decision(False, predicted, drain)
+
+    def observe(self, predicted_ttft_ms: float, measured_ttft_ms: float) -> None:
+        """A request admitted with this prediction got its first token after measured_ttft_ms."""
+        if predicted_ttft_ms <= 0 or measured_ttft_ms <= 0:
+            return
+        ratio = measured_ttft_ms / (predicted_ttft_ms / self.correction)
+        updated = (1 - CORRECTION_WEIGHT) * self.correction + CORRECTION_WEIGHT * ratio
+        self.correction = min(max(updated, CORRECTION_RANGE[0]), CORRECTION_RANGE[1])
+
+
+def retry_after_header(retry_after_ms: float) -> dict[str, str]:
+    """Retry-After in whole seconds (at least 1), and retry-after-ms, which openai-python reads first."""
+    return {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1e3))),
+            "retry-after-ms": str(max(1, round(retry_after_ms)))}
