@@ -317,6 +317,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         from backfill.finetune.cli import add_commands as add_finetune_commands
         from backfill.offload.cli import add_commands as add_offload_commands
         from backfill.realtime.cli import add_commands as add_realtime_commands
+        from backfill.server.bench_cli import add_commands as add_server_bench_commands
         from backfill.server.finetune_cli import add_commands as add_fine_tuning_commands
 
         add_finetune_commands(sub, bench)
@@ -324,6 +325,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_offload_commands(sub, bench)
         add_cluster_commands(sub, bench, sim)
         add_realtime_commands(sub, bench)
+        add_server_bench_commands(bench)
     return parser
 
 
