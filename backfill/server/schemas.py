@@ -218,9 +218,10 @@ class ChatCompletionBody(_GenerationBody):
         names = [tool.function.name for tool in self.tools or ()]
         for name in names:
             if not FUNCTION_NAME.match(name):
-                raise bad_request(f"function name {name!r} must be 1 to 64 letters, digits, '_' or '-'", param="tools")
+                raise bad_request(f"tools: function name {name!r} must be 1 to 64 letters, digits, '_' or '-'",
+                                  param="tools")
         if len(set(names)) != len(names):
-            raise bad_request("function names in tools must be unique", param="tools")
+            raise bad_request("tools: function names must be unique", param="tools")
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise bad_request("tool_choice needs tools", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:

@@ -46,9 +46,8 @@ def tool_schema(tool: Tool) -> dict:
 
 def tools_system_prompt(tools: list[Tool]) -> str:
     """How tools are described to a model whose chat template does not take them."""
-    lines = ["You can call functions. To call one, answer with a block of this form and nothing else:",
-             OPEN, '{"name": "<function name>", "arguments": <the arguments as a JSON object>}', CLOSE,
-             "The functions:"]
+    lines = ["To call a function, answer with:", OPEN, '{"name": <function name>, "arguments": <JSON object>}',
+             CLOSE, "Functions:"]
     lines += [json.dumps(tool_schema(tool)["function"]) for tool in tools]
     return "\n".join(lines)
 
