@@ -5,6 +5,8 @@ and times, per token, computing the allowed-token mask and advancing the grammar
 sampler does per constrained row). Also the one-off grammar compile time.
 
     flock /tmp/bench.lock .venv/bin/python scripts/grammar_library_cost.py --json docs/results/grammar-libraries.json
+
+xgrammar comes with the [test] extra; llguidance is a runtime dependency.
 """
 
 from __future__ import annotations
