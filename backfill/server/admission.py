@@ -1,9 +1,15 @@
 """Admission of online requests by predicted time to first token, against the TTFT SLO.
 
 A request is admitted while the TTFT it is predicted to get is within the SLO (times
-admission_ttft_share); otherwise it gets 429 with Retry-After, the predicted time for the work
-queued ahead of it to drain. A queue length says nothing about time: 200 short prompts may meet
-the SLO where 20 long ones cannot.
+admission_ttft_share), and while one more sequence decoding keeps a step within the TPOT SLO;
+otherwise it gets 429 with Retry-After, the predicted time for the work ahead of it to drain. A
+queue length says nothing about time: 200 short prompts may meet the SLO where 20 long ones cannot.
+
+Why the decode check: TTFT alone admits whenever the prefill queue is short, and every admitted
+request then decodes for its whole output. Under a burst the decoding batch grows until one step
+takes the whole TTFT SLO; when the burst ends, that backlog still runs for a whole output length
+of slow steps, and requests arriving after the burst wait behind it (their TTFT over the SLO).
+Bounding the decoding batch by the TPOT SLO keeps every step short, during the burst and after.
 
 The prediction is the latency profile the scheduler already has (ConServe §4.5), applied to the
 queue ahead: the prompt tokens of admitted online requests still waiting for their first token,
@@ -25,7 +31,7 @@ from backfill.policy.latency_model import BatchShape
 
 # How fast the measured/predicted ratio follows new measurements, and the range it stays in.
 CORRECTION_WEIGHT = 0.2
-CORRECTION_RANGE = (0.5, 4.0)
+CORRECTION_RANGE = (0.2, 5.0)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class QueuedRequest:
     num_prompt_tokens: int      # all its choices' prompts together
     first_token: bool           # it has produced its first token (it is decoding now)
     num_decoding: int = 1       # its choices decoding, once they have started
+    remaining_tokens: int = 0   # the fewest output tokens any of its choices may still generate
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,10 @@ class Decision:
 
 class TtftAdmission:
     def __init__(self, estimate_ms: Callable[[BatchShape], float], ttft_slo_ms: float, max_batch_tokens: int,
-                 ttft_share: float = 1.0) -> None:
+                 ttft_share: float = 1.0, tpot_slo_ms: float = math.inf) -> None:
         self.estimate_ms = estimate_ms
         self.ttft_slo_ms = ttft_slo_ms
+        self.tpot_slo_ms = tpot_slo_ms
         self.max_batch_tokens = max_batch_tokens
         self.ttft_share = ttft_share
         self.correction = 1.0
@@ -69,10 +77,16 @@ class TtftAdmission:
         decoding = sum(r.num_decoding for r in admitted if r.first_token)
         predicted = self.correction * self.prefill_ms(ahead + num_prompt_tokens, decoding)
         limit = self.ttft_slo_ms * self.ttft_share
-        if predicted <= limit or not admitted:   # an idle server takes any request
+        decode_step_ms = self.correction * self.estimate_ms(BatchShape(decoding + 1))
+        fits_ttft = predicted <= limit
+        fits_tpot = decoding == 0 or decode_step_ms <= self.tpot_slo_ms
+        if (fits_ttft and fits_tpot) or not admitted:   # an idle server takes any request
             return Decision(True, predicted)
-        # Retry once the queue ahead has drained enough for this request to fit the SLO.
-        drain = max(predicted - limit, self.correction * self.prefill_ms(ahead, decoding))
+        # Retry once the queue ahead has drained enough for this request to fit the SLO ...
+        drain = max(predicted - limit, self.correction * self.prefill_ms(ahead, decoding)) if not fits_ttft else 0.0
+        if not fits_tpot:   # ... and a decoding request has finished (at the latest: its max_tokens)
+            soonest = min((r.remaining_tokens for r in admitted if r.first_token), default=1)
+            drain = max(drain, max(soonest, 1) * decode_step_ms)
         return Decision(False, predicted, drain)
 
     def observe(self, predicted_ttft_ms: float, measured_ttft_ms: float) -> None:

@@ -101,20 +101,28 @@ class ServerState:
 
 
 def queued_view(generation: Generation) -> QueuedRequest:
+    unfinished = [i for i, reason in enumerate(generation.finish_reasons) if reason is None]
+    max_tokens = generation.request.sampling.max_tokens
     return QueuedRequest(len(generation.request.prompt_token_ids) * len(generation.requests),
-                         generation.first_token_s is not None,
-                         sum(1 for reason in generation.finish_reasons if reason is None))
+                         generation.first_token_s is not None, len(unfinished),
+                         min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0))
 
 
 def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:
-    """Admission by predicted TTFT where the policy has a latency profile (coserve); None: queue length only."""
+    """Admission by predicted TTFT (and decode step time) where the policy has a latency profile (coserve);
+    None: queue length only."""
     latency = getattr(engine.scheduler.policy, "latency", None)
     if latency is None or math.isinf(config.admission_ttft_share):
         return None
     serving = config.serving or ServingConfig()
     limits = serving.limits or serving.coserve.limits
-    return TtftAdmission(latency.estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
-                         config.admission_ttft_share)
+    estimate_ms = latency.estimate_ms
+    correction_for = getattr(engine.scheduler.policy, "correction_for", None)
+    if correction_for is not None:   # the profile as the policy corrects it from measured steps
+        def estimate_ms(shape, _raw=latency.estimate_ms):
+            return correction_for(shape.num_tokens) * _raw(shape)
+    return TtftAdmission(estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
+                         config.admission_ttft_share, serving.coserve.slo.tpot_ms)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:

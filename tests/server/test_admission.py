@@ -45,6 +45,16 @@ def test_over_the_slo_is_refused_with_the_drain_time():
     assert admission(slo=200.0, ttft_share=2.0).decide(50, queue).admit
 
 
+def test_decoding_batch_is_bounded_by_the_tpot_slo():
+    # A step with 40 decodes takes 50 ms: a 41st decoding request would pass a 45 ms TPOT SLO.
+    policy = admission(slo=10_000.0, tpot_slo_ms=45.0)
+    decoding = [QueuedRequest(10, True, num_decoding=1, remaining_tokens=20 + i) for i in range(40)]
+    decision = policy.decide(10, decoding)
+    assert not decision.admit and decision.predicted_ttft_ms < 10_000   # TTFT alone would admit it
+    assert decision.retry_after_ms == pytest.approx(20 * 51.0)          # the soonest decode to end
+    assert policy.decide(10, decoding[:30]).admit
+
+
 def test_measured_ttft_corrects_the_prediction():
     policy = admission(slo=300.0)
     queue = [QueuedRequest(100, False)]
@@ -55,7 +65,7 @@ def test_measured_ttft_corrects_the_prediction():
     assert policy.decide(100, queue).predicted_ttft_ms == pytest.approx(2 * before, rel=0.01)
     for _ in range(100):
         policy.observe(policy.correction * 100.0, 10_000.0)
-    assert policy.correction == 4.0                   # bounded
+    assert policy.correction == 5.0                   # bounded
 
 
 def test_retry_after_header_rounds_up_to_whole_seconds():
