@@ -53,8 +53,9 @@ class Decision:
 
 class TtftAdmission:
     def __init__(self, estimate_ms: Callable[[BatchShape], float], ttft_slo_ms: float, max_batch_tokens: int,
-                 ttft_share: float = 1.0, tpot_slo_ms: float = math.inf) -> None:
+                 ttft_share: float = 1.0, tpot_slo_ms: float = math.inf, max_batch_seqs: int | None = None) -> None:
         self.estimate_ms = estimate_ms
+        self.max_batch_seqs = max_batch_seqs
         self.ttft_slo_ms = ttft_slo_ms
         self.tpot_slo_ms = tpot_slo_ms
         self.max_batch_tokens = max_batch_tokens
@@ -78,6 +79,7 @@ class TtftAdmission:
         predicted = self.correction * self.prefill_ms(ahead + num_prompt_tokens, decoding)
         limit = self.ttft_slo_ms * self.ttft_share
         decode_step_ms = self.correction * self.estimate_ms(BatchShape(decoding + 1))
+        predicted += self._slot_wait_steps(admitted) * decode_step_ms
         fits_ttft = predicted <= limit
         fits_tpot = decoding == 0 or decode_step_ms <= self.tpot_slo_ms
         if (fits_ttft and fits_tpot) or not admitted:   # an idle server takes any request
@@ -88,6 +90,18 @@ class TtftAdmission:
             soonest = min((r.remaining_tokens for r in admitted if r.first_token), default=1)
             drain = max(drain, max(soonest, 1) * decode_step_ms)
         return Decision(False, predicted, drain)
+
+    def _slot_wait_steps(self, admitted: list[QueuedRequest]) -> int:
+        """Decode steps until the batch has a sequence slot for this request: a step runs at most
+        max_batch_seqs sequences, so past that a new request waits for decodes to end."""
+        if self.max_batch_seqs is None:
+            return 0
+        waiting = sum(1 for r in admitted if not r.first_token)
+        remaining = sorted(r.remaining_tokens for r in admitted if r.first_token for _ in range(r.num_decoding))
+        excess = len(remaining) + waiting + 1 - self.max_batch_seqs
+        if excess <= 0:
+            return 0
+        return remaining[min(excess, len(remaining)) - 1] if remaining else 0
 
     def observe(self, predicted_ttft_ms: float, measured_ttft_ms: float) -> None:
         """A request admitted with this prediction got its first token after measured_ttft_ms."""

@@ -122,7 +122,7 @@ def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission |
         def estimate_ms(shape, _raw=latency.estimate_ms):
             return correction_for(shape.num_tokens) * _raw(shape)
     return TtftAdmission(estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
-                         config.admission_ttft_share, serving.coserve.slo.tpot_ms)
+                         config.admission_ttft_share, serving.coserve.slo.tpot_ms, limits.max_batch_seqs)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:

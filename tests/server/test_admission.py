@@ -55,6 +55,14 @@ def test_decoding_batch_is_bounded_by_the_tpot_slo():
     assert policy.decide(10, decoding[:30]).admit
 
 
+def test_a_full_batch_adds_the_wait_for_a_sequence_slot():
+    policy = admission(slo=10_000.0, max_batch_seqs=4)
+    decoding = [QueuedRequest(10, True, remaining_tokens=n) for n in (30, 5, 12, 40)]
+    free = policy.decide(10, decoding[:3]).predicted_ttft_ms
+    # Four decode in a 4-sequence batch: the new one waits for the soonest to end (5 steps of 15 ms).
+    assert policy.decide(10, decoding).predicted_ttft_ms == pytest.approx(free - 13 + 14 + 5 * 15.0)
+
+
 def test_measured_ttft_corrects_the_prediction():
     policy = admission(slo=300.0)
     queue = [QueuedRequest(100, False)]
