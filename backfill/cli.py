@@ -361,6 +361,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from backfill.finetune.cli import add_commands as add_finetune_commands
     from backfill.offload.cli import add_commands as add_offload_commands
     from backfill.realtime.cli import add_commands as add_realtime_commands
+    from backfill.server.bench_cli import add_commands as add_server_bench_commands
     from backfill.server.finetune_cli import add_commands as add_fine_tuning_api_commands
 
     commands = CommandParser("backfill", __doc__, argv)
@@ -389,6 +390,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_offload_commands(commands)
     add_cluster_commands(commands)
     add_realtime_commands(commands)
+    add_server_bench_commands(commands)
     return commands.parser
 
 

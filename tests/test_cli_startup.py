@@ -15,7 +15,7 @@ HEAVY = ("torch", "numpy", "fastapi", "httpx", "pydantic", "uvicorn", "ray")
 # What listing the commands may import of the capabilities: their command registrations only.
 REGISTRATIONS = {"backfill.cluster", "backfill.cluster.cli", "backfill.finetune", "backfill.finetune.cli",
                  "backfill.offload", "backfill.offload.cli", "backfill.realtime", "backfill.realtime.cli",
-                 "backfill.server", "backfill.server.finetune_cli"}
+                 "backfill.server", "backfill.server.finetune_cli", "backfill.server.bench_cli"}
 CAPABILITIES = ("backfill.cluster", "backfill.finetune", "backfill.offload", "backfill.realtime", "backfill.server",
                 "backfill.node", "backfill.engine.model", "backfill.serving.scheduler")
 

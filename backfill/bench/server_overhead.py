@@ -71,7 +71,7 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
                "--policy", "coserve", "--dtype", serving.resolved_dtype, "--device", serving.device,
                "--kv-cache-gb", str(serving.kv_cache_gb), "--ttft-slo-ms", str(slo.ttft_ms),
                "--tpot-slo-ms", str(slo.tpot_ms), "--db", str(Path(tmp) / "server.db"),
-               "--max-online-queue", "100000", "--log-level", "warning",
+               "--max-online-queue", "100000", "--admission-ttft-share", "inf", "--log-level", "warning",
                *as_flags(cfg, options_of(CoServeConfig, "coserve"))]
         if serving.model:
             cmd += ["--model", serving.model]

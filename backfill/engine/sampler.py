@@ -2,7 +2,9 @@
 
 Order of the logits processors as in vLLM: penalties (repetition, then frequency and presence)
 on the raw logits, then temperature, top-k, top-p and min-p. Logprobs are the raw model's
-(log_softmax of the logits before any of them), as vLLM returns by default.
+(log_softmax of the logits before any of them), as vLLM returns by default. A row with a
+constraint (a grammar, engine/grammar.py) has the tokens it disallows masked out first, and the
+constraint is advanced past the token picked.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from backfill.engine.grammar import TokenConstraint
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -56,17 +59,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 def sample_picks(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                  histories: list[History | None] | None = None,
+                 constraints: list[TokenConstraint | None] | None = None,
                  device_sampler: DeviceSampler | None = None) -> list[Pick]:
-    """logits [N, vocab] -> one Pick per row; histories[i] is needed where params[i].penalized.
+    """logits [N, vocab] -> one Pick per row; histories[i] is needed where params[i].penalized;
+    constraints[i], where given, limits row i's choice and is advanced past it.
 
     With a device sampler, a step whose rows it can all take is sampled where the logits are."""
-    if device_sampler is not None:
+    if device_sampler is not None and not any(c is not None for c in constraints or ()):
         from backfill.engine.device_sampler import fits
 
         if fits(params):
             return [Pick(token) for token in device_sampler.sample(logits, params, generators)]
     logits = logits.float().cpu()
-    plain = [not p.penalized and p.temperature < _MIN_TEMPERATURE for p in params]
+    constraints = constraints or [None] * len(params)
+    plain = [not p.penalized and p.temperature < _MIN_TEMPERATURE and c is None for p, c in zip(params, constraints)]
     greedy_tokens = logits.argmax(dim=-1).tolist() if any(plain) else []
     raw_logprobs = (torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None)
     out: list[Pick] = []
@@ -80,9 +86,14 @@ def sample_picks(logits: torch.Tensor, params: list[SamplingParams], generators:
                 if history is None:
                     raise ValueError("a penalized row needs its token history")
                 scores = apply_penalties(scores, p, history)
+            if constraints[row] is not None:
+                allowed = constraints[row].allowed_tokens(scores.shape[-1])
+                scores = scores.masked_fill(~allowed, float("-inf"))
             token = int(scores.argmax().item()) if p.temperature < _MIN_TEMPERATURE else _sample_row(scores, p, gen)
         logprob = _logprob(raw_logprobs[row], token, p.logprobs) if raw_logprobs is not None and \
             p.logprobs is not None else None
+        if constraints[row] is not None:
+            constraints[row].accept(token)
         out.append(Pick(token, logprob))
     return out
 

@@ -205,20 +205,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools (OpenAI's shape) reach templates that render them, as transformers passes them."""
         _validate_messages(messages)
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed on this conversation: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The rendered template spells special tokens out as text; they are matched whole there,
         # so no extra BOS is added here (the template decides).
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from backfill.server.adapters import add_adapter_routes
+from backfill.server.admission import QueuedRequest, TtftAdmission, retry_after_header
 from backfill.server.access_log import AccessLogMiddleware
 from backfill.server.batches import BatchWorker
-from backfill.server.completions import CompletionService, Kind
+from backfill.server.completions import CompletionService, Generation, Kind, Prepared
 from backfill.server.config import ServerConfig
 from backfill.server.errors import APIError, bad_request, install_error_handlers, not_found
 from backfill.server.fine_tuning import FINE_TUNE_PURPOSE, FineTuningWorker, add_fine_tuning_routes
@@ -33,7 +35,9 @@ from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
 from backfill.server.store import Store
+from backfill.serving.api import RequestClass
 from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.config import ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,9 @@ class ServerState:
     # Called with (class, requests in flight) on every change: a node's model server reports its
     # online lifecycle to the node runtime's gate from here (backfill/node/model_server.py).
     on_in_flight_change: Callable[[str, int], None] | None = None
+    admission: TtftAdmission | None = None
+    # Admitted online requests and the TTFT predicted for each when it was admitted.
+    online: dict[Generation, float] = field(default_factory=dict)
 
     def begin_drain(self) -> None:
         """Stop taking work (SIGTERM): new requests get 503, the batch worker starts no new lines."""
@@ -62,21 +69,67 @@ class ServerState:
             self.drain_deadline_s = time.monotonic() + self.config.drain_timeout_s
             self.worker.stop_accepting()
 
-    def admit(self, request_class: str) -> None:
+    def admit(self, prepared: Prepared) -> float:
+        """Take the request or raise 503 / 429; returns its predicted TTFT (ms; 0 when not predicted)."""
+        request_class = prepared.request.request_class.value
         if self.draining:
             raise APIError(503, "the server is shutting down", code="service_unavailable")
         if self.in_flight[request_class] >= self.config.max_online_queue:
             self.metrics.rejected.labels(request_class).inc()
             raise APIError(429, f"too many {request_class} requests in flight "
                                 f"({self.config.max_online_queue}); retry later", code="queue_full")
+        predicted_ms = 0.0
+        if self.admission is not None and prepared.request.request_class is RequestClass.ONLINE:
+            num_prompt = len(prepared.request.prompt_token_ids) * len(prepared.requests)
+            decision = self.admission.decide(num_prompt, (queued_view(g) for g in self.online))
+            if not decision.admit:
+                self.metrics.rejected.labels(request_class).inc()
+                raise APIError(429, f"the server is at capacity: this request's time to first token is predicted "
+                                    f"at {decision.predicted_ttft_ms:.0f} ms, over the {self.admission.ttft_slo_ms:g} ms "
+                                    f"SLO; retry after the Retry-After header's seconds", code="slo_overload",
+                               headers=retry_after_header(decision.retry_after_ms))
+            predicted_ms = decision.predicted_ttft_ms
         self.in_flight[request_class] += 1
         if self.on_in_flight_change is not None:
             self.on_in_flight_change(request_class, self.in_flight[request_class])
+        return predicted_ms
 
-    def release(self, request_class: str) -> None:
+    def track(self, generation: Generation, predicted_ms: float) -> None:
+        if generation.request.request_class is RequestClass.ONLINE:
+            self.online[generation] = predicted_ms
+
+    def release(self, request_class: str, generation: Generation | None = None) -> None:
         self.in_flight[request_class] -= 1
         if self.on_in_flight_change is not None:
             self.on_in_flight_change(request_class, self.in_flight[request_class])
+        predicted_ms = self.online.pop(generation, None) if generation is not None else None
+        if predicted_ms and self.admission is not None and generation.first_token_s is not None:
+            self.admission.observe(predicted_ms, (generation.first_token_s - generation.request.arrival_time) * 1e3)
+
+
+def queued_view(generation: Generation) -> QueuedRequest:
+    unfinished = [i for i, reason in enumerate(generation.finish_reasons) if reason is None]
+    max_tokens = generation.request.sampling.max_tokens
+    return QueuedRequest(len(generation.request.prompt_token_ids) * len(generation.requests),
+                         generation.first_token_s is not None, len(unfinished),
+                         min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0))
+
+
+def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:
+    """Admission by predicted TTFT (and decode step time) where the policy has a latency profile (coserve);
+    None: queue length only."""
+    latency = getattr(engine.scheduler.policy, "latency", None)
+    if latency is None or math.isinf(config.admission_ttft_share):
+        return None
+    serving = config.serving or ServingConfig()
+    limits = serving.limits or serving.coserve.limits
+    estimate_ms = latency.estimate_ms
+    correction_for = getattr(engine.scheduler.policy, "correction_for", None)
+    if correction_for is not None:   # the profile as the policy corrects it from measured steps
+        def estimate_ms(shape, _raw=latency.estimate_ms):
+            return correction_for(shape.num_tokens) * _raw(shape)
+    return TtftAdmission(estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
+                         config.admission_ttft_share, serving.coserve.slo.tpot_ms, limits.max_batch_seqs)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:
@@ -88,7 +141,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     metrics.backlog = store.backlog
     fine_tuning = FineTuningWorker(FineTuningStore(store), store, engine, served_model,
                                    config.db_path.with_name(config.db_path.name + ".fine_tuning"))
-    state = ServerState(engine, config, store, service, metrics, worker, fine_tuning)
+    state = ServerState(engine, config, store, service, metrics, worker, fine_tuning,
+                        admission=make_admission(engine, config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -156,17 +210,18 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         prepared = service.prepare(kind, data, arrival_time=arrived)
         request_class = prepared.request.request_class.value
         request.state.request_class = request_class
-        state.admit(request_class)
+        predicted_ms = state.admit(prepared)
         try:
             generation = service.submit(prepared)
         except BaseException:
             state.release(request_class)
             raise
+        state.track(generation, predicted_ms)
         request.state.generation = generation   # for the access log
 
         async def close() -> None:
             await generation.aclose()
-            state.release(request_class)
+            state.release(request_class, generation)
 
         if prepared.stream:
             return EventStreamResponse(service.stream_sse(prepared, generation), close)

@@ -13,11 +13,15 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncGenerator, AsyncIterator, Callable, Literal, Sequence
 
+from backfill.engine.grammar import GrammarCompiler, InvalidGrammarError
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import ContextLengthError
-from backfill.server.errors import APIError, not_found
+from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.metrics import ServerMetrics
 from backfill.server.schemas import ChatCompletionBody, CompletionBody, validate_body
+from backfill.server.structured import check_grammar, requested_grammar
+from backfill.server.tool_calls import (ToolCallStream, call_text, forced_grammar, parse_tool_calls,
+                                        template_defines_tools, tool_schema, tools_system_prompt)
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.async_engine import AsyncEngine
 
@@ -39,6 +43,7 @@ class Prepared:
     created: int
     stream: bool
     include_usage: bool
+    tool_names: frozenset[str] = frozenset()   # the tools the model may call (parsed out of its text)
 
     @property
     def request(self) -> GenerationRequest:
@@ -80,6 +85,15 @@ class CompletionService:
         self.engine = engine
         self.metrics = metrics
         self.served_model = served_model
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Grammars for the served model's tokenizer, built on first use (about a second)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.for_tokenizer(self.engine.tokenizer,
+                                                           self.engine.scheduler.runner.config.vocab_size)
+        return self._grammars
 
     # --- request -> GenerationRequest ----------------------------------------------------------
 
@@ -105,12 +119,42 @@ class CompletionService:
         arrived = time.monotonic() if arrival_time is None else arrival_time
         adapter = self.adapter_for(body.model)
         n = body.n or 1
+        grammar = self._grammar(body)
         requests = [GenerationRequest(prompt_ids, params if n == 1 else choice_params(params, i), request_class,
                                       request_id=response_id if n == 1 else f"{response_id}-{i}",
-                                      arrival_time=arrived, adapter=adapter) for i in range(n)]
+                                      arrival_time=arrived, adapter=adapter,
+                                      constraint=self._constraint(grammar))
+                    for i in range(n)]
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        tool_names = frozenset(t.function.name for t in body.tools or ()) \
+            if isinstance(body, ChatCompletionBody) and body.tool_choice_mode() != "none" else frozenset()
         return Prepared(kind, requests, adapter or self.served_model, response_id, int(time.time()),
-                        bool(body.stream), include_usage)
+                        bool(body.stream), include_usage, tool_names)
+
+    def _grammar(self, body: ChatCompletionBody | CompletionBody) -> tuple[str, str] | None:
+        """(field, grammar) constraining this request's output, checked against the tokenizer; or None."""
+        grammar = requested_grammar(body)
+        tools_grammar = forced_grammar(body) if isinstance(body, ChatCompletionBody) else None
+        if tools_grammar is not None:
+            if grammar is not None:
+                raise bad_request(f"{grammar[0]} cannot be combined with tool_choice {body.tool_choice_mode()!r} "
+                                  "(both constrain the output)", param=grammar[0])
+            grammar = ("tool_choice", tools_grammar)
+        if grammar is None:
+            return None
+        if body.ignore_eos:
+            raise bad_request("ignore_eos cannot be combined with structured output (the grammar ends the "
+                              "output with EOS)", param="ignore_eos")
+        check_grammar(self.grammars, *grammar)
+        return grammar
+
+    def _constraint(self, grammar: tuple[str, str] | None):
+        if grammar is None:
+            return None
+        try:
+            return self.grammars.constraint(grammar[1])
+        except InvalidGrammarError as exc:
+            raise bad_request(f"{grammar[0]}: {exc}", param=grammar[0]) from None
 
     def validate(self, kind: Kind, data: object) -> ChatCompletionBody | CompletionBody:
         """The body's schema and the model name, without tokenizing (cheap; batch validation uses it)."""
@@ -133,9 +177,33 @@ class CompletionService:
     def _encode_chat(self, body: ChatCompletionBody) -> list[int]:
         # The chat templates of small models know system/user/assistant; developer is OpenAI's
         # newer name for system.
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in body.messages]
-        return list(self.engine.tokenizer.encode_chat(messages))
+        tokenizer = self.engine.tokenizer
+        native_tools = template_defines_tools(tokenizer)
+        messages = []
+        for m in body.messages:
+            message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls and native_tools:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
+                    for c in m.tool_calls]
+            elif m.tool_calls:
+                message["content"] = "\n".join([message["content"], *(call_text(c.function.name, c.function.arguments)
+                                                                       for c in m.tool_calls)]).strip()
+            if m.role == "tool" and not native_tools:
+                message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+            if m.tool_call_id is not None and native_tools:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        tools = body.tools if body.tool_choice_mode() != "none" else None
+        if tools and native_tools:
+            return list(tokenizer.encode_chat(messages, tools=[tool_schema(t) for t in tools]))
+        if tools:
+            prompt = tools_system_prompt(tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+        return list(tokenizer.encode_chat(messages))
 
     def _encode_text(self, text: str) -> list[int]:
         return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
@@ -200,8 +268,27 @@ class CompletionService:
             for index in range(num_choices):
                 yield _sse(chunk_body(prepared, {"role": "assistant", "content": ""}, None, index))
         unfinished = num_choices
+        tool_streams = [ToolCallStream(set(prepared.tool_names)) for _ in range(num_choices)] \
+            if prepared.tool_names else None
         async for index, event in events:
             logprobs = self.logprobs_object(prepared.kind, event.logprobs) if event.logprobs else None
+            if tool_streams is not None and not (event.finished and outcome_error(event.finish_reason)):
+                # Tool calls: the text becomes content and tool-call deltas as it is generated.
+                stream = tool_streams[index]
+                deltas = stream.push(event.text) + (stream.finish() if event.finished else [])
+                for delta in deltas[:-1] if event.finished else deltas:
+                    yield _sse(chunk_body(prepared, delta, None, index))
+                if event.finished:
+                    reason = _finish_reason(event.finish_reason, bool(stream.calls))
+                    yield _sse(chunk_body(prepared, deltas[-1] if deltas else "", reason, index, logprobs))
+                    unfinished -= 1
+                    if unfinished == 0:
+                        if prepared.include_usage:
+                            yield _sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                        break
+                elif logprobs:
+                    yield _sse(chunk_body(prepared, "", None, index, logprobs))
+                continue
             if event.finished:
                 error = outcome_error(event.finish_reason)
                 if error is not None:
@@ -278,6 +365,9 @@ class Generation:
                     self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
                 if self.first_of[index] is None:
                     self.first_of[index] = event.time
+                if event.scheduled_s is not None:
+                    self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
+                                                                          0.0))
                 self.last_token_s[index] = event.time
                 self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
             if event.finished:
@@ -374,14 +464,34 @@ def response_body(prepared: Prepared, outcome: Outcome,
         if prepared.request.sampling.logprobs is not None and token_text is not None:
             logprobs = logprobs_object(prepared.kind, choice.logprobs, token_text)
         if prepared.kind == "chat":
-            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                            "logprobs": logprobs, "finish_reason": reason})
+            message = {"role": "assistant", "content": choice.text}
+            if prepared.tool_names:
+                content, calls = parse_tool_calls(choice.text, set(prepared.tool_names))
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = _finish_reason(choice.finish_reason, True)
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
             choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
     return {"id": prepared.response_id, "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created, "model": prepared.model, "choices": choices,
             "usage": usage(outcome.num_prompt_tokens, outcome.num_output_tokens),
             "service_tier": prepared.service_tier, "system_fingerprint": None}
+
+
+def _finish_reason(reason: FinishReason | None, called_tools: bool) -> str | None:
+    """OpenAI's "tool_calls" when the model ended its turn on tool calls (a cut-off stays "length")."""
+    if called_tools and reason is FinishReason.STOP:
+        return "tool_calls"
+    return reason.value if reason is not None else None
+
+
+def _arguments_object(arguments: str) -> object:
+    """An earlier call's arguments as chat templates expect them: a JSON value, else the raw text."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 def logprobs_object(kind: Kind, logprobs: Sequence[TokenLogprob], text: Callable[[int], str]) -> dict:

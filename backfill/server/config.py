@@ -38,6 +38,9 @@ class ServerConfig:
                                group="server")
     max_online_queue: int = knob(256, "online (and, separately, flex) requests in flight before new ones get 429",
                                  group="server")
+    admission_ttft_share: float = knob(1.0, "admit an online request while its predicted time to first token "
+                                       "is within this share of the TTFT SLO, else 429 with Retry-After (inf: "
+                                       "only --max-online-queue limits)", group="server")
     max_body_mb: float = knob(200.0, "largest request body, MiB (OpenAI's batch input limit); larger get 413",
                               group="server")
     max_offline_in_flight: int = knob(64, "batch lines in the engine at once", group="server")
@@ -61,6 +64,10 @@ class ServerConfig:
         _check_int("max_online_queue", self.max_online_queue, 1)
         _check_int("max_offline_in_flight", self.max_offline_in_flight, 1)
         _check_number("max_body_mb", self.max_body_mb, positive=True)
+        if not isinstance(self.admission_ttft_share, (int, float)) or isinstance(self.admission_ttft_share, bool) \
+                or math.isnan(self.admission_ttft_share) or self.admission_ttft_share <= 0:
+            raise ServerConfigError(f"admission_ttft_share must be a positive number or inf, got "
+                                    f"{self.admission_ttft_share!r}")
         _check_number("drain_timeout_s", self.drain_timeout_s, positive=False)
         _check_number("header_timeout_s", self.header_timeout_s, positive=True)
         _check_number("body_timeout_s", self.body_timeout_s, positive=True)

@@ -42,17 +42,22 @@ class ServerMetrics:
         self.e2e_s = Histogram("backfill_e2e_request_latency_seconds",
                                "From a request's arrival to its last token (or its end), per request class",
                                ["class"], buckets=_E2E_BUCKETS_S, registry=self.registry)
+        self.queue_s = Histogram("backfill_request_queue_time_seconds",
+                                 "From a request's arrival to the first step that runs it, per request class",
+                                 ["class"], buckets=_TTFT_BUCKETS_S, registry=self.registry)
         self.prompt_tokens = Counter("backfill_prompt_tokens", "Prompt tokens of finished requests, per class",
                                      ["class"], registry=self.registry)
         self.requests = Counter("backfill_requests", "Finished requests by class and finish reason",
                                 ["class", "finish_reason"], registry=self.registry)
         self.in_flight = Gauge("backfill_requests_in_flight", "Requests admitted and not yet finished",
                                ["class"], registry=self.registry)
-        self.rejected = Counter("backfill_requests_rejected", "Requests refused with 429 (queue full)",
+        self.rejected = Counter("backfill_requests_rejected", "Requests refused with 429 (queue full or "
+                                "predicted TTFT over the SLO)",
                                 ["class"], registry=self.registry)
         for cls in CLASSES:  # export zeros from the start so dashboards see every series
             self.ttft_s.labels(cls)
             self.e2e_s.labels(cls)
+            self.queue_s.labels(cls)
             self.prompt_tokens.labels(cls)
             self.tpot_s.labels(cls)
             self.in_flight.labels(cls)

@@ -2,8 +2,8 @@
 
 Strict mode: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
 fields are ignored (as vLLM does) so clients that send newer OpenAI fields keep working; fields
-OpenAI or vLLM define that backfill cannot honour (tools, guided decoding, prompt logprobs,
-custom chat templates, ...) are refused with a 400 that names them rather than silently ignored.
+OpenAI or vLLM define that backfill cannot honour (prompt logprobs, custom chat templates,
+legacy functions, ...) are refused with a 400 that names them rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ MAX_LOGPROBS = 20           # OpenAI's top_logprobs limit (vLLM's default max_lo
 # Fields of OpenAI's or vLLM's API that backfill does not implement, with the values that mean
 # "not used" (anything else is refused with a 400 naming the field, never silently ignored).
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "functions": (None, []), "function_call": (None, "none"),
-    "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "prompt_logprobs": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
@@ -34,6 +32,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
     "truncate_prompt_tokens": (None,), "lora_request": (None,),
 }
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# OpenAI's rule for function names.
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")   # vLLM's guided_decoding_backend values served here
 
 
 class _Strict(BaseModel):
@@ -54,10 +55,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None     # an assistant turn that called tools
+    tool_call_id: str | None = None              # a tool's answer to that call
 
     def text(self) -> str:
         if self.content is None:
@@ -71,8 +85,47 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's newer spelling of the guided_* fields."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _GenerationBody(_Open):
@@ -96,11 +149,30 @@ class _GenerationBody(_Open):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM extension; 1 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)                # vLLM extension; 0 = off
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI's name for the cheaper best-effort tier: "flex" runs as an offline request.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
+        for name in ("functions", "function_call"):
+            if (self.model_extra or {}).get(name) not in (None, [], "none"):
+                raise bad_request(f"{name} is OpenAI's deprecated form of tools / tool_choice, which this "
+                                  "server does not take; send tools and tool_choice instead", param=name)
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GRAMMAR_BACKENDS:
+            raise bad_request(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; this "
+                              f"server decodes with llguidance ({', '.join(map(repr, GRAMMAR_BACKENDS))})",
+                              param="guided_decoding_backend")
+        if self.response_format is not None and self.response_format.type == "json_schema" \
+                and self.response_format.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema", param="response_format")
         for name, unused in UNSUPPORTED_FIELDS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and not any(value == u and type(value) is type(u) for u in unused):
@@ -135,18 +207,39 @@ class ChatCompletionBody(_GenerationBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", param="tool_choice")
+        names = [tool.function.name for tool in self.tools or ()]
+        for name in names:
+            if not FUNCTION_NAME.match(name):
+                raise bad_request(f"tools: function name {name!r} must be 1 to 64 letters, digits, '_' or '-'",
+                                  param="tools")
+        if len(set(names)) != len(names):
+            raise bad_request("tools: function names must be unique", param="tools")
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                              f"in tools ({', '.join(names)})", param="tool_choice")
+        for index, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise bad_request(f"messages[{index}]: a tool message needs tool_call_id", param="messages")
+            if message.tool_calls and message.role != "assistant":
+                raise bad_request(f"messages[{index}]: only assistant messages carry tool_calls", param="messages")
+
+    def tool_choice_mode(self) -> str:
+        """none, auto, required or named (OpenAI's default: auto with tools, none without)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def num_logprobs(self) -> int | None:
         """How many alternatives each token's logprobs list (None: no logprobs)."""

@@ -15,10 +15,14 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
+
+if TYPE_CHECKING:  # the grammar brings torch; config and --help load this module without it
+    from backfill.engine.grammar import TokenConstraint
 
 _ids = itertools.count()
 
@@ -57,6 +61,8 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
     adapter: str | None = None  # a LoRA adapter loaded on the engine (engine.adapters), None: the base model
+    # Structured output: limits each sampled token (a grammar, engine/grammar.py); stateful, one per request.
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -77,3 +83,4 @@ class TokenEvent:
     num_output_tokens: int = 0
     time: float = field(default_factory=time.monotonic)
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token in token_ids when the request asked for them
+    scheduled_s: float | None = None   # on the first token's event: when a step first ran the request

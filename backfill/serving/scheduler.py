@@ -171,6 +171,8 @@ class Scheduler:
         shape = BatchShape()
         for item in plan.scheduled:
             seq = self.seqs[item.seq_id]
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = self.clock()
             self.request_preemption.restore(seq)
             start = seq.num_computed
             self.kv.grow(seq.block_table, start + item.num_tokens)
@@ -198,7 +200,8 @@ class Scheduler:
         seqs = [self.seqs[i] for i in out.logit_seq_ids]
         picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
                              [History(s.prompt_ids, s.output_ids) if s.request.sampling.penalized else None
-                              for s in seqs], getattr(self.runner, "device_sampler", None)) if seqs else []
+                              for s in seqs], [s.request.constraint for s in seqs],
+                             getattr(self.runner, "device_sampler", None)) if seqs else []
         events = [self._append_token(seq, pick.token_id, pick.logprob) for seq, pick in zip(seqs, picks)]
         if offline_kv_grew:
             # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot
@@ -242,7 +245,8 @@ class Scheduler:
             return self._finish(seq, reason, (token,), logprobs)
         return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(seq.request.sampling.stop, final=False),
                           num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), time=now,
-                          logprobs=logprobs)
+                          logprobs=logprobs,
+                          scheduled_s=seq.first_scheduled_s if len(seq.output_ids) == 1 else None)
 
     def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = (),
                 logprobs: tuple[TokenLogprob, ...] = ()) -> TokenEvent:
@@ -257,7 +261,8 @@ class Scheduler:
             self.stats.finished[seq.request_class.value] += 1
         return TokenEvent(seq.seq_id, token_ids, seq.take_text_delta(seq.request.sampling.stop, final=True),
                           finished=True, finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids),
-                          num_output_tokens=len(seq.output_ids), time=self.clock(), logprobs=logprobs)
+                          num_output_tokens=len(seq.output_ids), time=self.clock(), logprobs=logprobs,
+                          scheduled_s=seq.first_scheduled_s if len(seq.output_ids) == 1 and token_ids else None)
 
 
 def _shape_of(chunks: tuple[SeqChunk, ...]) -> BatchShape:

@@ -48,6 +48,7 @@ class Sequence:
     emitted_text_len: int = 0
     finish_reason: FinishReason | None = None
     first_token_s: float | None = None
+    first_scheduled_s: float | None = None   # when a step first ran it (its queue time ends)
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_restored_tokens: int = 0

@@ -53,14 +53,15 @@ def test_malformed_json_is_400(client, raw):
     ("repetition_penalty", 0, "repetition_penalty"),
     ("min_p", 1.5, "min_p"),
     ("stop_token_ids", [-1], "stop_token_ids"),
-    ("response_format", {"type": "json_object"}, "response_format.type"),
+    ("response_format", {"type": "xml"}, "response_format.type"),
     ("stream_options", {"include_usage": True}, "stream_options"),
     ("messages", [], "messages"),
     ("messages", "hi", "messages"),
     ("messages", [{"role": "wizard", "content": "x"}], "messages.0.role"),
     ("messages", [{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content"),
     ("service_tier", "gold", "service_tier"),
-    ("tools", [{"type": "function"}], "tools"),
+    ("tools", [{"type": "function"}], "tools.0.function"),
+    ("tool_choice", "sometimes", "tool_choice"),
 ])
 def test_invalid_field_is_400_naming_it(client, field, value, param):
     error = assert_error(chat(client, **{field: value}), 400, param=param)

@@ -33,7 +33,7 @@ def http(server):
 
 @pytest.mark.parametrize("field, value", [
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
-    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]), ("guided_regex", "[a-z]+"),
+    ("guided_json", 5), ("guided_choice", "a"), ("guided_regex", "[a-"), ("guided_whitespace_pattern", " *"),
     ("repetition_penalty", "high"), ("prompt_logprobs", 1), ("chat_template", "{{ messages }}"),
     ("add_generation_prompt", False), ("reasoning_effort", "low"), ("modalities", ["text", "audio"]),
 ])
@@ -48,11 +48,11 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
-def test_openai_client_gets_bad_request_for_guided_json(client):
+def test_openai_client_gets_bad_request_for_prompt_logprobs(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=None, messages=MESSAGES, max_tokens=2,
-                                       extra_body={"guided_json": {"type": "object"}})
-    assert err.value.body["param"] == "guided_json"
+                                       extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
 
 
 def test_chat_logprobs_and_top_logprobs_through_openai(client):

@@ -128,3 +128,30 @@ def test_store_refusing_everything_does_not_loop_inference(tmp_path):
         assert client.batches.retrieve(batch.id).request_counts.completed == 0   # nothing was claimed done
         health = httpx.get(f"{server.url}/health").json()
         assert health["store"]["unwritable_batch_lines"] == 1
+
+
+def test_store_damaged_while_serving_is_503_store_error_and_health_says_so(tmp_path):
+    import io
+    import sqlite3
+
+    from server_helpers import assert_error
+
+    with live_server(tmp_path) as server:
+        client = openai_client(server.url)
+        for _ in range(30):
+            client.files.create(file=("a.jsonl", io.BytesIO(b'{"x": "' + b"y" * 3000 + b'"}')), purpose="batch")
+        db = tmp_path / "server.db"
+        checkpoint = sqlite3.connect(db)   # move the pages from the WAL into the file, then damage them
+        checkpoint.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        checkpoint.close()
+        with open(db, "r+b") as file:
+            file.seek(4096 * 2)
+            file.write(os.urandom(db.stat().st_size - 4096 * 3))
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert_error(http.get("/v1/files", params={"limit": 10000}), 503, code="store_error")
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["store"]["status"] == "error"
+            # Online completions do not need the store: they go on.
+            chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2})
+            assert chat.status_code == 200, chat.text
