@@ -166,9 +166,12 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
 
         # Valve §6: T_mono profiled once at submission, here on every node at once without online load
         profile_lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(cfg.profile_lines)]
+        started_profile = time.monotonic()
         for n, h in handles.items():
             ray.get(h.start_job.remote("profile", profile_lines))
-        # rate from the first results to the last, so the batch's start-up is not counted
+        # rate from the first results to the last, so the batch's start-up is not counted; where every
+        # result came in one poll, from the job's start instead
+        first_tokens = {n: 0 for n in handles}
         first = {n: None for n in handles}
         last = {n: None for n in handles}
         tokens = {n: 0 for n in handles}
@@ -182,13 +185,22 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
                 got = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in p["records"])
                 if got and first[n] is None:
                     first[n] = time.monotonic()
+                    first_tokens[n] = got
                 elif got:
                     tokens[n] += got
                     last[n] = time.monotonic()
                 done[n] = p["ended"]
         for h in handles.values():
             ray.get(h.stop_job.remote("profile"))
-        t_mono = sum(tokens[n] / (last[n] - first[n]) for n in handles) / len(handles)
+
+        def rate(n: str) -> float:
+            if first[n] is None:
+                raise RuntimeError(f"{n} finished its profile job without generating a token")
+            if last[n] is not None and last[n] > first[n]:
+                return tokens[n] / (last[n] - first[n])
+            return first_tokens[n] / max(first[n] - started_profile, 1e-3)
+
+        t_mono = sum(rate(n) for n in handles) / len(handles)
 
         traffic = OnlineTraffic({n: i["url"] for n, i in infos.items()}, cfg.online_rate_per_s)
         traffic.start()
