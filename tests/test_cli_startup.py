@@ -46,7 +46,8 @@ def test_listing_commands_imports_no_framework_and_no_capability(command):
 
 
 @pytest.mark.parametrize("command", [("bench", "coserve"), ("sim", "coserve"), ("demo",), ("serve",),
-                                     ("finetune", "run"), ("finetune", "create")])
+                                     ("finetune", "run"), ("finetune", "create"), ("bench", "disb"),
+                                     ("bench", "preempt"), ("idempotence",)])
 def test_a_commands_help_imports_its_options_without_torch_or_the_server(command):
     loaded = modules_after_help(*command)
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}

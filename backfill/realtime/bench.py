@@ -21,27 +21,9 @@ from backfill.bench.lengths import parse_length_spec
 from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap, analyze
 from backfill.realtime.models import build_model
+from backfill.realtime.config import ALL_MODELS, DISB_SCALES, MODE_CONFIGS, TINY_SCALES  # noqa: F401 (re-exported)
 from backfill.realtime.scheduler import Request, Scheduler, SchedulerConfig, ServedModel, profile
 
-ALL_MODELS = ("resnet152", "vgg19", "bert", "gpt2", "llm")
-# Variants of the scheduler a DISB run compares; "reef-pad" is REEF with §5 padding.
-MODE_CONFIGS = {
-    "rt-only": SchedulerConfig(mode="rt-only"),
-    "seq": SchedulerConfig(mode="seq"),
-    "concurrent": SchedulerConfig(mode="concurrent"),
-    "reef": SchedulerConfig(mode="reef", preempt_path="kill"),
-    # §5 on a CPU: padded streams' queues are deeper because the scheduler tops them up only between
-    # RT ops (their ops are never evicted).
-    "reef-pad": SchedulerConfig(mode="reef", pad=True, preempt_path="kill", inflight_capacity=64),
-    # The other preemption paths: wait for the running op (no kill, so no restore), or wait only
-    # for an op about to end.
-    "reef-evict": SchedulerConfig(mode="reef", preempt_path="evict"),
-    "reef-auto": SchedulerConfig(mode="reef", preempt_path="auto"),
-    "reef-pad-evict": SchedulerConfig(mode="reef", pad=True, preempt_path="evict", inflight_capacity=64),
-}
-# Model sizes (width scale) for the benchmark: a CPU inference of milliseconds to tens of ms.
-DISB_SCALES = {"resnet152": 0.5, "vgg19": 0.5, "bert": 0.25, "gpt2": 0.25, "llm": 1.0}
-TINY_SCALES = {"resnet152": 0.125, "vgg19": 0.125, "bert": 0.0625, "gpt2": 0.0625, "llm": 0.5}
 _FIXED = parse_length_spec("fixed:1")
 
 

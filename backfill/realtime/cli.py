@@ -10,7 +10,7 @@ from backfill.command_parser import CommandParser
 
 
 def _scales(args: argparse.Namespace) -> dict[str, float]:
-    from backfill.realtime.bench import ALL_MODELS, DISB_SCALES, TINY_SCALES
+    from backfill.realtime.config import ALL_MODELS, DISB_SCALES, TINY_SCALES
 
     if args.size == "full":
         return {name: 1.0 for name in ALL_MODELS}
@@ -82,7 +82,7 @@ def add_commands(commands: CommandParser) -> None:
 
 
 def _fill_disb(p: argparse.ArgumentParser) -> None:
-    from backfill.realtime.bench import ALL_MODELS, MODE_CONFIGS
+    from backfill.realtime.config import ALL_MODELS, MODE_CONFIGS
 
     p.add_argument("--workload", nargs="+", default=["A", "B", "C", "D", "E"], help="DISB letters")
     p.add_argument("--file", default=None, help="a DISB JSON file instead of the presets")
@@ -100,7 +100,7 @@ def _fill_disb(p: argparse.ArgumentParser) -> None:
 
 
 def _fill_preempt(p: argparse.ArgumentParser) -> None:
-    from backfill.realtime.bench import ALL_MODELS
+    from backfill.realtime.config import ALL_MODELS
 
     p.add_argument("--models", nargs="+", default=["resnet152", "vgg19", "bert", "gpt2"], choices=list(ALL_MODELS))
     p.add_argument("--paths", nargs="+", default=["evict", "kill"], choices=["evict", "kill", "auto"])
@@ -110,7 +110,7 @@ def _fill_preempt(p: argparse.ArgumentParser) -> None:
 
 
 def _fill_idempotence(p: argparse.ArgumentParser) -> None:
-    from backfill.realtime.bench import ALL_MODELS
+    from backfill.realtime.config import ALL_MODELS
 
     p.add_argument("--models", nargs="+", default=["resnet152", "vgg19", "bert", "gpt2"], choices=list(ALL_MODELS))
     _common(p)

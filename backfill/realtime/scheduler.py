@@ -31,43 +31,11 @@ import torch
 from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap
 from backfill.realtime.models import OpModel, Workspace
+from backfill.realtime.config import DEEP_QUEUE, MODES, PREEMPT_PATHS, SchedulerConfig  # noqa: F401 (re-exported)
 from backfill.realtime.worker import BEWorker
 
-MODES = ("reef", "seq", "concurrent", "rt-only")
-PREEMPT_PATHS = ("evict", "kill", "auto")
-_DEEP_QUEUE = 1024  # seq / concurrent launch a whole request at once, as streams without a cap do
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    mode: str = "reef"
-    inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
-    preempt_path: str = "evict"      # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill);
-                                     # evict by default on a CPU: a kill costs a fork, tens of ms (docs/realtime.md)
-    evict_wait_ms: float = 1.0       # auto: wait this long at most for the running op, else kill it
-    pad: bool = False                # §5: BE streams keep the cores an RT op leaves idle
-    cores: int = 2
-    rt_threads: int = 1
-    busy_poll: bool = False          # spin instead of sleeping on the progress semaphore
-    spin_ms: float = 1.0             # spin (not sleep) this long before the next RT arrival
-    be_nice: int = 5                 # reef: BE workers this many nice levels below the scheduler, so the
-                                     # OS runs the scheduler first when an RT request arrives (stream priority)
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise RealtimeError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.preempt_path not in PREEMPT_PATHS:
-            raise RealtimeError(f"preempt_path must be one of {PREEMPT_PATHS}, got {self.preempt_path!r}")
-        if not 1 <= self.inflight_capacity <= _DEEP_QUEUE:
-            raise RealtimeError(f"inflight_capacity must be in 1..{_DEEP_QUEUE}, got {self.inflight_capacity}")
-        if self.evict_wait_ms < 0:
-            raise RealtimeError("evict_wait_ms must be >= 0")
-        if self.spin_ms < 0:
-            raise RealtimeError("spin_ms must be >= 0")
-        if not 0 <= self.be_nice <= 19:
-            raise RealtimeError(f"be_nice must be in 0..19, got {self.be_nice}")
-        if not 1 <= self.rt_threads <= self.cores:
-            raise RealtimeError(f"rt_threads must be in 1..cores ({self.cores}), got {self.rt_threads}")
 
 
 @dataclass
@@ -165,7 +133,7 @@ class Scheduler:
         """be_streams: BE client (one queue and worker each) -> its model."""
         self.config = config
         self.models = models
-        capacity = config.inflight_capacity if config.mode == "reef" else _DEEP_QUEUE
+        capacity = config.inflight_capacity if config.mode == "reef" else DEEP_QUEUE
         self._progress = __import__("multiprocessing").get_context("fork").Semaphore(0)
         self._cores = sorted(os.sched_getaffinity(0))
         if config.pad and len(self._cores) < config.cores:
