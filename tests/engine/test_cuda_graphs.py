@@ -11,6 +11,7 @@ from backfill.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, batch_bucke
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner, SeqChunk
+from runner_greedy import greedy_decode
 from tests.conftest import random_weights
 
 
@@ -30,26 +31,6 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
     return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Prefill each prompt, then greedy-decode all of them together; tokens and each step's logits."""
-    kv, tables, tokens, logits = runner.kv, [], [], []
-    for i, ids in enumerate(prompts):
-        tables.append(kv.allocate(kv.blocks_needed(len(ids) + steps)))
-        out = runner.execute([SeqChunk(i, ids, 0, tables[i])])
-        tokens.append([int(out.logits[0].argmax())])
-    for _ in range(steps):
-        chunks = [SeqChunk(i, [tokens[i][-1]], len(ids) + len(tokens[i]) - 1, tables[i])
-                  for i, ids in enumerate(prompts)]
-        out = runner.execute(chunks)
-        assert out.logit_seq_ids == list(range(len(prompts)))
-        logits.append(out.logits)
-        for i, row in enumerate(out.logits):
-            tokens[i].append(int(row.argmax()))
-    for table in tables:
-        kv.free(table)
-    return tokens, logits
-
-
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     tol = 1e-4 if actual.device.type == "cpu" else 2e-2  # padded keys change the summation order
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
@@ -63,8 +44,8 @@ def test_buckets():
 
 def _decodes_like_the_eager_path(eager: ModelRunner, graphed: ModelRunner, lengths: list[int]) -> None:
     prompts = _prompts(lengths)
-    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
-    tokens, logits = _generate(graphed, prompts, steps=12)
+    expected_tokens, expected_logits = greedy_decode(eager, prompts, steps=12)
+    tokens, logits = greedy_decode(graphed, prompts, steps=12)
     assert tokens == expected_tokens
     for got, want in zip(logits, expected_logits):
         _close(got, want)
@@ -72,7 +53,7 @@ def _decodes_like_the_eager_path(eager: ModelRunner, graphed: ModelRunner, lengt
     widths = {blocks_bucket((max(lengths) + step) // 8 + 1) for step in range(12)}
     assert set(graphed.decode_graphs.captured_buckets) == {(batch_bucket(len(lengths)), w) for w in widths}
     buckets = graphed.decode_graphs.captured_buckets
-    assert _generate(graphed, prompts, steps=12)[0] == expected_tokens  # the buckets built are reused
+    assert greedy_decode(graphed, prompts, steps=12)[0] == expected_tokens  # the buckets built are reused
     assert graphed.decode_graphs.captured_buckets == buckets
 
 
@@ -162,8 +143,8 @@ def _capture_all_then_decode(model, tiny_config, device, capture: bool) -> None:
     every = graphs.captured_buckets
     assert every == sorted((b, w) for b in BATCH_BUCKETS for w in (4, 8, 16))
     prompts = _prompts([9, 30, 17])
-    expected_tokens, expected_logits = _generate(eager, prompts, steps=12)
-    tokens, logits = _generate(graphed, prompts, steps=12)
+    expected_tokens, expected_logits = greedy_decode(eager, prompts, steps=12)
+    tokens, logits = greedy_decode(graphed, prompts, steps=12)
     assert tokens == expected_tokens
     for got, want in zip(logits, expected_logits):
         _close(got, want)

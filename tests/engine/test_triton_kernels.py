@@ -15,11 +15,12 @@ from backfill.engine.config import ModelConfig  # noqa: E402
 from backfill.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from backfill.engine.kv_pool import KVBlockPool  # noqa: E402
 from backfill.engine.model import AttentionMetadata, LlamaModel  # noqa: E402
-from backfill.engine.runner import ModelRunner, SeqChunk  # noqa: E402
+from backfill.engine.runner import ModelRunner  # noqa: E402
 from backfill.engine.triton_attention import (MIN_SPLIT_TOKENS, paged_decode_attention, split_count,  # noqa: E402
                                               tokens_per_step)
 from backfill.engine.triton_fused import add_rms_norm_, qkv_rope_write, silu_mul  # noqa: E402
 from backfill.engine.weights import random_model  # noqa: E402
+from runner_greedy import greedy_decode  # noqa: E402
 
 FAMILIES = {  # two layers keep the interpreter's whole-step tests short
     "llama-gqa": dict(num_layers=2),
@@ -140,24 +141,6 @@ def test_add_rms_norm_and_silu_mul_match_torch(device):
         silu_mul(gate_up[:, :-1])
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int):
-    """Prefill each prompt, then decode all together; every step's tokens and logits."""
-    kv, tables, tokens, logits = runner.kv, [], [], []
-    for i, ids in enumerate(prompts):
-        tables.append(kv.allocate(kv.blocks_needed(len(ids) + steps)))
-        out = runner.execute([SeqChunk(i, ids, 0, tables[i])])
-        tokens.append([int(out.logits[0].argmax())])
-    for _ in range(steps):
-        out = runner.execute([SeqChunk(i, [tokens[i][-1]], len(ids) + len(tokens[i]) - 1, tables[i])
-                              for i, ids in enumerate(prompts)])
-        logits.append(out.logits)
-        for i, row in enumerate(out.logits):
-            tokens[i].append(int(row.argmax()))
-    for table in tables:
-        kv.free(table)
-    return tokens, logits
-
-
 @pytest.mark.parametrize("family, graphed", [(family, True) for family in sorted(FAMILIES)]
                          + [("llama-gqa", False)])  # eagerly only the attention kernel runs: one family
 def test_triton_decode_matches_the_torch_path(device, family, graphed):
@@ -171,8 +154,8 @@ def test_triton_decode_matches_the_torch_path(device, family, graphed):
         graphs = DecodeGraphs(model, kv, capture=device == "cuda") if graphed else None
         runners.append(ModelRunner(model, kv, graphs))
     prompts = [[5 + i for i in range(n)] for n in (3, 21, 9)]
-    expected_tokens, expected_logits = _greedy(runners[0], prompts, steps=3)
-    tokens, logits = _greedy(runners[1], prompts, steps=3)
+    expected_tokens, expected_logits = greedy_decode(runners[0], prompts, steps=3)
+    tokens, logits = greedy_decode(runners[1], prompts, steps=3)
     assert tokens == expected_tokens
     tol = 1e-4 if device == "cpu" else 2e-2
     for got, want in zip(logits, expected_logits):
