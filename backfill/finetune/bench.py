@@ -9,6 +9,10 @@ gamma trace, online only):
   pause-only  finetuning only while no decode runs
   harli       HARLI's QoS scheduler (policy/harli.py) with the fitted two-stage predictor
 
+Each round first runs the trace alone (solo, no finetuning): unless --tpot-target-ms is given, the
+decode QoS target is --tpot-target-x-solo times the first round's solo P99 TPOT, so the target is
+a measured decode figure of this machine in this run (HARLI §8.1 sets 40 ms over its own decode).
+
 Finetune throughput counts samples by step progress (a step in flight counts by the share of its
 layer pieces done). Decode QoS is the online requests' P99 TPOT against --tpot-target-ms.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -28,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 MODES = ("separate", "static", "pause-only", "harli")
+SOLO = "solo"  # the reference: the online trace with no finetuning
 
 
 def add_bench_args(p) -> None:
@@ -37,7 +43,10 @@ def add_bench_args(p) -> None:
     p.add_argument("--duration", type=float, default=40.0, help="seconds of trace per mode per round")
     p.add_argument("--rounds", type=int, default=2, help="modes interleaved in this many rounds (fresh trace each)")
     p.add_argument("--online-load", type=float, default=0.4, help="online trace load (fraction of capacity)")
-    p.add_argument("--tpot-target-ms", type=float, default=100.0, help="decode QoS target (P99 TPOT)")
+    p.add_argument("--tpot-target-ms", type=float, default=None,
+                   help="decode QoS target (P99 TPOT); unset: --tpot-target-x-solo x the solo P99 TPOT")
+    p.add_argument("--tpot-target-x-solo", type=float, default=1.5,
+                   help="the target as a multiple of the first round's solo P99 TPOT")
     p.add_argument("--static-share-infer", type=float, default=0.6)
     p.add_argument("--ft-threads", type=int, default=1, help="separate: the finetuning process's threads")
     p.add_argument("--modes", default=",".join(MODES))
@@ -85,14 +94,18 @@ def cmd_bench_finetune(args) -> int:
     data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
     config = _ft_config(args)
     threads = torch.get_num_threads()
-    results: dict[str, list[dict]] = {m: [] for m in modes}
+    results: dict[str, list[dict]] = {}
     for k in range(args.rounds):
         scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
         workload = make_workload(scenario, loaded.tokenizer, step_latency, with_offline=False)
-        for mode in modes:
+        for mode in (SOLO, *modes):
             print(f"== round {k + 1}/{args.rounds} {mode}: {len(workload.requests)} online requests", flush=True)
             r = _run_mode(mode, args, runner, loaded, workload, data, config, latency, tmp / f"{mode}-{k}", threads)
-            results[mode].append(r)
+            results.setdefault(mode, []).append(r)
+            if mode == SOLO and args.tpot_target_ms is None:
+                args.tpot_target_ms = args.tpot_target_x_solo * r["p99_tpot_ms"]
+                print(f"   decode QoS target: {args.tpot_target_x_solo} x solo P99 TPOT = "
+                      f"{args.tpot_target_ms:.1f} ms", flush=True)
             print(f"   finetune {r['samples_per_s']:.3f} samples/s, P99 TPOT {r['p99_tpot_ms']:.1f} ms, "
                   f"P99 ITL {r['p99_itl_ms']:.1f} ms", flush=True)
     table = _table(results, args.tpot_target_ms)
@@ -123,16 +136,16 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
     if mode == "separate":
         run_on_torch_thread(torch.set_num_threads, max(1, threads - args.ft_threads))
         proc, events = _start_separate(args, data, config, job_dir)
-    else:
+    elif mode != SOLO:
         job = FinetuneJob(runner.model, tokenizer, data, config, job_dir)
-        for _ in range(3):  # piece timings for the policy's first estimates
+        while job.steps_done == 0:  # one step, not measured: every piece kind timed for the policy's estimates
             run_on_torch_thread(job.run_unit)
 
     async def go():
         await engine.start()
         handle = None
         try:
-            if mode != "separate":
+            if mode not in ("separate", SOLO):
                 policy = make_colo_policy(mode, latency, args.static_share_infer)
                 handle = attach_finetune(engine, job, policy, tpot_target_ms=args.tpot_target_ms)
             started_progress = job.progress_steps if handle else 0.0
@@ -156,6 +169,8 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
     if mode == "separate":
         steps, elapsed_ft = steps_separate
         samples_per_s = steps * config.batch_size / elapsed_ft if elapsed_ft > 0 else 0.0
+    elif mode == SOLO:
+        samples_per_s = 0.0
     else:
         samples_per_s = steps * config.batch_size / elapsed
     metrics = compute_metrics(run.records, duration_s=run.duration_s)
@@ -176,7 +191,8 @@ def _start_separate(args, data: Path, config, job_dir: Path):
            "--threads", str(args.ft_threads), "--steps", str(config.max_steps), "--checkpoint-every",
            str(config.checkpoint_every_steps), "--batch-size", str(config.batch_size), "--micro-batch-size",
            str(config.micro_batch_size), "--max-seq-len", str(config.max_seq_len), "--rank", str(config.rank),
-           "--layers-per-unit", str(config.layers_per_unit)]
+           "--layers-per-unit", str(config.layers_per_unit),
+           "--loss-rows-per-unit", str(config.loss_rows_per_unit)]
     if getattr(args, "model", None):
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
@@ -240,19 +256,28 @@ def _run_sim(args, modes, loaded, latency) -> int:
     from backfill.finetune.sim import SimCosts, SimRequest, simulate
     from backfill.policy.harli import make_colo_policy
 
+    from backfill.finetune.data import load_training_file
+    from backfill.finetune.profile import synthetic_training_file
+
     config = _ft_config(args)
     layers = loaded.config.num_layers
-    pieces = -(-config.batch_size // config.micro_batch_size) * (2 * layers + 1) + 1
-    t = latency.unit_ms or {"forward": 20.0, "head": 20.0, "backward": 20.0, "update": 20.0}
+    with tempfile.TemporaryDirectory() as tmp:  # the real bench's data: how many head slices a micro-batch has
+        samples = load_training_file(synthetic_training_file(Path(tmp) / "t.jsonl", loaded.tokenizer, num=64),
+                                     loaded.tokenizer, config.max_seq_len)
+    targets = config.micro_batch_size * float(np.mean([s.num_targets for s in samples]))
+    head_slices = max(1, math.ceil(targets / config.loss_rows_per_unit))
     micro_batches = -(-config.batch_size // config.micro_batch_size)
-    # The mean unit over a step's pieces: each layer forward and backward, the head per micro-batch, the update.
-    unit_ms = (micro_batches * (layers * (t["forward"] + t["backward"]) + t["head"]) + t["update"]) / pieces
+    pieces = micro_batches * (2 * layers + head_slices) + 1
+    t = latency.unit_ms or {"forward": 20.0, "head": 20.0, "backward": 20.0, "update": 20.0}
+    # The mean unit over a step's pieces: each layer forward and backward, the head's slices per
+    # micro-batch, the update.
+    unit_ms = (micro_batches * (layers * (t["forward"] + t["backward"]) + head_slices * t["head"]) + t["update"]) / pieces
     forward_ms = t["forward"]
     # A prefill of n tokens costs about a forward of the model over them (profiled pieces: a layer of
     # max_seq_len tokens, at most 128 in the profile).
     prefill = lambda n: forward_ms * layers * n / 128  # noqa: E731
     costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
-    results: dict[str, list[dict]] = {m: [] for m in modes}
+    results: dict[str, list[dict]] = {}
     for k in range(args.rounds):
         scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
         rng = np.random.default_rng(k)
@@ -262,14 +287,16 @@ def _run_sim(args, modes, loaded, latency) -> int:
         arrivals = gamma_arrivals(args.online_load / service_s, scenario.cv, k, duration_s=args.duration)
         prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
         requests = [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
-        for mode in modes:
+        for mode in (SOLO, *modes):
             if mode == "separate":
                 r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,
                              separate_share_infer=args.static_share_infer)
             else:
-                policy = make_colo_policy(mode, latency, args.static_share_infer)
-                r = simulate(policy, requests, costs, args.duration, args.tpot_target_ms, seed=k)
-            results[mode].append(r)
+                policy = _NoFinetune() if mode == SOLO else make_colo_policy(mode, latency, args.static_share_infer)
+                r = simulate(policy, requests, costs, args.duration, args.tpot_target_ms or 1e9, seed=k)
+            results.setdefault(mode, []).append(r)
+            if mode == SOLO and args.tpot_target_ms is None:
+                args.tpot_target_ms = args.tpot_target_x_solo * r["p99_tpot_ms"]
     table = _table(results, args.tpot_target_ms)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -279,3 +306,14 @@ def _run_sim(args, modes, loaded, latency) -> int:
     print(_markdown(table, args))
     print(f"wrote {out / 'sim-result.json'}")
     return 0
+
+
+class _NoFinetune:
+    """The solo reference's policy: never a unit."""
+
+    name = SOLO
+
+    def plan(self, state):
+        from backfill.policy.harli import ColoPlan
+
+        return ColoPlan(0, 0.0, float("inf"), "solo")

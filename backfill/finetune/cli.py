@@ -49,8 +49,9 @@ def _fill_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=d.alpha)
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="capped at 128 for the profile")
     p.add_argument("--layers-per-unit", type=int, default=d.layers_per_unit)
+    p.add_argument("--loss-rows-per-unit", type=int, default=d.loss_rows_per_unit)
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU share of this process)")
-    p.add_argument("--repeats", type=int, default=7, help="token intervals per grid point")
+    p.add_argument("--repeats", type=int, default=11, help="token intervals per grid point")
     p.add_argument("--json", default=None, help="also write the points and errors here")
     p.set_defaults(func=cmd_finetune_profile)
 
@@ -78,6 +79,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every_steps)
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     p.add_argument("--layers-per-unit", type=int, default=d.layers_per_unit)
+    p.add_argument("--loss-rows-per-unit", type=int, default=d.loss_rows_per_unit,
+                   help="target tokens per LM-head/loss unit (HARLI §6.1)")
 
 
 def config_from_args(args: argparse.Namespace, base_model: str = "") -> FinetuneConfig:
@@ -87,7 +90,8 @@ def config_from_args(args: argparse.Namespace, base_model: str = "") -> Finetune
                           learning_rate=args.learning_rate, max_steps=args.steps, epochs=args.epochs,
                           batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, seed=args.seed,
                           checkpoint_every_steps=args.checkpoint_every, max_seq_len=args.max_seq_len,
-                          layers_per_unit=args.layers_per_unit, base_model=base_model)
+                          layers_per_unit=args.layers_per_unit, loss_rows_per_unit=args.loss_rows_per_unit,
+                          base_model=base_model)
 
 
 def _load_model(args: argparse.Namespace, **serving_changes):
@@ -135,7 +139,7 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
     runner = build_runner(loaded.config, loaded.weights, serving)
     config = FinetuneConfig(rank=args.rank, alpha=args.alpha, batch_size=4, micro_batch_size=1,
                             max_seq_len=min(args.max_seq_len, 128), max_steps=10_000, checkpoint_every_steps=10_000,
-                            layers_per_unit=args.layers_per_unit)
+                            layers_per_unit=args.layers_per_unit, loss_rows_per_unit=args.loss_rows_per_unit)
     result = profile_finetune(runner, loaded.tokenizer, repeats=args.repeats, model_name=loaded.config.name,
                               config=config, log=lambda m: print(m, flush=True))
     lat = result.latency

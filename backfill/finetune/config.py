@@ -28,6 +28,9 @@ class FinetuneConfig:
     checkpoint_every_steps: int = 10
     max_seq_len: int = 512             # longer conversations are cut here
     layers_per_unit: int = 1           # transformer layers per scheduling unit (HARLI §6.1)
+    # HARLI §6.1: a unit should take about one decode step; the LM head over a whole micro-batch
+    # takes several, so the head and loss run in slices of at most this many target tokens.
+    loss_rows_per_unit: int = 48
     base_model: str = ""               # written into adapter_config.json
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # caller's notes (e.g. job id)
 
@@ -53,7 +56,8 @@ class FinetuneConfig:
         object.__setattr__(self, "betas", tuple(self.betas))
         if self.max_steps is not None and self.max_steps < 1:
             raise FinetuneConfigError(f"max_steps must be >= 1, got {self.max_steps!r}")
-        for name in ("epochs", "batch_size", "micro_batch_size", "checkpoint_every_steps", "layers_per_unit"):
+        for name in ("epochs", "batch_size", "micro_batch_size", "checkpoint_every_steps", "layers_per_unit",
+                     "loss_rows_per_unit"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise FinetuneConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.micro_batch_size > self.batch_size:

@@ -25,7 +25,7 @@ from backfill.engine.model import LlamaModel
 from backfill.errors import CheckpointError
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.data import collate, load_training_file, step_samples
-from backfill.finetune.layerwise import embed, head_loss_sum, layer_forward
+from backfill.finetune.layerwise import embed, head_loss_sum, layer_forward, target_slices
 from backfill.finetune.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class FinetuneJob:
         self.piece_ms: dict[str, list[float]] = {}
         self._next_kind = "forward"
         self._pieces_in_step = 0
+        self._pieces_this_step = 0       # pieces of the step in flight (known once it starts)
         self._step: Iterator[None] | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._resume()
@@ -73,6 +74,11 @@ class FinetuneJob:
     @property
     def step_in_flight(self) -> bool:
         return self._step is not None
+
+    @property
+    def next_piece_kind(self) -> str:
+        """forward, head, backward or update: what the next unit runs."""
+        return self._next_kind
 
     def run_unit(self) -> bool:
         """Run one scheduling unit; False once the job is finished (nothing was run)."""
@@ -102,17 +108,23 @@ class FinetuneJob:
         piece = sorted(recent)[len(recent) // 2] if recent else default_ms
         return piece * (self.config.layers_per_unit if self._next_kind in ("forward", "backward") else 1)
 
-    @property
-    def pieces_per_step(self) -> int:
-        """Layer-sized pieces of one step: per micro-batch every layer forward and backward and the
-        head, then the optimizer update."""
-        micro_batches = -(-self.config.batch_size // self.config.micro_batch_size)
-        return micro_batches * (2 * self.model.config.num_layers + 1) + 1
+    def pieces_of_step(self, step: int) -> int:
+        """Unit-sized pieces of a step: per micro-batch every layer forward and backward and the
+        head's slices, then the optimizer update."""
+        c = self.config
+        batch = [self.samples[i] for i in step_samples(len(self.samples), c.batch_size, c.seed, step)]
+        pieces = 1
+        for start in range(0, len(batch), c.micro_batch_size):
+            targets = sum(s.num_targets for s in batch[start:start + c.micro_batch_size])
+            pieces += 2 * self.model.config.num_layers + max(1, -(-targets // c.loss_rows_per_unit))
+        return pieces
 
     @property
     def progress_steps(self) -> float:
         """Steps done, with the step in flight counted by the share of its pieces that ran."""
-        return self.steps_done + self._pieces_in_step / self.pieces_per_step
+        if not self._pieces_this_step:
+            return float(self.steps_done)
+        return self.steps_done + min(self._pieces_in_step / self._pieces_this_step, 1.0)
 
     def run(self) -> None:
         """Run to the end undisturbed (the standalone job)."""
@@ -130,14 +142,14 @@ class FinetuneJob:
     def memory_bytes(self) -> int:
         """An upper bound of the memory the job holds while a step is in flight (HARLI §4.1):
         adapter, its gradients and AdamW's two moments, the saved layer inputs, one layer's
-        recomputed activations with their gradients, and the targets' logits (with gradients)."""
+        recomputed activations with their gradients, and one head slice's logits (with gradients)."""
         c, m = self.config, self.model.config
         tokens = c.micro_batch_size * c.max_seq_len
         item = self.model.dtype.itemsize
         state = 4 * self.adapter.nbytes
         saved = (m.num_layers + 1) * tokens * m.hidden_size * item
         layer = 2 * tokens * (m.hidden_size * 8 + m.intermediate_size * 4) * max(item, 4)
-        logits = 2 * tokens * m.vocab_size * 4
+        logits = 2 * min(tokens, c.loss_rows_per_unit) * m.vocab_size * 4  # one head slice at a time
         return state + saved + layer + logits
 
     # --- one optimizer step, as a generator of layer-sized pieces -----------------------------------
@@ -147,6 +159,7 @@ class FinetuneJob:
         indices = step_samples(len(self.samples), c.batch_size, c.seed, self.steps_done)
         batch = [self.samples[i] for i in indices]
         num_targets = sum(s.num_targets for s in batch)
+        self._pieces_this_step = self.pieces_of_step(self.steps_done)
         self.optimizer.zero_grad(set_to_none=True)
         layers = model.config.num_layers
         loss_sum = 0.0
@@ -161,12 +174,15 @@ class FinetuneJob:
                     self._next_kind = "forward" if li < layers - 1 else "head"
                     yield
             top = saved.pop().requires_grad_()
-            loss = head_loss_sum(model, top, ids, mask) / num_targets
-            loss.backward()
-            loss_sum += float(loss.detach())
+            slices = target_slices(mask, c.loss_rows_per_unit)
+            for si, part in enumerate(slices):  # gradients of the slices add up in top.grad
+                loss = head_loss_sum(model, top, ids, part) / num_targets
+                loss.backward()
+                loss_sum += float(loss.detach())
+                del loss
+                self._next_kind = "head" if si < len(slices) - 1 else "backward"
+                yield
             grad = top.grad
-            self._next_kind = "backward"
-            yield
             for li in reversed(range(layers)):
                 x = saved.pop().requires_grad_()
                 out = layer_forward(model, self.adapter, li, x)

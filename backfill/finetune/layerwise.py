@@ -72,6 +72,22 @@ def head_loss_sum(model: LlamaModel, h: torch.Tensor, ids: torch.Tensor, target_
     return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
+def target_slices(target_mask: torch.Tensor, rows_per_slice: int) -> list[torch.Tensor]:
+    """The mask split into the fewest masks of at most rows_per_slice targets each, of near-equal
+    size, in order (HARLI §6.1: the head and loss in units of about one decode step; each slice
+    reads the whole output embedding, so fewer, even slices); their head_loss_sum values add up
+    to the whole."""
+    flat = target_mask.flatten()
+    positions = flat.nonzero().flatten()
+    count = max(1, -(-len(positions) // rows_per_slice))
+    out = []
+    for chunk in (positions.tensor_split(count) if len(positions) else [positions]):
+        part = torch.zeros_like(flat)
+        part[chunk] = True
+        out.append(part.view_as(target_mask))
+    return out
+
+
 def full_loss(model: LlamaModel, adapter: LoraAdapter, ids: torch.Tensor, target_mask: torch.Tensor,
               num_targets: int) -> torch.Tensor:
     """The same loss as one ordinary autograd graph (the reference the layer-wise backward must equal)."""

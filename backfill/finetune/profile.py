@@ -4,7 +4,7 @@ Stage 1 (solo): batches of bs sequences at context seqlen decode back to back; w
 s_infer < 1 each step is followed by idle time so decode holds s_infer of the token interval.
 Stage 2 (co-located): each decode step is followed by n finetuning units of a real job instead,
 so the split is what n units realise (share_ft = their time / the interval). Each grid point is
-the median of a few token intervals (a shared machine only adds noise). Held-out points (other
+the median of `repeats` token intervals, taken in a few passes over the grid. Held-out points (other
 batch sizes, contexts and unit counts) measure the error on co-located steps the fit never saw.
 """
 
@@ -28,6 +28,8 @@ SHARES = (1.0, 0.8, 0.6, 0.4)      # stage-1 compute shares (time slices)
 BATCHES = (1, 2, 4)                # three batch sizes suffice (HARLI §5.1)
 SEQLENS = (32, 256, 512)
 UNITS = (1, 2, 3)                  # finetuning units per token interval (stage 2)
+WARMUP_INTERVALS = 2               # untimed intervals before each run of a point, of its own shape
+PASSES = 3                         # passes through the grid the repeats are spread over
 HELD_OUT = ((3, 128, 1), (3, 384, 2), (2, 384, 3), (4, 128, 2), (1, 384, 2), (3, 32, 3))
 
 
@@ -65,13 +67,13 @@ class _Bench:
         chunks = [SeqChunk(f"p{i}", [5], seqlen, t, want_logits=True) for i, t in enumerate(tables)]
         return chunks, tables
 
-    def interval(self, batch: int, seqlen: int, share_infer: float = 1.0, units: int = 0) -> tuple[float, float]:
-        """Median token interval (ms) and median finetuning share of it."""
+    def intervals(self, batch: int, seqlen: int, share_infer: float, units: int, count: int) -> list[tuple[float, float]]:
+        """`count` token intervals (ms) with the finetuning share of each, after WARMUP_INTERVALS
+        untimed ones of the same shape (so the first timed one follows the same pattern)."""
         chunks, tables = self._decode(batch, seqlen)
         try:
-            self.runner.execute(chunks)  # warm-up
-            intervals, shares = [], []
-            for _ in range(self.repeats):
+            measured = []
+            for _ in range(WARMUP_INTERVALS + count):
                 start = time.perf_counter()
                 step_s = self.runner.execute(chunks).duration_s
                 ft_s = 0.0
@@ -84,48 +86,54 @@ class _Bench:
                 elif share_infer < 1.0:
                     time.sleep(step_s * (1 - share_infer) / share_infer)
                 total = time.perf_counter() - start
-                intervals.append(total * 1e3)
-                shares.append(ft_s / total)
-            return statistics.median(intervals), statistics.median(shares)
+                measured.append((total * 1e3, ft_s / total))
+            return measured[WARMUP_INTERVALS:]
         finally:
             for t in tables:
                 self.runner.kv.free(t)
 
+    def points(self, specs: list[tuple[int, int, float, int]]) -> list[tuple[float, float]]:
+        """For each (bs, seqlen, share_infer, units): the median interval and the finetuning share of
+        that same interval (medians taken apart would pair a long unit's interval with a short
+        unit's share). The repeats are spread over PASSES passes through all the specs, so a
+        disturbance lasting a second or two hits one pass of a few points, not all repeats of one."""
+        measured: list[list[tuple[float, float]]] = [[] for _ in specs]
+        per_pass = -(-self.repeats // PASSES)
+        for _ in range(PASSES):
+            for i, (bs, seq, share, units) in enumerate(specs):
+                measured[i] += self.intervals(bs, seq, share, units, per_pass)
+        return [sorted(m)[len(m) // 2] for m in measured]
 
-def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 7, model_name: str = "",
+
+def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model_name: str = "",
                      config: FinetuneConfig | None = None, log=print) -> ProfileResult:
     config = config or FinetuneConfig(batch_size=4, micro_batch_size=1, max_seq_len=128, max_steps=10_000,
                                       checkpoint_every_steps=10_000)
     with tempfile.TemporaryDirectory() as tmp:
         data = synthetic_training_file(Path(tmp) / "profile.jsonl", tokenizer)
         job = FinetuneJob(runner.model, tokenizer, data, config, Path(tmp) / "job")
-        for _ in range(2 * runner.config.num_layers + 2):  # one micro-batch through: every piece kind timed
+        while job.steps_done == 0:  # one step through: every piece kind timed
             job.run_unit()
         bench = _Bench(runner, job, repeats)
-        solo = []
-        for share in SHARES:
-            for bs in BATCHES:
-                for seq in SEQLENS:
-                    solo.append((share, bs, seq, bench.interval(bs, seq, share)[0]))
+        specs = [(bs, seq, share, 0) for share in SHARES for bs in BATCHES for seq in SEQLENS]
+        solo = [(share, bs, seq, ms) for (bs, seq, share, _), (ms, _) in zip(specs, bench.points(specs))]
         log(f"stage 1: {len(solo)} solo points")
         latency = HarliLatencyModel(HarliLatencyModel.fit_solo(solo), model_name=model_name,
                                     device=runner.device.type)
-        colo = []
-        for bs in BATCHES:
-            for seq in SEQLENS:
-                for n in UNITS:
-                    ms, s_ft = bench.interval(bs, seq, units=n)
-                    colo.append((bs, seq, 1 - s_ft, s_ft, ms))
+        specs = [(bs, seq, 1.0, n) for bs in BATCHES for seq in SEQLENS for n in UNITS]
+        colo = [(bs, seq, 1 - s_ft, s_ft, ms) for (bs, seq, _, _), (ms, s_ft) in zip(specs, bench.points(specs))]
         log(f"stage 2: {len(colo)} co-located points")
         latency.fit_colo(colo)
-        held = []
-        for bs, seq, n in HELD_OUT:
-            ms, s_ft = bench.interval(bs, seq, units=n)
-            held.append((bs, seq, 1 - s_ft, s_ft, ms))
-        decode_ms = bench.interval(1, 32)[0]
+        specs = [(bs, seq, 1.0, n) for bs, seq, n in HELD_OUT]
+        held = [(bs, seq, 1 - s_ft, s_ft, ms) for (bs, seq, _, _), (ms, s_ft) in zip(specs, bench.points(specs))]
+        decode_ms = bench.points([(1, 32, 1.0, 0)])[0][0]
         unit_ms = {k: statistics.median(v) for k, v in job.piece_ms.items() if v}
-    grid = [(bs, seq, share, 0.0, ms) for share, bs, seq, ms in solo] + colo
-    latency.errors = {"grid": latency.relative_errors(grid), "solo": latency.relative_errors(grid[:len(solo)]),
-                      "colo": latency.relative_errors(colo), "held_out": latency.relative_errors(held)}
+    # Each stage is judged by its own prediction (HARLI §8.4): stage 1 on the solo points, stage 2
+    # on the co-located ones; the grid is both together.
+    solo_err, colo_err = latency.solo_errors(solo), latency.relative_errors(colo)
+    grid_errs = [abs(latency.solo_ms(bs, seq, share) - ms) / ms for share, bs, seq, ms in solo] + \
+                [abs(latency.colo_ms(*p[:4]) - p[4]) / p[4] for p in colo]
+    latency.errors = {"grid": {"mean": sum(grid_errs) / len(grid_errs), "max": max(grid_errs), "points": len(grid_errs)},
+                      "solo": solo_err, "colo": colo_err, "held_out": latency.relative_errors(held)}
     latency.unit_ms = unit_ms
     return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms)

@@ -96,9 +96,12 @@ class HarliLatencyModel:
         self.b1, self.k1 = float(self.b1), float(self.k1)
 
     def relative_errors(self, points: list[tuple[float, float, float, float, float]]) -> dict:
-        """Mean and max |predicted - measured| / measured of co-located points (share_ft 0 = solo)."""
-        errs = [abs(self.colo_ms(bs, seq, s_inf, s_ft) - ms) / ms for bs, seq, s_inf, s_ft, ms in points]
-        return {"mean": float(np.mean(errs)), "max": float(np.max(errs)), "points": len(errs)}
+        """Stage 2's mean and max |predicted - measured| / measured over co-located points."""
+        return _summary([abs(self.colo_ms(bs, seq, s_inf, s_ft) - ms) / ms for bs, seq, s_inf, s_ft, ms in points])
+
+    def solo_errors(self, points: list[tuple[float, float, float, float]]) -> dict:
+        """Stage 1's error over solo points (share, bs, seqlen, ms), as HARLI §8.4 reports it."""
+        return _summary([abs(self.solo_ms(bs, seq, share) - ms) / ms for share, bs, seq, ms in points])
 
     # --- files ------------------------------------------------------------------------------------
 
@@ -116,6 +119,10 @@ class HarliLatencyModel:
         data = json.loads(Path(path).read_text())
         return cls(tuple(SoloFit(**f) for f in data["solo"]), data["b1"], data["k1"], data.get("model_name", ""),
                    data.get("device", "cpu"), data.get("errors", {}), data.get("unit_ms", {}))
+
+
+def _summary(errors: list[float]) -> dict:
+    return {"mean": float(np.mean(errors)), "max": float(np.max(errors)), "points": len(errors)}
 
 
 @dataclass(frozen=True)

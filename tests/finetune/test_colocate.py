@@ -70,7 +70,8 @@ def test_adapter_trained_under_colocation_equals_undisturbed(tmp_path):
 
 def test_burst_never_starves_inference_of_kv_blocks(tmp_path):
     data = write_chat_file(tmp_path / "t.jsonl", n=16)
-    config = replace(CONFIG, max_steps=1000, batch_size=4, micro_batch_size=2, max_seq_len=256)
+    # The whole head in one unit: its logits make the lease big enough for the burst to need it back.
+    config = replace(CONFIG, max_steps=1000, batch_size=4, micro_batch_size=2, max_seq_len=256, loss_rows_per_unit=512)
     requests = _requests(20, 120, 24)  # 9 blocks each: more than the pool keeps free while the job holds its share
     # Reference: the same burst with no finetuning.
     engine = _engine(kv_gb=0.008)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_job_trains_checkpoints_and_writes_peft_files(tmp_path):
     while job.run_unit():
         units += 1
     layers = model.config.num_layers
-    # per micro-batch: `layers` forward pieces, the head, `layers` backward pieces
+    # per micro-batch: `layers` forward pieces, the head (one slice here), `layers` backward pieces
     assert units == CONFIG.max_steps * (2 * (2 * layers + 1) + 1)  # + the optimizer update
     assert job.steps_done == job.total_steps == 6
     assert [e["step"] for e in job.events] == [1, 2, 3, 4, 5, 6]
@@ -46,6 +47,27 @@ def test_job_trains_checkpoints_and_writes_peft_files(tmp_path):
     a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = tensors["base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"]
     assert a.shape == (4, 64) and b.shape == (64, 4) and b.abs().sum() > 0
+
+
+def test_head_in_slices_adds_units_not_changes(tmp_path):
+    """HARLI §6.1: the LM head and loss in slices of a few targets; the step's gradients are the
+    same up to the order of float sums (fp32: 1e-5 of the largest), only cut into more units."""
+    data = write_chat_file(tmp_path / "t.jsonl")
+    jobs = [FinetuneJob(tiny_model(), TOKENIZER, data, replace(CONFIG, max_steps=1, loss_rows_per_unit=rows),
+                        tmp_path / f"rows-{rows}") for rows in (10_000, 4)]
+    counts = []
+    for job in jobs:
+        units = 0
+        while job.next_piece_kind != "update" or units == 0:
+            assert job.run_unit()
+            units += 1
+            assert 0 <= job.progress_steps - job.steps_done < 1
+        counts.append(units + 1)
+    assert counts[1] == jobs[1].pieces_of_step(0) > counts[0] + 2
+    assert counts[0] == jobs[0].pieces_of_step(0)
+    for whole, sliced in zip(jobs[0].adapter.parameters(), jobs[1].adapter.parameters()):
+        scale = whole.grad.abs().max().item()
+        assert (sliced.grad - whole.grad).abs().max().item() <= 1e-5 * scale + 1e-12
 
 
 def test_stopping_after_any_unit_and_resuming_changes_nothing(tmp_path):
