@@ -149,6 +149,7 @@ def _result(problem: PlacementProblem, kinds: dict[tuple[int, float], list[int]]
 
 
 MAX_PATTERNS = 50_000   # more ways to fill one server than this: the per-server program instead
+PATTERN_SHARE = 0.6     # of the time limit for the pattern search; the per-server program gets the rest
 
 
 def server_patterns(kind_keys: list[tuple[int, float]], replicas: list[int], gpus: int) -> np.ndarray | None:
@@ -245,13 +246,13 @@ def solve(problem: PlacementProblem, time_limit_s: float = 30.0) -> PlacementRes
     without the symmetric copies that a variable per replica would make HiGHS explore)."""
     started = time.perf_counter()
     kinds = _kinds(problem)
-    by_patterns = _solve_by_patterns(problem, kinds, started + time_limit_s)
+    by_patterns = _solve_by_patterns(problem, kinds, started + PATTERN_SHARE * time_limit_s)
     if by_patterns is None:
         raise InfeasiblePlacementError(f"no placement of {len(problem.models)} models on {problem.servers} servers x "
                                        f"{problem.gpus_per_server} GPUs")
     if by_patterns is not False:
         return _result(problem, kinds, by_patterns[0], started, proven_optimal=True, gap=0.0)
-    return _solve_per_server(problem, kinds, started, max(time_limit_s - (time.perf_counter() - started), 0.5))
+    return _solve_per_server(problem, kinds, started, max(time_limit_s - (time.perf_counter() - started), 0.05))
 
 
 def _solve_per_server(problem: PlacementProblem, kinds: dict[tuple[int, float], list[int]], started: float,
