@@ -67,6 +67,7 @@ class BurstScenario:
     decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
     producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one
+    pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
 
     def __post_init__(self) -> None:
         for name in ("steady_rate_per_s", "burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
@@ -113,6 +114,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.url: str | None = None
         self.producer_tokens: list[tuple[float, int]] = []
+        self.pinned = False
         self.tmp = tempfile.TemporaryDirectory(prefix="backfill-burst-")
 
     def start(self) -> None:
@@ -138,6 +140,8 @@ class Processes:
                "--lend-mb", str(self.scenario.lend_mb)] + (["--tiny"] if self.scenario.producer_tiny else [])
         producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.procs.append(producer)
+        if self.scenario.pin_cores:
+            self.pinned = pin_apart(producer.pid, self.procs[0].pid)
         ready = json.loads(producer.stdout.readline() or "{}")
         if not ready.get("ready"):
             raise OffloadError("the producer engine did not start")
@@ -167,6 +171,23 @@ class Processes:
                     proc.kill()
                     proc.wait()
         self.tmp.cleanup()
+
+
+def pin_apart(producer_pid: int, coordinator_pid: int) -> bool:
+    """AQUA's producer computes on its own accelerator: here, on its own core (the last one), and
+    this process (every thread) and the coordinator on the others. False where there is one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return False
+    rest = set(cores[:-1])
+    os.sched_setaffinity(producer_pid, {cores[-1]})
+    os.sched_setaffinity(coordinator_pid, rest)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), rest)
+        except OSError:
+            pass                     # a thread that has just exited
+    return True
 
 
 def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, tokenizer) -> Scheduler:
@@ -271,7 +292,9 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                     f"producer {rate if rate is None else round(rate, 1)} tok/s")
     finally:
         processes.stop()
-    return report(scenario, parts)
+    out = report(scenario, parts)
+    out["producer_pinned_apart"] = processes.pinned
+    return out
 
 
 def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> float | None:

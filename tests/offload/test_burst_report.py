@@ -1,6 +1,9 @@
 """The burst benchmark's scenario and report, on constructed request records."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -77,3 +80,23 @@ def test_scenario_errors_and_arrivals():
     arrivals = BurstScenario(steady_rate_per_s=2.0, steady_s=50, burst_s=50, after_s=50).arrivals(0)
     steady, burst = ((arrivals < 50).sum(), ((arrivals >= 50) & (arrivals < 100)).sum())
     assert 1.5 < burst / steady < 2.6
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_producer_pinned_apart_from_the_consumer():
+    # In a child interpreter: pinning changes the calling process's threads.
+    code = """
+import os, subprocess, sys
+from backfill.offload.burst import pin_apart
+a, b = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+try:
+    print(pin_apart(a.pid, b.pid), sorted(os.sched_getaffinity(a.pid)), sorted(os.sched_getaffinity(b.pid)),
+          sorted(os.sched_getaffinity(0)))
+finally:
+    a.kill(); b.kill()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    cores = sorted(os.sched_getaffinity(0))
+    assert out[0] == "True"
+    producer, coordinator, consumer = (json.loads(x) for x in (out[1], out[2], out[3]))
+    assert producer == [cores[-1]] and consumer == coordinator == cores[:-1]
