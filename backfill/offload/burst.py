@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -238,7 +239,9 @@ def summarize(records: list[RequestRecord], duration_s: float, burst: tuple[floa
 
 
 def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str, ...] = MODES,
-                    log=print) -> dict:
+                    log=print, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Every mode in every round; `checkpoint` gets the report so far after each mode (a run cut
+    short keeps what it measured)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise WorkloadError(f"unknown burst modes {unknown}; choose from {', '.join(MODES)}")
@@ -288,6 +291,9 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                 parts[mode].append(ModeRound(records, duration_s, window, engine,
                                              float(np.mean(alone)) if alone else None))
                 alone_before = alone_after
+                if checkpoint is not None:
+                    checkpoint({**report(scenario, {m: r for m, r in parts.items() if r}),
+                                "producer_pinned_apart": processes.pinned, "partial": True})
                 log(f"   p99 TTFT {summarize(records, duration_s, _burst(scenario))['ttft_ms']['p99']:.0f} ms, "
                     f"producer {rate if rate is None else round(rate, 1)} tok/s")
     finally:

@@ -85,7 +85,7 @@ def cmd_bench_burst(args: argparse.Namespace) -> None:
                              args.output_len, args.kv_cache_gb, args.slice_iterations, args.rounds, args.seed,
                              args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s,
                              args.decode_attention, args.threads, args.producer_idle_s, not args.no_pin)
-    result = run_burst_bench(scenario, tuple(args.modes))
+    result = run_burst_bench(scenario, tuple(args.modes), checkpoint=lambda partial: save(partial, args.json))
     print(format_table(result))
     save(result, args.json)
     print(f"wrote {args.json}")
