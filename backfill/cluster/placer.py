@@ -12,6 +12,15 @@ Step 1, an integer program (scipy.optimize.milp, HiGHS): x[m, s] = 1 when model 
 Servers are identical, so the program also fixes their order (model m only on servers 0..m),
 which removes S! symmetric copies of every solution without cutting any.
 
+Solved exactly by server patterns first (a Dantzig-Wolfe view of the same program): servers are
+identical, so a placement is how many servers hold each way of filling one server with replicas.
+For a bound E on max eq_s and M on max mem_s, only patterns within both may be used, and whether
+S of them cover every replica is a small integer program whose relaxation is far tighter than
+the per-server one. E rises from its average bound; for each E a binary search finds the least
+feasible M among the patterns' own mem values; the search stops once G_mem x E plus the average
+bound on mem_s cannot beat the best found. Too many patterns, or a check that runs out of time:
+the per-server program above, with whatever time is left.
+
 Step 2, within each server: consumer shards propose to producer GPUs (Gale-Shapley). A consumer
 prefers the producer with the most spare memory; a producer prefers a consumer whose need fits in
 its spare memory, the largest such first, then the smallest of those that do not fit. One producer
@@ -115,14 +124,139 @@ class InfeasiblePlacementError(ClusterError):
     """The integer program has no solution (or HiGHS stopped before finding one)."""
 
 
-def solve(problem: PlacementProblem, time_limit_s: float = 30.0) -> PlacementResult:
-    """The optimal placement. Replicas of one model kind (same shards and R_m) are interchangeable,
-    so the program counts them per server (y[t, s] integer) instead of naming each one: the same
-    optimum, without the symmetric copies that a variable per replica would make HiGHS explore."""
-    started = time.perf_counter()
+def _kinds(problem: PlacementProblem) -> dict[tuple[int, float], list[int]]:
+    """Replicas of one model kind (same shards and R_m) are interchangeable: kind -> model indices."""
     kinds: dict[tuple[int, float], list[int]] = {}
     for m, model in enumerate(problem.models):
         kinds.setdefault((model.shards, model.memory_gb_per_shard), []).append(m)
+    return kinds
+
+
+def _result(problem: PlacementProblem, kinds: dict[tuple[int, float], list[int]], counts: np.ndarray,
+            started: float, proven_optimal: bool, gap: float) -> PlacementResult:
+    """The placement from replica counts per kind and server (counts[t, s])."""
+    assignment = [0] * len(problem.models)
+    for t, key in enumerate(kinds):
+        replicas = iter(kinds[key])
+        for s in range(counts.shape[1]):
+            for _ in range(counts[t, s]):
+                assignment[next(replicas)] = s
+    server_of = {model.name: s for model, s in zip(problem.models, assignment)}
+    pairings = tuple(p for s in range(problem.servers) for p in stable_match(
+        s, [model for model, a in zip(problem.models, assignment) if a == s]))
+    return PlacementResult(server_of, problem.objective(assignment), pairings, time.perf_counter() - started,
+                           proven_optimal=proven_optimal, gap=0.0 if proven_optimal else gap)
+
+
+MAX_PATTERNS = 50_000   # more ways to fill one server than this: the per-server program instead
+PATTERN_SHARE = 0.6     # of the time limit for the pattern search; the per-server program gets the rest
+
+
+def server_patterns(kind_keys: list[tuple[int, float]], replicas: list[int], gpus: int) -> np.ndarray | None:
+    """Every way to fill one server (rows: replicas of each kind, their shards within its GPUs),
+    the empty server included; None when there are more than MAX_PATTERNS."""
+    patterns: list[tuple[int, ...]] = []
+
+    def extend(t: int, prefix: tuple[int, ...], gpus_left: int) -> bool:
+        if t == len(kind_keys):
+            patterns.append(prefix)
+            return len(patterns) <= MAX_PATTERNS
+        shards = kind_keys[t][0]
+        return all(extend(t + 1, prefix + (n,), gpus_left - n * shards)
+                   for n in range(min(replicas[t], gpus_left // shards) + 1))
+
+    if not extend(0, (), gpus):
+        return None
+    return np.array(patterns, dtype=int).reshape(len(patterns), len(kind_keys))
+
+
+def _cover(patterns: np.ndarray, replicas: np.ndarray, servers: int, time_limit_s: float) -> np.ndarray | None | bool:
+    """How many servers take each pattern so that S servers hold every replica: the counts, None
+    when no choice of these patterns does, False when HiGHS ran out of time before deciding."""
+    n = len(patterns)
+    if n == 0:
+        return None
+    matrix = np.vstack([patterns.T, np.ones((1, n))])
+    target = np.append(replicas, servers).astype(float)
+    res = milp(np.zeros(n), constraints=LinearConstraint(matrix, target, target), integrality=np.ones(n),
+               bounds=Bounds(0, servers), options={"time_limit": max(time_limit_s, 0.01)})
+    if res.status == 0:
+        return np.rint(res.x).astype(int)
+    if res.status == 2:
+        return None
+    return False
+
+
+def _solve_by_patterns(problem: PlacementProblem, kinds: dict[tuple[int, float], list[int]],
+                       deadline: float) -> tuple[np.ndarray, float] | None | bool:
+    """The optimum by server patterns: (counts[t, s], objective); None when no placement exists,
+    False when it cannot decide (too many patterns, or out of time)."""
+    kind_keys = list(kinds)
+    replicas = np.array([len(kinds[key]) for key in kind_keys])
+    patterns = server_patterns(kind_keys, list(replicas), problem.gpus_per_server)
+    if patterns is None:
+        return False
+    # mem in R's grid units when there is one, so that equal loads compare equal
+    grid = _on_grid(kind_keys, MEMORY_GRID_GB)
+    unit_gb = MEMORY_GRID_GB if grid else 1.0
+    mem_per_replica = np.array([k[0] * k[1] / unit_gb for k in kind_keys])
+    if grid:
+        mem_per_replica = np.rint(mem_per_replica)
+    eq_per_replica = np.array([k[0] * int(np.sign(k[1])) for k in kind_keys])
+    mem, eq = patterns @ mem_per_replica, patterns @ eq_per_replica
+    servers = problem.servers
+    mem_floor = replicas @ mem_per_replica / servers           # max_s mem_s >= the average, and so for eq
+    if grid:
+        mem_floor = float(np.ceil(mem_floor - 1e-9))
+    eq_floor = int(np.ceil(replicas @ eq_per_replica / servers - 1e-9))
+    best: tuple[np.ndarray, float] | None = None
+    for eq_bound in range(max(eq_floor, int(eq.min())), int(eq.max()) + 1):
+        eq_cost = problem.gpu_memory_gb * eq_bound
+        if best is not None and unit_gb * mem_floor + eq_cost >= best[1] - 1e-9:
+            break
+        allowed = eq <= eq_bound
+        levels = np.unique(mem[allowed & (mem >= mem_floor - 1e-9)])
+        if best is not None:
+            levels = levels[unit_gb * levels + eq_cost < best[1] - 1e-9]
+        lo, hi, found = 0, len(levels) - 1, None
+        while lo <= hi:                      # the least mem level whose patterns cover every replica
+            mid = (lo + hi) // 2 if found is not None else hi
+            chosen = np.flatnonzero(allowed & (mem <= levels[mid] + 1e-9))
+            counts = _cover(patterns[chosen], replicas, servers, deadline - time.perf_counter())
+            if counts is False:
+                return False
+            if counts is None:
+                if found is None:
+                    break                    # not even the highest level: nothing better at this eq bound
+                lo = mid + 1
+            else:
+                found = (chosen, counts)
+                hi = mid - 1
+        if found is not None:
+            chosen, counts = found
+            per_server = np.repeat(patterns[chosen], counts, axis=0)      # one row per server
+            best = (per_server.T, float(unit_gb * (per_server @ mem_per_replica).max()
+                                        + problem.gpu_memory_gb * (per_server @ eq_per_replica).max()))
+    return best
+
+
+def solve(problem: PlacementProblem, time_limit_s: float = 30.0) -> PlacementResult:
+    """The optimal placement: by server patterns, else the per-server program (counting the
+    replicas of a kind per server, y[t, s] integer, instead of naming each one: the same optimum,
+    without the symmetric copies that a variable per replica would make HiGHS explore)."""
+    started = time.perf_counter()
+    kinds = _kinds(problem)
+    by_patterns = _solve_by_patterns(problem, kinds, started + PATTERN_SHARE * time_limit_s)
+    if by_patterns is None:
+        raise InfeasiblePlacementError(f"no placement of {len(problem.models)} models on {problem.servers} servers x "
+                                       f"{problem.gpus_per_server} GPUs")
+    if by_patterns is not False:
+        return _result(problem, kinds, by_patterns[0], started, proven_optimal=True, gap=0.0)
+    return _solve_per_server(problem, kinds, started, max(time_limit_s - (time.perf_counter() - started), 0.05))
+
+
+def _solve_per_server(problem: PlacementProblem, kinds: dict[tuple[int, float], list[int]], started: float,
+                      time_limit_s: float) -> PlacementResult:
     kind_keys = list(kinds)
     n_kinds, n_servers = len(kind_keys), problem.servers
     n_y = n_kinds * n_servers
@@ -170,18 +304,8 @@ def solve(problem: PlacementProblem, time_limit_s: float = 30.0) -> PlacementRes
         raise InfeasiblePlacementError(f"no placement of {len(problem.models)} models on {n_servers} servers x "
                                        f"{problem.gpus_per_server} GPUs: {res.message}")
     counts = np.rint(res.x[:n_y]).astype(int).reshape(n_kinds, n_servers)
-    assignment = [0] * len(problem.models)
-    for t, key in enumerate(kind_keys):
-        replicas = iter(kinds[key])
-        for s in range(n_servers):
-            for _ in range(counts[t, s]):
-                assignment[next(replicas)] = s
-    server_of = {model.name: s for model, s in zip(problem.models, assignment)}
-    pairings = tuple(p for s in range(n_servers) for p in stable_match(
-        s, [model for model, a in zip(problem.models, assignment) if a == s]))
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return PlacementResult(server_of, problem.objective(assignment), pairings, time.perf_counter() - started,
-                           proven_optimal=res.status == 0, gap=0.0 if res.status == 0 else gap)
+    return _result(problem, kinds, counts, started, proven_optimal=res.status == 0,
+                   gap=float(getattr(res, "mip_gap", 0.0) or 0.0))
 
 
 def stable_match(server: int, models: list[ModelSpec]) -> list[Pairing]:

@@ -3,10 +3,14 @@ burst window, then steady again, on an engine whose KV memory holds only a few r
 against CFS paging to host memory and CFS paging to memory a producer engine lent.
 
 The producer is a real second engine process serving its own closed-loop load and lending a
-shared-memory segment through a real coordinator process; its throughput while each mode runs
-gives the producer's loss (CFS with lent memory against CFS with host memory: the same
-consumer work, only where the pages go differs). Modes run in turn, in rounds, on one loaded
-model, so they meet the same machine.
+shared-memory segment through a real coordinator process. Its throughput is measured in every
+mode's window and, alone, in an idle window before the first mode and after each one (the
+consumer doing nothing). Two losses, per round, then medians over rounds (AQUA §9.3):
+lending (cfs-lent against cfs-host: the same consumer work, only where the pages go differs,
+which is what lending costs a producer on its own accelerator) and against the producer alone
+(the windows either side; on one CPU this also counts the consumer's compute beside it).
+Modes run in turn, in rounds, on one loaded model, so they meet the same machine; the request
+records are saved, so runs made apart can be pooled (`--pool`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -62,11 +67,15 @@ class BurstScenario:
     warmup_s: float = 8.0
     decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
+    producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one
+    pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
 
     def __post_init__(self) -> None:
         for name in ("steady_rate_per_s", "burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
             if not getattr(self, name) > 0:
                 raise WorkloadError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.producer_idle_s < 0:
+            raise WorkloadError(f"producer_idle_s must be >= 0, got {self.producer_idle_s}")
         if self.rounds < 1 or self.slice_iterations < 1:
             raise WorkloadError("rounds and slice_iterations must be >= 1")
         parse_length_spec(self.prompt_len)
@@ -88,6 +97,7 @@ class ModeRound:
     duration_s: float
     window: tuple[float, float]       # monotonic start and end, for the producer's throughput
     engine: dict = field(default_factory=dict)
+    producer_alone_tokens_per_s: float | None = None   # the idle windows either side, averaged
 
 
 def _free_port() -> int:
@@ -105,6 +115,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.url: str | None = None
         self.producer_tokens: list[tuple[float, int]] = []
+        self.pinned = False
         self.tmp = tempfile.TemporaryDirectory(prefix="backfill-burst-")
 
     def start(self) -> None:
@@ -130,6 +141,8 @@ class Processes:
                "--lend-mb", str(self.scenario.lend_mb)] + (["--tiny"] if self.scenario.producer_tiny else [])
         producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.procs.append(producer)
+        if self.scenario.pin_cores:
+            self.pinned = pin_apart(producer.pid, self.procs[0].pid)
         ready = json.loads(producer.stdout.readline() or "{}")
         if not ready.get("ready"):
             raise OffloadError("the producer engine did not start")
@@ -159,6 +172,23 @@ class Processes:
                     proc.kill()
                     proc.wait()
         self.tmp.cleanup()
+
+
+def pin_apart(producer_pid: int, coordinator_pid: int) -> bool:
+    """AQUA's producer computes on its own accelerator: here, on its own core (the last one), and
+    this process (every thread) and the coordinator on the others. False where there is one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return False
+    rest = set(cores[:-1])
+    os.sched_setaffinity(producer_pid, {cores[-1]})
+    os.sched_setaffinity(coordinator_pid, rest)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), rest)
+        except OSError:
+            pass                     # a thread that has just exited
+    return True
 
 
 def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, tokenizer) -> Scheduler:
@@ -209,7 +239,9 @@ def summarize(records: list[RequestRecord], duration_s: float, burst: tuple[floa
 
 
 def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str, ...] = MODES,
-                    log=print) -> dict:
+                    log=print, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Every mode in every round; `checkpoint` gets the report so far after each mode (a run cut
+    short keeps what it measured)."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise WorkloadError(f"unknown burst modes {unknown}; choose from {', '.join(MODES)}")
@@ -237,6 +269,7 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
             asyncio.run(_run(AsyncEngine(_scheduler(runner, "cfs-host", scenario, None, tokenizer), tokenizer),
                              warm))
         parts: dict[str, list[ModeRound]] = {m: [] for m in modes}
+        alone_before = _producer_alone(processes, scenario, log)
         for k in range(scenario.rounds):
             seed = scenario.seed + k
             workload = build_workload(prompts, scenario.arrivals(seed), plen, olen, seed, name=f"burst-{k}")
@@ -248,14 +281,37 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                 engine = {"preempted_requests": stats.preempted_requests, "recomputed_tokens": stats.recomputed_tokens,
                           "restored_tokens": stats.restored_tokens, "steps": stats.steps, "busy_s": stats.busy_s,
                           **_pager_counters(scheduler.pager)}
+                if isinstance(scheduler.policy, CFSPolicy):
+                    engine["cfs_paging_share"] = scheduler.policy.paging_share
+                    engine["cfs_fcfs_fallback_steps"] = scheduler.policy.fcfs_fallback_steps
                 rate = processes.producer_rate(window)
                 engine["producer_tokens_per_s"] = rate
-                parts[mode].append(ModeRound(records, duration_s, window, engine))
+                alone_after = _producer_alone(processes, scenario, log)
+                alone = [r for r in (alone_before, alone_after) if r]
+                parts[mode].append(ModeRound(records, duration_s, window, engine,
+                                             float(np.mean(alone)) if alone else None))
+                alone_before = alone_after
+                if checkpoint is not None:
+                    checkpoint({**report(scenario, {m: r for m, r in parts.items() if r}),
+                                "producer_pinned_apart": processes.pinned, "partial": True})
                 log(f"   p99 TTFT {summarize(records, duration_s, _burst(scenario))['ttft_ms']['p99']:.0f} ms, "
                     f"producer {rate if rate is None else round(rate, 1)} tok/s")
     finally:
         processes.stop()
-    return report(scenario, parts)
+    out = report(scenario, parts)
+    out["producer_pinned_apart"] = processes.pinned
+    return out
+
+
+def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> float | None:
+    """The producer's rate over an idle window of the consumer (the baseline of its loss)."""
+    if not scenario.producer or scenario.producer_idle_s <= 0:
+        return None
+    started = time.monotonic()
+    time.sleep(scenario.producer_idle_s)
+    rate = processes.producer_rate((started, time.monotonic()))
+    log(f"   producer alone: {rate if rate is None else round(rate, 1)} tok/s")
+    return rate
 
 
 def _burst(scenario: BurstScenario) -> tuple[float, float]:
@@ -270,20 +326,62 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         summary = summarize(records, max(p.duration_s for p in rounds), _burst(scenario))
         rates = [p.engine["producer_tokens_per_s"] for p in rounds if p.engine["producer_tokens_per_s"]]
         summary["producer_tokens_per_s"] = float(np.median(rates)) if rates else None
+        losses = [1 - p.engine["producer_tokens_per_s"] / p.producer_alone_tokens_per_s for p in rounds
+                  if p.engine["producer_tokens_per_s"] and p.producer_alone_tokens_per_s]
+        summary["producer_loss_vs_alone_by_round"] = losses
+        summary["producer_loss_vs_alone"] = float(np.median(losses)) if losses else None
         summary["engine"] = [p.engine for p in rounds]
+        summary["rounds"] = [{"duration_s": p.duration_s, "window": list(p.window),
+                              "producer_alone_tokens_per_s": p.producer_alone_tokens_per_s,
+                              "records": [_compact(r) for r in p.records]} for p in rounds]
         modes[mode] = summary
     out = {"scenario": asdict(scenario), "modes": modes}
+    lent_rounds, host_rounds = parts.get("cfs-lent", []), parts.get("cfs-host", [])
+    lending = [1 - a.engine["producer_tokens_per_s"] / b.engine["producer_tokens_per_s"]
+               for a, b in zip(lent_rounds, host_rounds)
+               if a.engine["producer_tokens_per_s"] and b.engine["producer_tokens_per_s"]]
+    if lending:
+        # Paired within each round (the modes ran minutes apart at most), then the median.
+        out["producer_lending_loss_by_round"] = lending
+        out["producer_lending_loss"] = float(np.median(lending))
     if "fcfs" in modes:
         for mode in ("cfs-host", "cfs-lent"):
             if mode in modes and modes[mode]["ttft_ms"]["p99"]:
                 modes[mode]["p99_ttft_vs_fcfs"] = modes[mode]["ttft_ms"]["p99"] / modes["fcfs"]["ttft_ms"]["p99"]
                 modes[mode]["p99_tpot_vs_fcfs"] = modes[mode]["tpot_ms"]["p99"] / modes["fcfs"]["tpot_ms"]["p99"]
                 modes[mode]["p50_e2e_vs_fcfs"] = modes[mode]["e2e_ms"]["p50"] / modes["fcfs"]["e2e_ms"]["p50"]
-    lent, host = modes.get("cfs-lent", {}), modes.get("cfs-host", {})
-    if lent.get("producer_tokens_per_s") and host.get("producer_tokens_per_s"):
-        out["producer_throughput_loss"] = 1 - lent["producer_tokens_per_s"] / host["producer_tokens_per_s"]
-    if lent.get("producer_tokens_per_s") and modes.get("fcfs", {}).get("producer_tokens_per_s"):
-        out["producer_throughput_loss_vs_fcfs"] = 1 - lent["producer_tokens_per_s"] / modes["fcfs"]["producer_tokens_per_s"]
+    return out
+
+
+def _compact(record: RequestRecord) -> dict:
+    """A record without its per-chunk times (TTFT, TPOT and completion need none of them)."""
+    out = record.to_json()
+    out["chunk_times_s"], out["chunk_tokens"] = [], []
+    return out
+
+
+def pool(results: list[dict]) -> dict:
+    """Runs of one scenario made apart (each its own rounds), reported as one: every round of
+    every run, request records pooled, losses paired within their rounds as before."""
+    if not results:
+        raise WorkloadError("nothing to pool")
+    ignore = {"seed", "rounds"}
+    first = {k: v for k, v in results[0]["scenario"].items() if k not in ignore}
+    parts: dict[str, list[ModeRound]] = {}
+    for result in results:
+        if {k: v for k, v in result["scenario"].items() if k not in ignore} != first:
+            raise WorkloadError("pooled runs must share one scenario (seed and rounds aside)")
+        for mode, m in result["modes"].items():
+            if "rounds" not in m:
+                raise WorkloadError(f"{mode}: this result has no request records to pool")
+            for rnd, engine in zip(m["rounds"], m["engine"]):
+                parts.setdefault(mode, []).append(ModeRound(
+                    [RequestRecord.from_json(r) for r in rnd["records"]], rnd["duration_s"], tuple(rnd["window"]),
+                    engine, rnd["producer_alone_tokens_per_s"]))
+    scenario = BurstScenario(**{**first, "rounds": sum(len(r) for r in parts.values()) // max(len(parts), 1),
+                                "seed": results[0]["scenario"]["seed"]})
+    out = report(scenario, parts)
+    out["pooled_runs"] = len(results)
     return out
 
 
@@ -302,11 +400,15 @@ def format_table(result: dict) -> str:
         if "p99_ttft_vs_fcfs" in m:
             rows.append(f"{mode}: P99 TTFT {m['p99_ttft_vs_fcfs']:.3f}x FCFS's (1/{1 / m['p99_ttft_vs_fcfs']:.1f}), "
                         f"P99 TPOT {m['p99_tpot_vs_fcfs']:.2f}x, P50 completion {m['p50_e2e_vs_fcfs']:.2f}x")
-    if "producer_throughput_loss" in result:
-        rows.append(f"producer throughput loss (cfs-lent vs cfs-host): {100 * result['producer_throughput_loss']:.1f}%")
-    if "producer_throughput_loss_vs_fcfs" in result:
-        rows.append(f"producer throughput loss (cfs-lent vs fcfs): "
-                    f"{100 * result['producer_throughput_loss_vs_fcfs']:.1f}%")
+    if "producer_lending_loss" in result:
+        by_round = ", ".join(f"{100 * x:.1f}" for x in result["producer_lending_loss_by_round"])
+        rows.append(f"producer loss from lending (cfs-lent vs cfs-host, paired per round, median): "
+                    f"{100 * result['producer_lending_loss']:.1f}% (rounds: {by_round})")
+    for mode, m in result["modes"].items():
+        if m.get("producer_loss_vs_alone") is not None:
+            by_round = ", ".join(f"{100 * x:.1f}" for x in m["producer_loss_vs_alone_by_round"])
+            rows.append(f"producer loss during {mode} vs the producer alone (median): "
+                        f"{100 * m['producer_loss_vs_alone']:.1f}% (rounds: {by_round})")
     return "\n".join(rows)
 
 

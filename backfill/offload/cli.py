@@ -42,7 +42,11 @@ def _fill_bench_burst(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=d.warmup_s)
     p.add_argument("--decode-attention", default=d.decode_attention, choices=("auto", "sdpa"))
     p.add_argument("--threads", type=int, default=None, help="consumer torch threads (1 on a crowded machine)")
+    p.add_argument("--producer-idle-s", type=float, default=d.producer_idle_s,
+                   help="the producer alone (consumer idle) before the first mode and after each one")
+    p.add_argument("--no-pin", action="store_true", help="let the producer share cores with the consumer")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--pool", nargs="+", metavar="JSON", help="report runs made apart as one (no new run)")
     p.add_argument("--json", default="runs/burst.json")
     p.set_defaults(func=cmd_bench_burst)
 
@@ -69,13 +73,19 @@ def _fill_offload_profile(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_burst(args: argparse.Namespace) -> None:
-    from backfill.offload.burst import BurstScenario, format_table, run_burst_bench, save
+    from backfill.offload.burst import BurstScenario, format_table, pool, run_burst_bench, save
 
+    if args.pool:
+        result = pool([json.loads(Path(path).read_text()) for path in args.pool])
+        print(format_table(result))
+        save(result, args.json)
+        print(f"wrote {args.json}")
+        return
     scenario = BurstScenario(args.rate, args.burst_factor, args.steady_s, args.burst_s, args.after_s, args.prompt_len,
                              args.output_len, args.kv_cache_gb, args.slice_iterations, args.rounds, args.seed,
                              args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s,
-                             args.decode_attention, args.threads)
-    result = run_burst_bench(scenario, tuple(args.modes))
+                             args.decode_attention, args.threads, args.producer_idle_s, not args.no_pin)
+    result = run_burst_bench(scenario, tuple(args.modes), checkpoint=lambda partial: save(partial, args.json))
     print(format_table(result))
     save(result, args.json)
     print(f"wrote {args.json}")

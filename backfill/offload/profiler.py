@@ -92,6 +92,7 @@ class ProfileConfig:
     producer_threshold_mb: float = 64.0  # free memory above this at the peak rate: a producer
     seed: int = 0
     decode_attention: str = "auto"      # "sdpa": no C++ kernel build (see ServingConfig)
+    threads: int | None = None          # torch threads: the burst benchmark's consumer uses 1
 
 
 @dataclass
@@ -122,7 +123,7 @@ def run_profile(config: ProfileConfig = ProfileConfig(), log=print) -> Profile:
     loaded = load_model(None)
     runner = run_on_torch_thread(build_runner, loaded.config, loaded.weights,
                                  ServingConfig(policy="fcfs", kv_cache_gb=config.kv_cache_gb, device="cpu",
-                                               decode_attention=config.decode_attention))
+                                               decode_attention=config.decode_attention, threads=config.threads))
     prompts = PromptSource(loaded.tokenizer, seed=config.seed)
     plen, olen = parse_length_spec(config.prompt_len), parse_length_spec(config.output_len)
 
@@ -191,13 +192,15 @@ def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", default=d.output_len)
     p.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb)
     p.add_argument("--decode-attention", default=d.decode_attention, choices=("auto", "sdpa"))
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (as the burst's --threads)")
     p.add_argument("--json", default="runs/offload-profile.json")
 
 
 def run_profile_command(args: argparse.Namespace) -> None:
     config = ProfileConfig(args.ttft_sla_ms, args.tpot_sla_ms, args.lo_rate, args.hi_rate, args.binary_steps,
                            args.linear_step, args.probe_s, tuple(args.burst_factors), args.burst_s, args.prompt_len,
-                           args.output_len, args.kv_cache_gb, decode_attention=args.decode_attention)
+                           args.output_len, args.kv_cache_gb, decode_attention=args.decode_attention,
+                           threads=args.threads)
     profile = run_profile(config)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(profile.to_json(), indent=1))

@@ -59,6 +59,7 @@ class CFSPolicy(SchedulingPolicy):
         self._forward_ms = 0.0
         self._swap: SwapReport | None = None
         self.slices = 0
+        self.fcfs_fallback_steps = 0      # steps planned by FCFS because paging measured too dear
 
     # --- what the scheduler reports -------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class CFSPolicy(SchedulingPolicy):
 
     def schedule(self, state: SchedulerState) -> StepPlan:
         if self.falls_back:
+            self.fcfs_fallback_steps += 1
             fcfs = self._fcfs.schedule(state)
             self._resident, self._iterations_left = [], 0
             return StepPlan(fcfs.scheduled, fcfs.preempt, False, "cfs-fcfs", fcfs.info)

@@ -7,6 +7,7 @@ import pytest
 
 from backfill.cluster.placer import (InfeasiblePlacementError, ModelSpec, PlacementProblem, brute_force, random_problem, solve,
                                      stable_match)
+from backfill.cluster import placer
 from backfill.errors import ClusterInputError
 
 
@@ -34,6 +35,44 @@ def test_milp_is_optimal_on_every_small_instance():
         assert problem.feasible([result.server_of[m.name] for m in problem.models])
         rows.append((problem.servers, len(problem.models), best))
     assert len(rows) >= 30
+
+
+def test_per_server_program_is_optimal_too(monkeypatch):
+    """The fallback when a server can be filled in too many ways: the same optima."""
+    monkeypatch.setattr(placer, "MAX_PATTERNS", 0)
+    checked = 0
+    for problem in itertools.islice(small_instances(), 20):
+        try:
+            best, _ = brute_force(problem)
+        except InfeasiblePlacementError:
+            continue
+        result = solve(problem)
+        assert result.proven_optimal and result.objective == pytest.approx(best, abs=1e-6)
+        checked += 1
+    assert checked >= 12
+
+
+def test_patterns_and_per_server_program_agree_beyond_brute_force(monkeypatch):
+    """Instances too big to enumerate (4 servers x 4 GPUs, 12 models): both forms prove the same optimum."""
+    rng = np.random.default_rng(3)
+    problems = [random_problem(rng, 4, 4, 12, n_kinds=4) for _ in range(4)]
+    by_patterns = [solve(p) for p in problems]
+    monkeypatch.setattr(placer, "MAX_PATTERNS", 0)
+    per_server = [solve(p) for p in problems]
+    for a, b in zip(by_patterns, per_server):
+        assert a.proven_optimal and b.proven_optimal
+        assert a.objective == pytest.approx(b.objective, abs=1e-6)
+
+
+def test_server_patterns_fill_one_server_within_its_gpus():
+    kinds = [(1, 5.0), (2, -3.0), (4, 10.0)]
+    patterns = placer.server_patterns(kinds, [3, 2, 1], 4)
+    shards = patterns @ np.array([1, 2, 4])
+    assert (shards <= 4).all() and (patterns <= [3, 2, 1]).all()
+    assert len({tuple(p) for p in patterns}) == len(patterns)
+    # every way, counted by hand: (a, b, 0) with a + 2b <= 4, a <= 3, b <= 2 is 8 ways; (0, 0, 1) one more
+    assert len(patterns) == 9
+    assert placer.server_patterns(kinds, [3, 2, 1], 0).tolist() == [[0, 0, 0]]
 
 
 def test_shards_stay_together_and_gpu_limit_holds():
@@ -72,3 +111,17 @@ def test_bad_problems_are_typed_errors():
         PlacementProblem(1, 2, 80.0, (ModelSpec("a", 2, -10.0), ModelSpec("b", 1, 5.0)))
     with pytest.raises(ClusterInputError):
         ModelSpec("x", 0, 1.0)
+
+
+def test_memory_off_the_grid_is_still_optimal():
+    rng = np.random.default_rng(11)
+    for _ in range(5):
+        models = tuple(ModelSpec(f"m{i}", int(rng.choice([1, 1, 2])), float(rng.uniform(-30, 30)) + 1e-3)
+                       for i in range(5))
+        problem = PlacementProblem(3, 3, 80.0, models)
+        try:
+            best, _ = brute_force(problem)
+        except InfeasiblePlacementError:
+            continue
+        result = solve(problem)
+        assert result.proven_optimal and result.objective == pytest.approx(best, abs=1e-6)

@@ -1,10 +1,15 @@
 """The burst benchmark's scenario and report, on constructed request records."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from backfill.bench.metrics import RequestRecord
 from backfill.errors import WorkloadError
-from backfill.offload.burst import BurstScenario, ModeRound, format_table, report
+from backfill.offload.burst import BurstScenario, ModeRound, format_table, pool, report
 from backfill.serving.api import RequestClass
 
 
@@ -18,17 +23,53 @@ def records(ttft_s: float, n: int = 20) -> list[RequestRecord]:
     return out
 
 
+def parts_of(rates_by_round, alone=100.0):
+    """Modes over rounds; rates_by_round: per round, the producer's rate in fcfs, cfs-host, cfs-lent."""
+    parts = {}
+    for rates in rates_by_round:
+        for (mode, ttft), rate in zip((("fcfs", 10.0), ("cfs-host", 1.0), ("cfs-lent", 0.5)), rates):
+            parts.setdefault(mode, []).append(ModeRound(records(ttft), 25.0, (0.0, 25.0),
+                                                        {"producer_tokens_per_s": rate, "pages_out": 3}, alone))
+    return parts
+
+
 def test_ratios_and_producer_loss():
     scenario = BurstScenario(steady_s=5, burst_s=10, after_s=5)
-    parts = {mode: [ModeRound(records(ttft), 25.0, (0.0, 25.0), {"producer_tokens_per_s": rate, "pages_out": 3})]
-             for mode, ttft, rate in (("fcfs", 10.0, 100.0), ("cfs-host", 1.0, 100.0), ("cfs-lent", 0.5, 97.0))}
-    result = report(scenario, parts)
+    result = report(scenario, parts_of([(100.0, 100.0, 97.0)]))
     assert result["modes"]["cfs-lent"]["p99_ttft_vs_fcfs"] == pytest.approx(0.05, rel=1e-6)
     assert result["modes"]["cfs-host"]["p99_ttft_vs_fcfs"] == pytest.approx(0.1, rel=1e-6)
-    assert result["producer_throughput_loss"] == pytest.approx(0.03)
+    assert result["producer_lending_loss"] == pytest.approx(0.03)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.03)
     assert result["modes"]["fcfs"]["burst_ttft_ms"]["count"] == 10  # sent in [5, 15)
     table = format_table(result)
     assert "cfs-lent: P99 TTFT 0.050x FCFS's (1/20.0)" in table and "3.0%" in table
+
+
+def test_producer_loss_is_paired_per_round_then_the_median():
+    # The machine drifts between rounds (the producer alone at 100, then 50); paired per round,
+    # lending costs 2%, 4% and 40% (an outlier): the median is 4%, not the pooled rates' ratio.
+    parts = parts_of([(100.0, 100.0, 98.0), (50.0, 50.0, 48.0), (100.0, 100.0, 60.0)])
+    parts["cfs-lent"][1].producer_alone_tokens_per_s = 50.0
+    result = report(BurstScenario(steady_s=5, burst_s=10, after_s=5, rounds=3), parts)
+    assert result["producer_lending_loss_by_round"] == pytest.approx([0.02, 0.04, 0.40])
+    assert result["producer_lending_loss"] == pytest.approx(0.04)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.04)
+
+
+def test_runs_made_apart_pool_into_one_report():
+    scenario = BurstScenario(steady_s=5, burst_s=10, after_s=5)
+    one = json.loads(json.dumps(report(scenario, parts_of([(100.0, 100.0, 98.0)])), default=str))
+    two = json.loads(json.dumps(report(BurstScenario(steady_s=5, burst_s=10, after_s=5, seed=1),
+                                       parts_of([(100.0, 100.0, 90.0)])), default=str))
+    pooled = pool([one, two])
+    assert pooled["pooled_runs"] == 2
+    assert pooled["modes"]["fcfs"]["requests"] == 40
+    assert pooled["producer_lending_loss_by_round"] == pytest.approx([0.02, 0.10])
+    assert pooled["modes"]["cfs-lent"]["p99_ttft_vs_fcfs"] == pytest.approx(0.05, rel=1e-6)
+    with pytest.raises(WorkloadError):
+        pool([one, {**two, "scenario": {**two["scenario"], "burst_s": 99.0}}])
+    with pytest.raises(WorkloadError):
+        pool([])
 
 
 def test_scenario_errors_and_arrivals():
@@ -39,3 +80,23 @@ def test_scenario_errors_and_arrivals():
     arrivals = BurstScenario(steady_rate_per_s=2.0, steady_s=50, burst_s=50, after_s=50).arrivals(0)
     steady, burst = ((arrivals < 50).sum(), ((arrivals >= 50) & (arrivals < 100)).sum())
     assert 1.5 < burst / steady < 2.6
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_producer_pinned_apart_from_the_consumer():
+    # In a child interpreter: pinning changes the calling process's threads.
+    code = """
+import os, subprocess, sys
+from backfill.offload.burst import pin_apart
+a, b = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+try:
+    print(pin_apart(a.pid, b.pid), sorted(os.sched_getaffinity(a.pid)), sorted(os.sched_getaffinity(b.pid)),
+          sorted(os.sched_getaffinity(0)))
+finally:
+    a.kill(); b.kill()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    cores = sorted(os.sched_getaffinity(0))
+    assert out[0] == "True"
+    producer, coordinator, consumer = (json.loads(x) for x in (out[1], out[2], out[3]))
+    assert producer == [cores[-1]] and consumer == coordinator == cores[:-1]

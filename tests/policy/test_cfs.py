@@ -81,8 +81,10 @@ def test_falls_back_to_fcfs_only_when_host_paging_is_measured_too_dear():
     assert not policy.falls_back                     # lent memory: keep paging
     policy.observe_swap(SwapReport(Location.HOST, 1000, 500.0, 0))
     assert policy.falls_back and policy.schedule(state(seqs)).mode == "cfs-fcfs"
+    assert policy.fcfs_fallback_steps == 1
     policy.observe_swap(SwapReport(Location.HOST, 1000, 10.0, 0))
     assert not policy.falls_back                     # cheap host paging: CFS
+    assert policy.schedule(state(seqs)).mode == "cfs" and policy.fcfs_fallback_steps == 1
 
 
 def test_config_errors():
