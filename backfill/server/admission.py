@@ -16,7 +16,10 @@ queue ahead: the prompt tokens of admitted online requests still waiting for the
 plus this one's, run in steps of at most max_batch_tokens, each step also carrying one token per
 online request decoding. Measured TTFTs correct it: the ratio of measured to predicted TTFT is
 tracked, so a profile measured on a quieter machine, or steps the model does not see (offline
-riders, preemption), do not let the queue grow past the SLO.
+riders, preemption), do not let the queue grow past the SLO. That ratio is learnt only as requests
+finish, a whole output after they were admitted, so under a burst it lags; the requests still
+waiting correct it at once: one that has waited longer than it was predicted to says the queue runs
+slower than predicted by that factor, and the new request, behind it, is predicted that much later.
 
 Policy, not mechanism: a plain object over the server's view of what it admitted.
 """
@@ -32,6 +35,9 @@ from backfill.policy.latency_model import BatchShape
 # How fast the measured/predicted ratio follows new measurements, and the range it stays in.
 CORRECTION_WEIGHT = 0.2
 CORRECTION_RANGE = (0.2, 5.0)
+# A waiting request corrects the prediction once it has waited this share of the TTFT limit: below
+# it, waits are too short for their ratio to the prediction to mean anything.
+LAG_MIN_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class QueuedRequest:
     first_token: bool           # it has produced its first token (it is decoding now)
     num_decoding: int = 1       # its choices decoding, once they have started
     remaining_tokens: int = 0   # the fewest output tokens any of its choices may still generate
+    waited_ms: float = 0.0      # since it arrived
+    predicted_ttft_ms: float = 0.0   # what admission predicted for it (0: not predicted)
 
 
 @dataclass(frozen=True)
@@ -80,16 +88,27 @@ class TtftAdmission:
         limit = self.ttft_slo_ms * self.ttft_share
         decode_step_ms = self.correction * self.estimate_ms(BatchShape(decoding + 1))
         predicted += self._slot_wait_steps(admitted) * decode_step_ms
+        lag = self.queue_lag(admitted)
+        predicted *= lag
         fits_ttft = predicted <= limit
         fits_tpot = decoding == 0 or decode_step_ms <= self.tpot_slo_ms
         if (fits_ttft and fits_tpot) or not admitted:   # an idle server takes any request
             return Decision(True, predicted)
         # Retry once the queue ahead has drained enough for this request to fit the SLO ...
-        drain = max(predicted - limit, self.correction * self.prefill_ms(ahead, decoding)) if not fits_ttft else 0.0
+        drain = 0.0
+        if not fits_ttft:
+            drain = max(predicted - limit, lag * self.correction * self.prefill_ms(ahead, decoding))
         if not fits_tpot:   # ... and a decoding request has finished (at the latest: its max_tokens)
             soonest = min((r.remaining_tokens for r in admitted if r.first_token), default=1)
             drain = max(drain, max(soonest, 1) * decode_step_ms)
         return Decision(False, predicted, drain)
+
+    def queue_lag(self, admitted: list[QueuedRequest]) -> float:
+        """How much slower than predicted the queue runs now (at least 1): the largest ratio of a
+        waiting request's wait so far to its predicted TTFT, among those that waited long enough."""
+        floor_ms = LAG_MIN_SHARE * self.ttft_slo_ms * self.ttft_share
+        return max([1.0, *(r.waited_ms / r.predicted_ttft_ms for r in admitted
+                    if not r.first_token and r.predicted_ttft_ms > 0 and r.waited_ms >= floor_ms)])
 
     def _slot_wait_steps(self, admitted: list[QueuedRequest]) -> int:
         """Decode steps until the batch has a sequence slot for this request: a step runs at most

@@ -81,7 +81,9 @@ class ServerState:
         predicted_ms = 0.0
         if self.admission is not None and prepared.request.request_class is RequestClass.ONLINE:
             num_prompt = len(prepared.request.prompt_token_ids) * len(prepared.requests)
-            decision = self.admission.decide(num_prompt, (queued_view(g) for g in self.online))
+            now = time.monotonic()
+            decision = self.admission.decide(num_prompt, (queued_view(g, predicted, now)
+                                                          for g, predicted in self.online.items()))
             if not decision.admit:
                 self.metrics.rejected.labels(request_class).inc()
                 raise APIError(429, f"the server is at capacity: this request's time to first token is predicted "
@@ -107,12 +109,15 @@ class ServerState:
             self.admission.observe(predicted_ms, (generation.first_token_s - generation.request.arrival_time) * 1e3)
 
 
-def queued_view(generation: Generation) -> QueuedRequest:
+def queued_view(generation: Generation, predicted_ttft_ms: float = 0.0,
+                now_s: float | None = None) -> QueuedRequest:
+    now_s = time.monotonic() if now_s is None else now_s
     unfinished = [i for i, reason in enumerate(generation.finish_reasons) if reason is None]
     max_tokens = generation.request.sampling.max_tokens
     return QueuedRequest(len(generation.request.prompt_token_ids) * len(generation.requests),
                          generation.first_token_s is not None, len(unfinished),
-                         min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0))
+                         min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0),
+                         (now_s - generation.request.arrival_time) * 1e3, predicted_ttft_ms)
 
 
 def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:

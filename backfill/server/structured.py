@@ -5,6 +5,7 @@ structured_outputs. A schema, regex or grammar the library cannot compile is a 4
 from __future__ import annotations
 
 import json
+from typing import Callable, TypeVar
 
 import jsonschema
 
@@ -13,6 +14,9 @@ from backfill.server.errors import bad_request
 from backfill.server.schemas import ChatCompletionBody, CompletionBody
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
+
+Value = TypeVar("Value")
+Built = TypeVar("Built")
 
 
 def requested_grammar(body: ChatCompletionBody | CompletionBody) -> tuple[str, str] | None:
@@ -68,7 +72,8 @@ def _schema_grammar(schema: object, param: str) -> str:
     return _checked(GrammarCompiler.json_schema, schema, param)
 
 
-def _checked(build, value, param: str) -> str:
+def _checked(build: Callable[[Value], Built], value: Value, param: str) -> Built:
+    """build(value), its InvalidGrammarError a 400 naming param."""
     try:
         return build(value)
     except InvalidGrammarError as exc:
@@ -77,7 +82,4 @@ def _checked(build, value, param: str) -> str:
 
 def check_grammar(compiler: GrammarCompiler, param: str, grammar: str) -> None:
     """400 naming param when the grammar does not compile for this model's tokenizer."""
-    try:
-        compiler.check(grammar)
-    except InvalidGrammarError as exc:
-        raise bad_request(f"{param}: {exc}", param=param) from None
+    _checked(compiler.check, grammar, param)

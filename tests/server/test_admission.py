@@ -118,3 +118,29 @@ def test_admission_off_with_infinite_share(tmp_path):
     app = create_app(build_tiny_engine(serving), config, Store(db))
     assert app.state.backfill.admission is None
     app.state.backfill.store.close()
+
+
+def test_requests_waiting_past_their_prediction_slow_the_prediction_at_once():
+    policy = admission(slo=1000.0)
+    on_time = [QueuedRequest(50, False, waited_ms=200.0, predicted_ttft_ms=300.0)]
+    base = policy.decide(50, on_time).predicted_ttft_ms
+    assert policy.queue_lag(on_time) == 1.0
+    # One waiting request has waited 3x its prediction: the queue runs 3x slower than predicted.
+    late = on_time + [QueuedRequest(50, False, waited_ms=600.0, predicted_ttft_ms=200.0)]
+    assert policy.queue_lag(late) == pytest.approx(3.0)
+    assert policy.decide(50, late).predicted_ttft_ms == pytest.approx(3.0 * policy.decide(50, late[:1] * 2)
+                                                                      .predicted_ttft_ms)
+    assert base < 1000.0
+    # A wait under a quarter of the limit says nothing yet; a decoding request is not waiting.
+    assert policy.queue_lag([QueuedRequest(50, False, waited_ms=200.0, predicted_ttft_ms=20.0)]) == 1.0
+    assert policy.queue_lag([QueuedRequest(50, True, waited_ms=900.0, predicted_ttft_ms=20.0)]) == 1.0
+
+
+def test_a_late_queue_turns_an_admission_into_a_429_with_a_longer_retry():
+    policy = admission(slo=500.0)
+    queue = [QueuedRequest(200, False, waited_ms=400.0, predicted_ttft_ms=400.0)]
+    assert policy.decide(100, queue).admit               # (10+100)*3 = 330 ms, on time so far
+    late = [QueuedRequest(200, False, waited_ms=800.0, predicted_ttft_ms=400.0)]
+    decision = policy.decide(100, late)
+    assert not decision.admit and decision.predicted_ttft_ms == pytest.approx(2 * 330.0)
+    assert decision.retry_after_ms == pytest.approx(2 * 220.0)   # the 200 tokens ahead, at the late pace
