@@ -45,8 +45,8 @@ class CpuContention:
     share_by_busy_nodes: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
-        if not self.share_by_busy_nodes or any(not 0 < x <= 1.5 for x in self.share_by_busy_nodes):
-            raise ClusterInputError(f"share_by_busy_nodes must be non-empty shares in (0, 1.5], "
+        if not self.share_by_busy_nodes or any(not 0 < x <= 1 for x in self.share_by_busy_nodes):
+            raise ClusterInputError(f"share_by_busy_nodes must be non-empty shares in (0, 1], "
                                     f"got {self.share_by_busy_nodes}")
 
     def share(self, busy_nodes: float) -> float:
