@@ -61,7 +61,8 @@ class ScenarioConfig:
         if model == "tiny":
             return cls()
         return cls(model=model, online_rate_per_s=0.2, round_s=4.0, measure_window_s=8.0, node_window_s=10.0,
-                   profile_lines=48, profile_warmup_s=3.0, profile_s=8.0, timeout_s=200.0, start_timeout_s=240.0)
+                   job_rounds=16.0, profile_lines=48, profile_warmup_s=3.0, profile_s=8.0, timeout_s=200.0,
+                   start_timeout_s=240.0)
 
 
 def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
