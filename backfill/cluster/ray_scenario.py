@@ -47,7 +47,7 @@ class ScenarioConfig:
     kill_after_rounds: int = 6             # and not before job0 has moved off the raised node
     job_rounds: float = 10.0               # rounds job0 and job1 take at the expected rate
     short_job_share: float = 0.4           # job2, so that a node frees up for the evicted job
-    profile_lines: int = 256               # per node and phase (cancelled when the phase ends)
+    profile_lines: int = 512               # per node and phase (cancelled when the phase ends)
     profile_warmup_s: float = 1.0
     profile_s: float = 3.0                 # per phase (k = nodes, ..., 1 nodes busy at once)
     timeout_s: float = 150.0               # for the jobs, from their submission
@@ -61,7 +61,7 @@ class ScenarioConfig:
         if model == "tiny":
             return cls()
         return cls(model=model, online_rate_per_s=0.2, round_s=4.0, measure_window_s=8.0, node_window_s=10.0,
-                   job_rounds=16.0, profile_lines=48, profile_warmup_s=3.0, profile_s=8.0, timeout_s=200.0,
+                   job_rounds=16.0, profile_lines=96, profile_warmup_s=3.0, profile_s=8.0, timeout_s=200.0,
                    start_timeout_s=240.0)
 
 
@@ -183,8 +183,12 @@ def profile_rates(handles: dict, cfg: ScenarioConfig) -> dict[int, dict[str, flo
         before = {n: ray.get(handles[n].observe.remote()) for n in busy}
         time.sleep(cfg.profile_s)
         after = {n: ray.get(handles[n].observe.remote()) for n in busy}
+        ended = [n for n in busy if ray.get(handles[n].progress.remote(f"profile{k}"))["ended"]]
         for n in busy:
             ray.get(handles[n].stop_job.remote(f"profile{k}"))
+        if ended:
+            raise RuntimeError(f"profile with {k} busy nodes: {ended} ran out of lines before the window "
+                               f"ended; raise profile_lines ({cfg.profile_lines})")
         rates[k] = {n: (after[n]["offline_tokens"] - before[n]["offline_tokens"]) / (after[n]["t_s"] - before[n]["t_s"])
                     for n in busy}
         if min(rates[k].values()) <= 0:

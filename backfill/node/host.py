@@ -7,7 +7,9 @@
 
     GET /metrics   Prometheus text: idle fraction of compute over the window (Valve §6's C_n: the
                    share of samples with no online request in flight on any model), free pool
-                   memory (handles and fraction), offline tokens/s per job (batch) of each model
+                   memory (handles and fraction), the gate's open share, offline tokens/s
+                   generated (lines in progress included), offline tokens/s per job (batch)
+                   of each model (recorded lines)
     GET /node      the same as JSON, with the free-memory trace of the window (m_n(t))
 
 The node samples every node.sample_interval_s: online busy, whether the gate lets offline work
