@@ -30,6 +30,9 @@ from backfill.cluster.throughput_model import JobProfile, OfflineJob
 # A local test cluster: Ray must address every node as 127.0.0.1 (on Linux it otherwise picks the
 # host's outward address). Read when ray is first imported, which this module does lazily.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray starts workers 15 nice levels below the raylet; the node processes are what the scenario
+# measures, so they run at the priority of the process that started the cluster.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @dataclass(frozen=True)
