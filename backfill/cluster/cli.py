@@ -66,9 +66,21 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     result = run_scenario(ScenarioConfig.for_model(args.model))
     prediction = result["prediction"]
-    print(f"model {result['model']}, T_mono {result['t_mono_tokens_per_s']:.1f} tokens/s; raised {result['raised_node']}, "
-          f"killed {result['killed_node']}; every custom_id exactly once: {result['exactly_once']}; "
-          f"prediction median |error| {prediction['median_abs_error']} over {len(prediction['errors'])} job stays; "
+    shares = ", ".join(f"{x:.2f}" for x in result["cpu_contention"])
+    print(f"model {result['model']}: ready in {result['ready_s']:.0f} s; T_mono {result['t_mono_tokens_per_s']:.1f} "
+          f"tokens/s alone, shares with 1..{len(result['cpu_contention'])} nodes busy: {shares}")
+    for event in result["events"]:
+        print("  " + ", ".join(f"{k} {v}" for k, v in event.items() if k not in ("busy",)))
+    print(f"raised {result['raised_node']} (round {result['raised_round']}), killed {result['killed_node']} "
+          f"(round {result['killed_round']}); finished {result['finished']} in {result['jobs_s']:.0f} s "
+          f"({result['rounds']} rounds); every custom_id exactly once: {result['exactly_once']}")
+    for st in prediction["stays"]:
+        print(f"  {st['job_id']} on {st['node']}: {st['rounds']} rounds, predicted {st['predicted']:.2f}, "
+              f"measured {st['measured']:.2f} tokens/s, error {st['error']:+.0%}")
+    for node, row in sorted(prediction["per_node"].items()):
+        print(f"  {node}: predicted {row['predicted']:.2f}, measured {row['measured']:.2f} tokens/s, "
+              f"error {row['error']:+.0%}")
+    print(f"prediction median |error| over {len(prediction['errors'])} stays: {prediction['median_abs_error']}; "
           f"{time.perf_counter() - started:.0f} s")
     _write(args.json, result)
     return 0

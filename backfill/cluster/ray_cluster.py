@@ -1,6 +1,6 @@
 """The cluster on Ray: node runtimes as actors, and a cluster service that holds the offline jobs.
 
-    service = ClusterService(nodes)          # nodes: node id -> NodeServer actor handle
+    service = ClusterService(nodes, contention=...)   # nodes: node id -> NodeServer actor handle
     service.submit(job, lines)               # JobRejectedError when no node can meet the SLA
     service.round()                          # observe nodes, collect results, decide, act
     service.outputs(job_id)                  # one record per custom_id
@@ -11,12 +11,21 @@ Exactly once: the service keeps each job's results keyed by custom_id (first one
 node only the lines without one; a moved job's old batch is cancelled (lines in flight dropped,
 recorded ones collected) before its remaining lines start elsewhere. A node that stops answering
 is dropped: its jobs go back to the queue and rerun what it had not handed back.
+
+What the monitor checks (Valve §6): a job's throughput is the offline tokens its node generated
+since the job was placed there (lines in progress included, one cluster job per node), over the
+last `measure_window_s`; a round that finishes no line still counts what the engine generated.
+
+C_n of a node that shares a machine's cores with other nodes (a local Ray cluster): the share of
+the window its gate let offline work run, times the share of a lone node's speed a node keeps
+while that many nodes of the machine are busy (`CpuContention`, measured at start-up).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,27 +37,57 @@ from backfill.cluster.throughput_model import ClusterSnapshot, OfflineJob, predi
 from backfill.errors import ClusterInputError, JobRejectedError
 
 
+@dataclass(frozen=True)
+class CpuContention:
+    """A node's offline speed while k nodes of its machine are busy, as a share of its speed alone
+    (k = 1, 2, ...: `share_by_busy_nodes[k - 1]`, measured); 1 for nodes with a device of their own."""
+
+    share_by_busy_nodes: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self) -> None:
+        if not self.share_by_busy_nodes or any(not 0 < x <= 1 for x in self.share_by_busy_nodes):
+            raise ClusterInputError(f"share_by_busy_nodes must be non-empty shares in (0, 1], "
+                                    f"got {self.share_by_busy_nodes}")
+
+    def share(self, busy_nodes: float) -> float:
+        """Linear between measured counts; past the last one, the cores split further in proportion."""
+        shares = self.share_by_busy_nodes
+        k = max(1.0, busy_nodes)
+        if k > len(shares):
+            return shares[-1] * len(shares) / k
+        return float(np.interp(k, np.arange(1, len(shares) + 1), shares))
+
+
 @dataclass
 class _JobState:
     job: OfflineJob
     lines: dict[str, str]                               # custom_id -> JSONL line
     results: dict[str, dict] = field(default_factory=dict)
     node: str | None = None
-    tokens_since_round: int = 0
     moves: int = 0
+    generated: deque = field(default_factory=deque)     # (t_s, node's offline tokens) since placed there
 
 
 class ClusterService:
     def __init__(self, nodes: dict | None = None, scheduler: SchedulerConfig = SchedulerConfig(),
-                 monitor: MonitorConfig = MonitorConfig()) -> None:
+                 monitor: MonitorConfig = MonitorConfig(), contention: CpuContention = CpuContention(),
+                 measure_window_s: float = 10.0) -> None:
+        if not measure_window_s > 0:
+            raise ClusterInputError(f"measure_window_s must be > 0, got {measure_window_s}")
         self.nodes = dict(nodes or {})
         self.controller = ClusterController(ClusterScheduler(scheduler), SLAMonitor(monitor))
+        self.contention = contention
+        self.measure_window_s = measure_window_s
         self.jobs: dict[str, _JobState] = {}
         self.log: list[dict] = []                       # every decision and event, in order
-        self._last_round_s: float | None = None
         self._predicted: dict[str, tuple[str, float]] = {}
         self._just_placed: set[str] = set()
         self._stays: dict[tuple, dict] = {}             # (job, node, move count) -> its whole rounds there
+        self._machine: dict[str, str] = {}              # node id -> the machine whose cores it shares
+        for node_id in list(self.nodes):
+            info = self._call(node_id, "info")
+            if info is not None:
+                self._machine[node_id] = info["machine"]
 
     # --- jobs ---------------------------------------------------------------------------------------
 
@@ -116,44 +155,63 @@ class ClusterService:
             custom_id = record["custom_id"]
             if custom_id in state.lines and custom_id not in state.results:
                 state.results[custom_id] = record
-                state.tokens_since_round += record["response"]["body"]["usage"]["completion_tokens"]
+
+    def _measure(self, state: _JobState, seen: dict) -> float | None:
+        """The job's tokens/s over the last measure_window_s of its stay (None: no interval yet)."""
+        trace = state.generated
+        trace.append((seen["t_s"], seen["offline_tokens"]))
+        while len(trace) > 2 and trace[1][0] <= seen["t_s"] - self.measure_window_s:
+            trace.popleft()
+        (t0, n0), (t1, n1) = trace[0], trace[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+    def _idle_fractions(self, observed: dict[str, dict], busy_share: dict[str, float]) -> dict[str, float]:
+        """C_n: the gate's open share x the CPU share a node keeps beside the busy nodes of its machine."""
+        load: dict[str, float] = {}
+        for node_id, share in busy_share.items():
+            machine = self._machine.get(node_id, node_id)
+            load[machine] = load.get(machine, 0.0) + share
+        return {n: o["idle_fraction"] * self.contention.share(load[self._machine.get(n, n)])
+                for n, o in observed.items()}
+
+    def _snapshot(self, observed: dict[str, dict], idle: dict[str, float]) -> ClusterSnapshot:
+        ids = sorted(observed)
+        return ClusterSnapshot(ids, np.arange(len(ids)), [idle[n] for n in ids],
+                               [observed[n]["free_memory_gb"] for n in ids], [observed[n]["busy"] for n in ids])
 
     def round(self, check_slas: bool = True) -> dict:
-        now = time.monotonic()
-        elapsed = None if self._last_round_s is None or not check_slas else now - self._last_round_s
-        if check_slas:
-            self._last_round_s = now
         observed = {n: self._call(n, "observe") for n in list(self.nodes)}
         observed = {n: o for n, o in observed.items() if o is not None and n in self.nodes}
         finished, measured = [], {}
         for job_id, state in self.jobs.items():
-            if state.node is None or state.node not in self.nodes:
+            if state.node is None or state.node not in observed:
                 continue
             progress = self._call(state.node, "progress", job_id)
             if progress is None:
                 continue
             self._collect(job_id, progress["records"])
+            seen = observed[state.node]
+            last = state.generated[-1] if state.generated else None
+            rate = self._measure(state, seen)
             if len(state.results) == len(state.lines):
                 self._call(state.node, "stop_job", job_id)
                 finished.append(job_id)
                 state.node = None
-            elif elapsed is not None and job_id in self.controller.running:
-                measured[job_id] = state.tokens_since_round / elapsed
-                # the round it started in includes the batch's start-up: compare whole rounds only
-                if job_id in self._predicted and self._predicted[job_id][0] == state.node \
-                        and job_id not in self._just_placed:
+            elif job_id in self.controller.running and job_id not in self._just_placed and rate is not None:
+                # the round it started in includes the batch's start-up: check and compare whole rounds only
+                if not check_slas:
+                    continue
+                measured[job_id] = rate
+                if job_id in self._predicted and self._predicted[job_id][0] == state.node and last is not None:
                     stay = self._stays.setdefault((job_id, state.node, state.moves), {
                         "job_id": job_id, "node": state.node, "predicted": [], "tokens": 0, "seconds": 0.0})
                     stay["predicted"].append(self._predicted[job_id][1])
-                    stay["tokens"] += state.tokens_since_round
-                    stay["seconds"] += elapsed
-            if check_slas:
-                state.tokens_since_round = 0
+                    stay["tokens"] += seen["offline_tokens"] - last[1]
+                    stay["seconds"] += seen["t_s"] - last[0]
         if not observed:
             return {"placed": [], "evicted": [], "rejected": [], "waiting": []}
-        ids = sorted(observed)
-        snapshot = ClusterSnapshot(ids, np.arange(len(ids)), [observed[n]["idle_fraction"] for n in ids],
-                                   [observed[n]["free_memory_gb"] for n in ids], [observed[n]["busy"] for n in ids])
+        # Deciding, every node of a machine counts as busy: any free one may get a job this round.
+        snapshot = self._snapshot(observed, self._idle_fractions(observed, {n: 1.0 for n in observed}))
         self.decide(snapshot, measured, finished)
         result = self._last_result
         for eviction in result.evicted:
@@ -161,6 +219,7 @@ class ClusterService:
             old = eviction.device_ids[0]
             self._collect(eviction.job_id, self._call(old, "stop_job", eviction.job_id) or [])
             state.node, state.moves = None, state.moves + 1
+            state.generated.clear()
             self.log.append({"event": "evict", **eviction.as_dict()})
         for placement in result.placed:
             state = self.jobs[placement.job_id]
@@ -168,10 +227,16 @@ class ClusterService:
             pending = [line for c, line in state.lines.items() if c not in state.results]
             if pending and self._call(node, "start_job", placement.job_id, pending) is not None:
                 state.node = node
+                state.generated = deque([(observed[node]["t_s"], observed[node]["offline_tokens"])])
                 self.log.append({"event": "place", **placement.as_dict(), "lines": len(pending)})
         self._just_placed = {p.job_id for p in result.placed}
-        index = {n: i for i, n in enumerate(ids)}
-        self._predicted = {j: (p.device_ids[0], predict(self.jobs[j].job.profile, snapshot,
+        # What each running job should get until the next round: the nodes now hosting a job are busy,
+        # the others as busy as their online load.
+        hosting = {p.device_ids[0] for p in self.controller.running.values()}
+        busy_share = {n: 1.0 if n in hosting else 1.0 - o["online_idle_fraction"] for n, o in observed.items()}
+        after = self._snapshot(observed, self._idle_fractions(observed, busy_share))
+        index = {n: i for i, n in enumerate(after.device_ids)}
+        self._predicted = {j: (p.device_ids[0], predict(self.jobs[j].job.profile, after,
                                                         [index[p.device_ids[0]]]).tokens_per_s)
                            for j, p in self.controller.running.items() if p.device_ids[0] in index}
         for rejection in result.rejected:
@@ -181,11 +246,23 @@ class ClusterService:
 
     def prediction_error(self, min_rounds: int = 3) -> dict:
         """Predicted T_eff (mean over a job's whole rounds on a node) against the throughput it got
-        there (tokens / seconds over the same rounds): results arrive a batch of lines at a time,
-        so single rounds are noisy. Stays shorter than min_rounds are left out."""
+        there (generated tokens / seconds over the same rounds), per stay and per node (all its stays'
+        rounds together). Stays shorter than min_rounds are left out."""
         stays = [{**st, "predicted": float(np.mean(st["predicted"])), "rounds": len(st["predicted"]),
                   "measured": st["tokens"] / st["seconds"]}
                  for st in self._stays.values() if len(st["predicted"]) >= min_rounds and st["seconds"] > 0]
-        errors = [abs(st["predicted"] - st["measured"]) / st["measured"] for st in stays if st["measured"] > 0]
+        for st in stays:
+            st["error"] = (st["predicted"] - st["measured"]) / st["measured"] if st["measured"] > 0 else None
+        errors = [abs(st["error"]) for st in stays if st["error"] is not None]
+        per_node: dict[str, dict] = {}
+        for st in stays:
+            node = per_node.setdefault(st["node"], {"predicted_token_seconds": 0.0, "tokens": 0, "seconds": 0.0})
+            node["predicted_token_seconds"] += st["predicted"] * st["seconds"]
+            node["tokens"] += st["tokens"]
+            node["seconds"] += st["seconds"]
+        for node in per_node.values():
+            node["predicted"] = node.pop("predicted_token_seconds") / node["seconds"]
+            node["measured"] = node["tokens"] / node["seconds"]
+            node["error"] = (node["predicted"] - node["measured"]) / node["measured"] if node["measured"] > 0 else None
         return {"stays": stays, "median_abs_error": float(np.median(errors)) if errors else None,
-                "errors": errors}
+                "errors": errors, "per_node": per_node}

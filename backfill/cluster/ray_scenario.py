@@ -1,11 +1,12 @@
 """The cluster scenario on a real local Ray cluster (Valve §6 end to end):
 
-    3 Ray nodes on 127.0.0.1, a NodeServer actor on each (engine + HTTP server + Batch API),
-    online chat traffic on each through its HTTP endpoint, T_mono profiled once (all nodes at
-    once, no online traffic), 3 offline batch jobs submitted to the ClusterService actor;
-    then one node's online load is raised until its job misses its SLA and the monitor moves it,
-    and another node's process is killed mid-job. Reports every custom_id's count in the
-    outputs, the decisions, and the throughput model's prediction against measured throughput.
+    3 Ray nodes on 127.0.0.1, a NodeServer actor on each (a node runtime with an online model and a
+    batch model, each with its HTTP server), online chat traffic on each through its HTTP endpoint,
+    the profile (T_mono alone, and the share of it a node keeps while 2, 3 nodes run at once on the
+    machine's shared cores), 3 offline batch jobs submitted to the ClusterService actor; then one
+    node's online load is raised until its job misses its SLA and the monitor moves it, and another
+    node's process is killed mid-job. Reports every custom_id's count in the outputs, the decisions,
+    and the throughput model's prediction against measured throughput.
 """
 
 from __future__ import annotations
@@ -21,43 +22,50 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from backfill.cluster.monitor import MonitorConfig
-from backfill.cluster.node_actor import SERVED_MODEL, NodeServer, NodeSpec
-from backfill.cluster.ray_cluster import ClusterService
+from backfill.cluster.node_actor import ONLINE_MODEL, SERVED_MODEL, NodeServer, NodeSpec
+from backfill.cluster.ray_cluster import ClusterService, CpuContention
 from backfill.cluster.scheduler import SchedulerConfig
 from backfill.cluster.throughput_model import JobProfile, OfflineJob
 
 # A local test cluster: Ray must address every node as 127.0.0.1 (on Linux it otherwise picks the
 # host's outward address). Read when ray is first imported, which this module does lazily.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray starts workers 15 nice levels below the raylet; the node processes are what the scenario
+# measures, so they run at the priority of the process that started the cluster.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @dataclass(frozen=True)
 class ScenarioConfig:
     nodes: int = 3
-    model: str = "tiny"                    # "default" (SmolLM2-135M) where 3 copies fit the cores
-    lines_per_job: int = 96
-    max_tokens: int = 16
-    profile_lines: int = 32               # T_mono's profile, per node
+    model: str = "tiny"                    # "default": SmolLM2-135M
+    max_tokens: int = 16                   # per batch line
     online_rate_per_s: float = 0.5         # Poisson, per node
-    raised_rate_per_s: float = 20.0        # the node whose job must miss its SLA
-    sla_share: float = 0.15                # SLA = share x T_mono (low: a loaded shared machine slows online too)
-    round_s: float = 2.0
+    saturating_clients: int = 3            # the raised node: closed-loop clients, one always in flight
+    sla_share: float = 0.2                 # SLA = share x T_mono (a lone node's offline tokens/s)
+    round_s: float = 1.5
+    measure_window_s: float = 3.0          # the monitor's check: a job's tokens/s over this window
+    node_window_s: float = 4.0             # each node's C_n window
     raise_after_rounds: int = 2
-    kill_after_rounds: int = 6
-    job_rounds: int = 12                   # rounds one job would take alone at T_mono
-    timeout_s: float = 300.0               # for the jobs, from their submission
-    start_timeout_s: float = 480.0         # Ray and the node processes (slow on a loaded machine)
+    kill_after_rounds: int = 6             # and not before job0 has moved off the raised node
+    job_rounds: float = 10.0               # rounds job0 and job1 take at the expected rate
+    short_job_share: float = 0.4           # job2, so that a node frees up for the evicted job
+    profile_lines: int = 512               # per node and phase (cancelled when the phase ends)
+    profile_warmup_s: float = 1.0
+    profile_s: float = 3.0                 # per phase (k = nodes, ..., 1 nodes busy at once)
+    timeout_s: float = 150.0               # for the jobs, from their submission
+    start_timeout_s: float = 240.0         # Ray and the node processes
     object_store_mb: int = 80
 
     @classmethod
     def for_model(cls, model: str) -> "ScenarioConfig":
-        """The tiny model's defaults, or a default-model run sized for 3 model processes on 2 shared
-        cores (a few tokens/s each): fewer, shorter lines, lighter online load, longer rounds."""
+        """The tiny model's defaults, or the default model: slower (tens of tokens/s per node on a
+        share of two cores), so longer rounds and windows for the same number of rounds."""
         if model == "tiny":
             return cls()
-        return cls(model=model, lines_per_job=12, max_tokens=8, profile_lines=8, online_rate_per_s=0.1,
-                   raised_rate_per_s=1.0, round_s=5.0, raise_after_rounds=2, kill_after_rounds=4, job_rounds=8,
-                   timeout_s=270.0)
+        return cls(model=model, online_rate_per_s=0.2, round_s=4.0, measure_window_s=8.0, node_window_s=10.0,
+                   job_rounds=16.0, profile_lines=96, profile_warmup_s=3.0, profile_s=8.0, timeout_s=200.0,
+                   start_timeout_s=240.0)
 
 
 def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
@@ -67,49 +75,72 @@ def _chat_line(custom_id: str, i: int, max_tokens: int) -> str:
 
 
 class OnlineTraffic:
-    """Poisson chat requests to each node's HTTP endpoint, rates adjustable while running."""
+    """Poisson chat requests to each node's HTTP endpoint (rates adjustable while running), and
+    closed-loop clients that keep a node's online service busy without a gap (`saturate`)."""
 
     def __init__(self, urls: dict[str, str], rate_per_s: float) -> None:
         self.urls, self.rates = urls, {n: rate_per_s for n in urls}
         self.sent = {n: 0 for n in urls}
         self._stop = threading.Event()
+        self._saturating: dict[str, threading.Event] = {}
         self._threads = [threading.Thread(target=self._drive, args=(n,), daemon=True) for n in urls]
 
     def start(self) -> None:
         for t in self._threads:
             t.start()
 
+    def _request(self, client: httpx.Client, node: str, max_tokens: int) -> None:
+        try:
+            client.post("/v1/chat/completions", json={
+                "model": ONLINE_MODEL, "max_tokens": max_tokens, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Hi!"}]})
+            self.sent[node] += 1
+        except httpx.HTTPError:
+            pass   # the node was killed
+
     def _drive(self, node: str) -> None:
         rng = random.Random(hash(node) & 0xFFFF)
-        with httpx.Client(base_url=self.urls[node], timeout=30) as client:
-            pending: list[threading.Thread] = []
+        with httpx.Client(base_url=self.urls[node], timeout=60) as client:
             while not self._stop.wait(rng.expovariate(self.rates[node])):
-                def one() -> None:
-                    try:
-                        client.post("/v1/chat/completions", json={
-                            "model": SERVED_MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi!"}]})
-                        self.sent[node] += 1
-                    except httpx.HTTPError:
-                        pass   # the node was killed
-                t = threading.Thread(target=one, daemon=True)
-                t.start()
-                pending = [p for p in pending if p.is_alive()] + [t]
+                threading.Thread(target=self._request, args=(client, node, 8), daemon=True).start()
+
+    def saturate(self, node: str, clients: int) -> None:
+        """Clients of different lengths, so they do not finish together and leave the service idle."""
+        done = self._saturating[node] = threading.Event()
+
+        def loop(max_tokens: int) -> None:
+            with httpx.Client(base_url=self.urls[node], timeout=60) as client:
+                while not (done.is_set() or self._stop.is_set()):
+                    self._request(client, node, max_tokens)
+
+        for i in range(clients):
+            threading.Thread(target=loop, args=(8 + 5 * i,), daemon=True).start()
+
+    def restore(self, node: str) -> None:
+        self._saturating.pop(node).set()
 
     def stop(self) -> None:
         self._stop.set()
+        for done in self._saturating.values():
+            done.set()
 
 
 class CpuShares:
-    """Each node's model process: its share of one core per round (utime + stime from /proc), with
+    """Each node's model processes: their share of one core per round (utime + stime from /proc), with
     the job it ran, to tell a throughput miss from a process that got less of the shared CPU."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, list[int]]) -> None:
         self.pids = pids
         self.rounds: list[dict] = []
         self._last = {n: (time.monotonic(), self._cpu_s(p)) for n, p in pids.items()}
 
+    @classmethod
+    def _cpu_s(cls, pids: list[int]) -> float | None:
+        each = [cls._one_cpu_s(p) for p in pids]
+        return None if None in each else sum(each)
+
     @staticmethod
-    def _cpu_s(pid: int) -> float | None:
+    def _one_cpu_s(pid: int) -> float | None:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -139,6 +170,35 @@ def replay_on_ray(service, jobs: list[OfflineJob], rounds: list) -> list[list[tu
              for d in ray.get(service.decide.remote(r.snapshot, r.measured, r.finished))] for r in rounds]
 
 
+def profile_rates(handles: dict, cfg: ScenarioConfig) -> dict[int, dict[str, float]]:
+    """Valve §6's one-off profile, on a machine whose cores the nodes share: the offline tokens/s of
+    the first k nodes while k of them run the profile job at once (k = nodes, ..., 1), no online load."""
+    import ray
+
+    lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(cfg.profile_lines)]
+    names = sorted(handles)
+    rates: dict[int, dict[str, float]] = {}
+    for k in range(len(names), 0, -1):
+        busy = names[:k]
+        for n in busy:
+            ray.get(handles[n].start_job.remote(f"profile{k}", lines))
+        time.sleep(cfg.profile_warmup_s)      # the batch's start-up is not the job's rate
+        before = {n: ray.get(handles[n].observe.remote()) for n in busy}
+        time.sleep(cfg.profile_s)
+        after = {n: ray.get(handles[n].observe.remote()) for n in busy}
+        ended = [n for n in busy if ray.get(handles[n].progress.remote(f"profile{k}"))["ended"]]
+        for n in busy:
+            ray.get(handles[n].stop_job.remote(f"profile{k}"))
+        if ended:
+            raise RuntimeError(f"profile with {k} busy nodes: {ended} ran out of lines before the window "
+                               f"ended; raise profile_lines ({cfg.profile_lines})")
+        rates[k] = {n: (after[n]["offline_tokens"] - before[n]["offline_tokens"]) / (after[n]["t_s"] - before[n]["t_s"])
+                    for n in busy}
+        if min(rates[k].values()) <= 0:
+            raise RuntimeError(f"profile with {k} busy nodes: a node generated no token ({rates[k]})")
+    return rates
+
+
 def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, list] | None = None) -> dict:
     """The live scenario; with replay=(jobs, fleet rounds), also those rounds decided on a Ray actor."""
     import ray
@@ -157,91 +217,74 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         ray_nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         actor = ray.remote(num_cpus=0, max_restarts=0)(NodeServer)
         handles = {f"node{i}": actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                   .remote(NodeSpec(f"node{i}", model=cfg.model)) for i, node in enumerate(ray_nodes[:cfg.nodes])}
+                   .remote(NodeSpec(f"node{i}", model=cfg.model, window_s=cfg.node_window_s))
+                   for i, node in enumerate(ray_nodes[:cfg.nodes])}
         infos = {n: ray.get(h.info.remote(), timeout=cfg.start_timeout_s) for n, h in handles.items()}
         ready_s = time.perf_counter() - started
         replayed = None
         if replay is not None:
             replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
 
-        # Valve §6: T_mono profiled once at submission, here on every node at once without online load
-        profile_lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(cfg.profile_lines)]
-        started_profile = time.monotonic()
-        for n, h in handles.items():
-            ray.get(h.start_job.remote("profile", profile_lines))
-        # rate from the first results to the last, so the batch's start-up is not counted; where every
-        # result came in one poll, from the job's start instead
-        first_tokens = {n: 0 for n in handles}
-        first = {n: None for n in handles}
-        last = {n: None for n in handles}
-        tokens = {n: 0 for n in handles}
-        done = {n: False for n in handles}
-        while not all(done.values()):
-            time.sleep(0.2)
-            for n, h in handles.items():
-                if done[n]:
-                    continue
-                p = ray.get(h.progress.remote("profile"))
-                got = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in p["records"])
-                if got and first[n] is None:
-                    first[n] = time.monotonic()
-                    first_tokens[n] = got
-                elif got:
-                    tokens[n] += got
-                    last[n] = time.monotonic()
-                done[n] = p["ended"]
-        for h in handles.values():
-            ray.get(h.stop_job.remote("profile"))
-
-        def rate(n: str) -> float:
-            if first[n] is None:
-                raise RuntimeError(f"{n} finished its profile job without generating a token")
-            if last[n] is not None and last[n] > first[n]:
-                return tokens[n] / (last[n] - first[n])
-            return first_tokens[n] / max(first[n] - started_profile, 1e-3)
-
-        t_mono = sum(rate(n) for n in handles) / len(handles)
+        rates = profile_rates(handles, cfg)
+        t_mono = rates[1]["node0"]                                 # alone on the machine
+        # a share above 1 is the profile's noise: k busy nodes never get more than one alone
+        contention = CpuContention(tuple(min(1.0, sum(rates[k].values()) / len(rates[k]) / t_mono)
+                                         for k in sorted(rates)))
+        profiled_s = time.perf_counter() - started
 
         traffic = OnlineTraffic({n: i["url"] for n, i in infos.items()}, cfg.online_rate_per_s)
         traffic.start()
         service = ray.remote(num_cpus=0)(ClusterService).remote(
-            handles, SchedulerConfig(), MonitorConfig(misses_to_evict=2, tolerance=0.9))
-        time.sleep(3.0)                                   # a first observation window with online load
+            handles, SchedulerConfig(), MonitorConfig(misses_to_evict=2, tolerance=0.9), contention,
+            cfg.measure_window_s)
+        time.sleep(cfg.node_window_s)                     # a first observation window with online load
         profile = JobProfile(t_mono, (0.0, 0.05), (0.0, 1.0))
-        # Jobs long enough to outlast the raise and the kill on a fast machine too (job_rounds at T_mono).
-        lines_per_job = max(cfg.lines_per_job, int(cfg.job_rounds * cfg.round_s * t_mono / cfg.max_tokens))
-        job_lines = {f"job{j}": [_chat_line(f"job{j}-{i}", i, cfg.max_tokens) for i in range(lines_per_job)]
-                     for j in range(cfg.nodes)}
+        # Sized from what a node gets beside the others (job_rounds rounds at that rate); job2 shorter,
+        # so that a node frees up for the job the monitor moves.
+        per_node = t_mono * contention.share(cfg.nodes)
+        lines_per_job = max(8, int(cfg.job_rounds * cfg.round_s * per_node / cfg.max_tokens))
+        sizes = {f"job{j}": lines_per_job for j in range(cfg.nodes)}
+        sizes[f"job{cfg.nodes - 1}"] = max(4, int(lines_per_job * cfg.short_job_share))
+        job_lines = {j: [_chat_line(f"{j}-{i}", i, cfg.max_tokens) for i in range(n)] for j, n in sizes.items()}
         rejection = None
         try:
             ray.get(service.submit.remote(OfflineJob("impossible", profile, 5 * t_mono), job_lines["job0"][:2]))
         except ray.exceptions.RayTaskError as exc:
             rejection = str(exc.cause) if getattr(exc, "cause", None) else str(exc)
+        sla = cfg.sla_share * t_mono
         for job_id, lines in job_lines.items():
-            ray.get(service.submit.remote(OfflineJob(job_id, profile, cfg.sla_share * t_mono), lines))
+            ray.get(service.submit.remote(OfflineJob(job_id, profile, sla), lines))
         raised = killed = None
+        raised_round = restored_round = killed_round = None
         rounds = 0
+        timeline = []
         jobs_started = time.perf_counter()
-        cpu = CpuShares({n: i["model_pid"] for n, i in infos.items()})
+        cpu = CpuShares({n: list(i["model_pids"].values()) for n, i in infos.items()})
         while time.perf_counter() - jobs_started < cfg.timeout_s:
             time.sleep(cfg.round_s)
             ray.get(service.round.remote())
             rounds += 1
             status = ray.get(service.status.remote())
             cpu.sample(rounds, {j: s["node"] for j, s in status.items()})
+            timeline.append({"round": rounds, "s": round(time.perf_counter() - jobs_started, 2),
+                             "jobs": {j: [s["node"], s["done"]] for j, s in status.items()}})
             if ray.get(service.finished.remote()):
                 break
-            if raised is None and rounds >= cfg.raise_after_rounds and status["job0"]["node"]:
-                raised = status["job0"]["node"]
-                traffic.rates[raised] = cfg.raised_rate_per_s
-            elif raised is not None and status["job0"]["node"] == raised:
-                # The load keeps rising until job0 misses its SLA and the monitor moves it.
-                traffic.rates[raised] *= 1.5
-            if rounds >= cfg.kill_after_rounds and killed is None:
-                victims = [s["node"] for j, s in sorted(status.items()) if s["node"] and s["node"] != raised
-                           and s["done"] < s["total"]]
+            job0 = status["job0"]["node"]
+            if raised is None and rounds >= cfg.raise_after_rounds and job0:
+                # Valve §6's case: the node's online load rises until its job misses the SLA; online
+                # busy without a gap keeps the gate shut, so the job gets (almost) no tokens.
+                raised, raised_round = job0, rounds
+                traffic.saturate(raised, cfg.saturating_clients)
+            elif raised is not None and restored_round is None and job0 not in (None, raised):
+                traffic.restore(raised)                   # moved: the burst may end
+                restored_round = rounds
+            if killed is None and rounds >= cfg.kill_after_rounds and restored_round is not None:
+                unfinished = [(j, s["node"]) for j, s in sorted(status.items())
+                              if s["node"] and s["node"] != raised and s["done"] < s["total"]]
+                victims = [n for j, n in unfinished if j != "job0"] or [n for _, n in unfinished]
                 if victims:
-                    killed = victims[0]
+                    killed, killed_round = victims[0], rounds
                     os.kill(infos[killed]["pid"], signal.SIGKILL)
         outputs = {j: ray.get(service.outputs.remote(j)) for j in job_lines}
         counts = {j: {} for j in job_lines}
@@ -250,14 +293,18 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
                 counts[j][r["custom_id"]] = counts[j].get(r["custom_id"], 0) + 1
         accuracy = ray.get(service.prediction_error.remote())
         return {
-            "config": asdict(cfg), "model": cfg.model, "ready_s": ready_s, "t_mono_tokens_per_s": t_mono,
-            "rejection": rejection, "raised_node": raised, "killed_node": killed, "rounds": rounds,
+            "config": asdict(cfg), "model": cfg.model, "ready_s": ready_s, "profiled_s": profiled_s,
+            "t_mono_tokens_per_s": t_mono, "profile_rates_by_busy_nodes": {str(k): v for k, v in rates.items()},
+            "cpu_contention": list(contention.share_by_busy_nodes), "sla_tokens_per_s": sla,
+            "rejection": rejection, "raised_node": raised, "raised_round": raised_round,
+            "restored_round": restored_round, "killed_node": killed, "killed_round": killed_round, "rounds": rounds,
             "status": ray.get(service.status.remote()), "finished": ray.get(service.finished.remote()),
             "exactly_once": all(len(counts[j]) == len(job_lines[j]) and set(counts[j].values()) == {1}
                                 for j in job_lines),
             "lines": {j: len(job_lines[j]) for j in job_lines},
-            "events": ray.get(service.events.remote()), "prediction": accuracy,
-            "online_sent": dict(traffic.sent), "replayed_decisions": replayed, "wall_s": time.perf_counter() - started,
+            "events": ray.get(service.events.remote()), "prediction": accuracy, "timeline": timeline,
+            "online_sent": dict(traffic.sent), "replayed_decisions": replayed,
+            "jobs_s": time.perf_counter() - jobs_started, "wall_s": time.perf_counter() - started,
             "cpu_share_per_round": cpu.rounds,
         }
     finally:

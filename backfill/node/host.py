@@ -7,11 +7,16 @@
 
     GET /metrics   Prometheus text: idle fraction of compute over the window (Valve §6's C_n: the
                    share of samples with no online request in flight on any model), free pool
-                   memory (handles and fraction), offline tokens/s per job (batch) of each model
+                   memory (handles and fraction), the gate's open share, offline tokens/s
+                   generated (lines in progress included), offline tokens/s per job (batch)
+                   of each model (recorded lines)
     GET /node      the same as JSON, with the free-memory trace of the window (m_n(t))
 
-The node samples every node.sample_interval_s. Offline tokens per job are read from each model's
-SQLite store (the output tokens of the batch lines recorded), so they count only finished lines.
+The node samples every node.sample_interval_s: online busy, whether the gate lets offline work
+run, free handles, and the offline output tokens the models report generating (counted per engine
+step, so lines in progress count: `offline_generated_tokens_per_s`). Offline tokens per job are
+read from each model's SQLite store (the output tokens of the batch lines recorded), so they count
+only finished lines.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Sample:
     t_s: float
     online_busy: bool
     free_handles: int
+    offline_open: bool = True          # the gate let offline work run
+    offline_tokens: int = 0            # offline output tokens generated on the node so far
 
 
 class Node:
@@ -164,7 +171,8 @@ class Node:
         next_tokens_s = 0.0
         while not self._stop.wait(node.sample_interval_s):
             now = time.monotonic()
-            self.samples.append(Sample(now, self.runtime.online_busy, self.pool.free_handles))
+            self.samples.append(Sample(now, self.runtime.online_busy, self.pool.free_handles,
+                                       not self.runtime.offline_paused, self.runtime.offline_tokens()))
             while self.samples and self.samples[0].t_s < now - node.window_s:
                 self.samples.popleft()
             if now >= next_tokens_s:   # the stores are read once a second
@@ -183,6 +191,18 @@ class Node:
         taken = list(self.samples)
         return 1.0 - sum(s.online_busy for s in taken) / len(taken) if taken else 1.0
 
+    def offline_open_fraction(self) -> float:
+        """Share of the window in which the gate let offline work run (online idle past its cooldown)."""
+        taken = list(self.samples)
+        return sum(s.offline_open for s in taken) / len(taken) if taken else 1.0
+
+    def generated_tokens_per_s(self) -> float:
+        """Offline output tokens/s over the window, every model's lines in progress included."""
+        taken = list(self.samples)
+        if len(taken) < 2 or taken[-1].t_s <= taken[0].t_s:
+            return 0.0
+        return (taken[-1].offline_tokens - taken[0].offline_tokens) / (taken[-1].t_s - taken[0].t_s)
+
     def offline_tokens_per_s(self) -> dict[tuple[str, str], float]:
         rates = {}
         for key, trace in list(self._job_tokens.items()):
@@ -195,6 +215,8 @@ class Node:
         handles = self.config.node.num_handles
         t_end = taken[-1].t_s if taken else time.monotonic()
         return {"idle_fraction": self.idle_fraction(), "online_busy": self.runtime.online_busy,
+                "offline_open_fraction": self.offline_open_fraction(),
+                "offline_generated_tokens_per_s": self.generated_tokens_per_s(),
                 "free_handles": self.pool.free_handles, "num_handles": handles,
                 "free_memory_fraction": self.pool.free_handles / handles,
                 "free_memory_trace": [[round(s.t_s - t_end, 3), s.free_handles / handles] for s in taken],
@@ -215,6 +237,13 @@ class Node:
                  "# HELP backfill_node_free_memory_fraction Free share of the shared KV pool",
                  "# TYPE backfill_node_free_memory_fraction gauge",
                  f"backfill_node_free_memory_fraction {s['free_memory_fraction']:.6f}",
+                 "# HELP backfill_node_offline_open_fraction Share of the window the gate let offline work run",
+                 "# TYPE backfill_node_offline_open_fraction gauge",
+                 f"backfill_node_offline_open_fraction {s['offline_open_fraction']:.6f}",
+                 "# HELP backfill_node_offline_generated_tokens_per_second Offline output tokens/s generated, "
+                 "lines in progress included",
+                 "# TYPE backfill_node_offline_generated_tokens_per_second gauge",
+                 f"backfill_node_offline_generated_tokens_per_second {s['offline_generated_tokens_per_s']:.6f}",
                  "# HELP backfill_node_offline_tokens_per_second Output tokens/s of each offline job (batch)",
                  "# TYPE backfill_node_offline_tokens_per_second gauge"]
         for job in s["offline_tokens_per_s"]:

@@ -10,6 +10,8 @@ Engine -> runtime (fire and forget unless marked "reply"):
     allocate        {n_handles}                                     reply: {handles}
     release         {handle_ids}                                    reply: {}
     report_blocks   {request_blocks, request_tokens}                offline KV occupancy
+    offline_tokens  {count}                output tokens this offline engine generated so far,
+                                           lines still in progress included (Valve §6's measured rate)
 Runtime -> engine:
     reply           {seq, ok, error?, ...}
     invalidate      {handle_ids, block_ids, request_ids}            offline lost these (Valve §5)
@@ -44,6 +46,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "allocate": {"n_handles": int},
     "release": {"handle_ids": list},
     "report_blocks": {"request_blocks": dict, "request_tokens": dict},
+    "offline_tokens": {"count": int},
     "reply": {"seq": int, "ok": bool},
     "invalidate": {"handle_ids": list, "block_ids": list, "request_ids": list},
 }
@@ -247,6 +250,10 @@ class NodeClient:
 
     def report_iteration_boundary(self) -> None:
         self._send({"type": "iteration_end"})
+
+    def report_offline_tokens(self, count: int) -> None:
+        """The engine's cumulative offline output tokens, counted per step (unfinished lines too)."""
+        self._send({"type": "offline_tokens", "count": int(count)})
 
     # --- online: lifecycle ----------------------------------------------------------------------
 

@@ -126,6 +126,22 @@ class PoolMemory:
         return len(self.handles.held) * self.handles.blocks_per_handle
 
 
+class OfflineTokenReporter:
+    """Between steps: tell the runtime how many offline tokens the engine has generated (Valve §6
+    measures a job's throughput as it runs, not when its lines finish), then keep the pool share."""
+
+    def __init__(self, client: NodeClient, stats, keep: Callable[[], bool], interval_s: float = 0.1) -> None:
+        self.client, self.stats, self.keep, self.interval_s = client, stats, keep, interval_s
+        self._reported, self._at_s = 0, 0.0
+
+    def __call__(self) -> bool:
+        count, now = self.stats.output_tokens["offline"], time.monotonic()
+        if count != self._reported and now - self._at_s >= self.interval_s:
+            self.client.report_offline_tokens(count)
+            self._reported, self._at_s = count, now
+        return self.keep()
+
+
 def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGate, decode_step: Callable[[], None]):
     """(AsyncEngine, runner) of one model on the node's KV layout; runs on the torch thread."""
     import torch
@@ -191,7 +207,7 @@ def serve_model(socket_path: str, db_path: str, node: NodeSettings, entry: Model
     memory = PoolMemory(offline, HandleBlocks(runner.kv, node.num_handles, node.blocks_per_handle),
                         engine.scheduler, reserve_blocks(engine.scheduler.max_model_len, node, len_models))
     run_on_torch_thread(memory.keep)
-    engine.background = memory.keep
+    engine.background = OfflineTokenReporter(offline, engine.scheduler.stats, memory.keep)
     config = ServerConfig(host=node.host, port=entry.port, db=db_path, served_model_name=entry.name,
                           max_offline_in_flight=entry.max_offline_in_flight, max_online_queue=entry.max_online_queue,
                           drain_timeout_s=5.0, log_level="warning", serving=serving)

@@ -68,6 +68,7 @@ class _Engine:
     suspender: ProcessSuspender | None = None
     pause_sent_at: float | None = None      # perf_counter when the pause was set, until acked
     uses_pool: bool = True                  # registered as an owner of the shared memory pool
+    offline_tokens: int = 0                 # output tokens it reported generating (cumulative)
 
 
 class NodeRuntime:
@@ -90,6 +91,7 @@ class NodeRuntime:
         self._channels: set[JsonLineChannel] = set()
         self._flag_seq = 0
         self._busy_online: set[str] = set()    # online engines with compute in flight
+        self._offline_tokens_of_gone = 0       # reported by engines that have disconnected since
         self._own_dir = config.socket_dir is None
         self._dir = tempfile.mkdtemp(prefix="backfill-node-") if self._own_dir else str(config.socket_dir)
         self.socket_path = os.path.join(self._dir, "node.sock")
@@ -154,6 +156,11 @@ class NodeRuntime:
     def online_busy(self) -> bool:
         """Whether any online engine has compute in flight now (the node's C_n samples this)."""
         return bool(self._busy_online)
+
+    def offline_tokens(self) -> int:
+        """Output tokens the offline engines reported generating so far, lines in progress included."""
+        with self._lock:
+            return self._offline_tokens_of_gone + sum(e.offline_tokens for e in self._engines.values())
 
     def engines(self) -> dict[str, EngineRole]:
         with self._lock:
@@ -342,6 +349,10 @@ class NodeRuntime:
             # behind events the gate has already seen.
             self._last_now = max(self._last_now, min(float(msg["t_s"]), now_s))
             self.gate.on_decode_step(self._last_now, msg["request_ids"])
+        elif kind == "offline_tokens":
+            if engine.role is not EngineRole.OFFLINE:
+                raise NodeProtocolError(f"offline_tokens comes from an offline engine, not {engine.engine_id!r}")
+            engine.offline_tokens = max(engine.offline_tokens, msg["count"])
         elif kind == "iteration_end":
             self.gate.on_offline_iteration_boundary(now_s)
             self._apply_gate()
@@ -415,6 +426,7 @@ class NodeRuntime:
                 if os.path.exists(engine.flag.path):
                     os.unlink(engine.flag.path)
             self._engines.pop(engine.engine_id, None)
+            self._offline_tokens_of_gone += engine.offline_tokens   # the node's count never steps back
             if self.pool is not None and engine.engine_id in self.pool.owners():
                 self.pool.unregister(engine.engine_id)
             self._busy_online.discard(engine.engine_id)

@@ -12,7 +12,7 @@ import pytest
 
 from backfill.cluster.node_actor import free_port
 from backfill.node.config import ModelEntry, NodeConfig, NodeSettings
-from backfill.node.host import Node
+from backfill.node.host import Node, job_output_tokens
 from backfill.node.ipc import NodeClient
 
 
@@ -70,6 +70,11 @@ def test_each_model_serves_online_and_batches_and_the_node_reports(node):
     assert re.search(r"^backfill_node_idle_compute_fraction 0?\.\d+|^backfill_node_idle_compute_fraction 1\.0", text, re.M)
     assert re.search(r"^backfill_node_free_memory_handles \d+$", text, re.M)
     assert f'backfill_node_offline_tokens_per_second{{model="b",job="{batch_id}"}}' in text
+    # generated tokens as the engine steps: at least the recorded lines' completion tokens
+    recorded = job_output_tokens(node.db_path("b"))[batch_id]
+    wait_for(lambda: node.samples and node.samples[-1].offline_tokens >= recorded > 0, what="generated tokens")
+    assert re.search(r"^backfill_node_offline_generated_tokens_per_second \d+\.\d+$", text, re.M)
+    assert re.search(r"^backfill_node_offline_open_fraction [01]\.\d+$", text, re.M)
     snapshot = httpx.get(f"http://127.0.0.1:{node.metrics_port}/node").json()
     assert snapshot["free_memory_trace"] and all(0 <= f <= 1 for _, f in snapshot["free_memory_trace"])
     # Both models hold handles of the one pool; what they hold and what is free add up to it.

@@ -224,3 +224,17 @@ def test_protocol_errors(runtime):
     raw.close()
     with NodeClient.connect(runtime.socket_path, "on", "online") as online:
         assert online.allocate(1)
+
+
+def test_offline_token_counts_add_up_and_survive_a_disconnect(runtime):
+    with NodeClient.connect(runtime.socket_path, "on", "online", pool=False) as online:
+        online.report_offline_tokens(5)                      # only an offline engine generates offline tokens
+        wait_for(lambda: runtime.stats.rejected_messages >= 1, what="rejection")
+        with NodeClient.connect(runtime.socket_path, "a", "offline") as a, \
+                NodeClient.connect(runtime.socket_path, "b", "offline") as b:
+            a.report_offline_tokens(7)
+            b.report_offline_tokens(3)
+            a.report_offline_tokens(12)
+            wait_for(lambda: runtime.offline_tokens() == 15, what="the sum of the last counts")
+        wait_for(lambda: sorted(runtime.engines()) == ["on"], what="both offline engines gone")
+        assert runtime.offline_tokens() == 15                # the node's count never steps back
