@@ -114,7 +114,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout_s: float = 90.0) -> "ServerProcess":
+    def wait_ready(self, timeout_s: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

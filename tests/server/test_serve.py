@@ -29,7 +29,7 @@ def submit_batch(client) -> str:
                                  completion_window="24h").id
 
 
-def wait_for(client, batch_id: str, done, timeout_s: float = 90.0):
+def wait_for(client, batch_id: str, done, timeout_s: float = 180.0):
     deadline = time.monotonic() + timeout_s
     while True:
         batch = client.batches.retrieve(batch_id)
