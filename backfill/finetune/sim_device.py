@@ -176,7 +176,8 @@ class SimulatedDevice:
 
     def _solo_ms(self, full_ms: float, work: Work, share: float) -> float:
         sat = self.config.saturation_share
-        compute_ms = work.flops / (self._peak_flops * self.config.compute_efficiency * share) * 1e3
+        # The measured step holds its arithmetic, so at full share the model is the measurement.
+        compute_ms = min(work.flops / (self._peak_flops * self.config.compute_efficiency) * 1e3, full_ms) / share
         return max(full_ms * max(1.0, sat / share), compute_ms)
 
     def _colo_ms(self, full_ms: float, work: Work, share_infer: float, share_ft: float) -> float:

@@ -78,14 +78,12 @@ def simulate_sm(policy, requests: list[SimRequest], device: SimulatedDevice, dur
             advance(ms, s_ft, s_inf)
             busy_ms += ms
             running.append({"ctx": r.prompt_tokens + 1, "left": r.output_tokens - 1, "times": [t_ms]})
-        if not running:
-            nxt = pending[i].arrival_s * 1e3 if i < len(pending) else end_ms
-            wait = max(0.0, max(nxt, t_ms) - t_ms) if (i < len(pending) or t_ms < end_ms) else 0.0
-            if wait == 0.0 and i >= len(pending):
-                t_ms = max(t_ms, end_ms)
+        if not running:  # idle until the next arrival (or the end): finetuning at the policy's share
+            if i >= len(pending) and t_ms >= end_ms:
                 break
+            nxt = pending[i].arrival_s * 1e3 if i < len(pending) else end_ms
             prev_ft = s_ft
-            advance(wait, s_ft, 0.0)
+            advance(max(0.0, nxt - t_ms), s_ft, 0.0)
             continue
         bs = len(running)
         seqlen = float(np.mean([s["ctx"] for s in running]))
