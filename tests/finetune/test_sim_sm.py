@@ -84,3 +84,22 @@ def test_the_command_rejects_bad_input_with_typed_errors(tmp_path, capsys, argv,
     with pytest.raises(SimDeviceError, match=match):
         args.func(args)
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_online_trace_is_the_coserve_generator_scaled_to_the_load():
+    from backfill.finetune.sim import online_requests
+
+    def prefill(n):
+        return 10.0
+
+    def decode(ctx):
+        return 5.0
+
+    light = online_requests(200.0, 0.2, 3, prefill, decode)
+    heavy = online_requests(200.0, 0.8, 3, prefill, decode)
+    assert light == online_requests(200.0, 0.2, 3, prefill, decode)  # a seed gives one trace
+    assert all(0 <= r.arrival_s < 200.0 and 64 <= r.prompt_tokens <= 256 and 16 <= r.output_tokens <= 64
+               for r in light + heavy)
+    # ~40 output tokens x 5 ms + 10 ms a request: 0.21 s alone, so about load / 0.21 s arrivals a second
+    assert 2.5 < len(heavy) / len(light) < 6
+    assert 0.5 < len(heavy) / 200.0 * 0.21 / 0.8 < 1.5
