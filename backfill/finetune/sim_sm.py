@@ -77,6 +77,7 @@ def simulate_sm(policy, requests: list[SimRequest], device: SimulatedDevice, dur
             prev_ft = s_ft
             advance(ms, s_ft, s_inf)
             busy_ms += ms
+            busy_ft_ms += ms * s_ft
             running.append({"ctx": r.prompt_tokens + 1, "left": r.output_tokens - 1, "times": [t_ms]})
         if not running:  # idle until the next arrival (or the end): finetuning at the policy's share
             if i >= len(pending) and t_ms >= end_ms:
