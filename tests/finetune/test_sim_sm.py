@@ -48,6 +48,12 @@ def test_harli_beats_pause_only_and_static_while_decode_leaves_the_sms_idle(devi
     assert t["harli"]["ft_share_while_busy"] > 0.3  # the gain comes from finetuning beside decode
     assert t["pause-only"]["ft_share_while_busy"] == 0.0
     assert t["separate"]["samples_per_s"] == pytest.approx(device.samples_per_s(1.0) / 2)
+    rounds = result["rounds"]
+    # a fixed partition never takes SMs back; pause-only waits for a kernel when a request ends an
+    # idle spell, at most once per request
+    assert rounds["static"][0]["drains"] == 0
+    assert 0 < rounds["pause-only"][0]["drains"] <= rounds["solo"][0]["completed"]
+    assert rounds["harli"][0]["drains"] > 0
 
 
 def test_the_gain_shrinks_when_decode_needs_every_sm(latency):
