@@ -122,6 +122,11 @@ class FinetuneConfigError(FinetuneError, ValueError):
     """A finetuning hyperparameter is out of range (e.g. a LoRA rank of 0)."""
 
 
+class SimDeviceError(FinetuneError, ValueError):
+    """The simulated device of `backfill sim finetune` is misconfigured: a stated parameter out of range, an SM
+    share outside (0, 1], or a profile or model-shape file that cannot be read."""
+
+
 class TrainingFileError(FinetuneError, ValueError):
     """A fine-tuning training file is malformed; the message names the line."""
 

@@ -45,7 +45,7 @@ def test_listing_commands_imports_no_framework_and_no_capability(command):
     assert not {m for m in loaded if m.startswith(CAPABILITIES) and m not in REGISTRATIONS}
 
 
-@pytest.mark.parametrize("command", [("bench", "coserve"), ("sim", "coserve"), ("demo",), ("serve",),
+@pytest.mark.parametrize("command", [("bench", "coserve"), ("sim", "coserve"), ("sim", "finetune"), ("demo",), ("serve",),
                                      ("finetune", "run"), ("finetune", "create"), ("bench", "disb"),
                                      ("bench", "preempt"), ("idempotence",)])
 def test_a_commands_help_imports_its_options_without_torch_or_the_server(command):

@@ -109,3 +109,14 @@ def test_flags_build_the_config_tree_and_the_dataclass_validates():
 
 def test_serving_and_coserve_defaults_agree():
     assert ServingConfig().coserve == CoServeConfig() and CoServeConfig().interference_slack == 0.05
+
+
+def test_sim_finetune_takes_the_simulated_device_and_scenario_fields():
+    from backfill.finetune.sim_config import SmDeviceConfig, SmSimScenario
+
+    assert documented(SmDeviceConfig) == {o.name for o in options_of(SmDeviceConfig)}
+    expected = documented(SmDeviceConfig) | documented(SmSimScenario) | {"loads", "modes", "sensitivity", "json"}
+    assert flags_of(subparser("sim", "finetune")) == expected
+    args = subparser("sim", "finetune").parse_args(["--saturation-share", "0.3", "--duration", "10"])
+    assert build(SmDeviceConfig, {"saturation_share": args.saturation_share}).saturation_share == 0.3
+    assert build(SmSimScenario, {"duration": args.duration}).duration_s == 10.0

@@ -250,10 +250,7 @@ def _run_sim(args, modes, loaded, latency) -> int:
     set from the fitted costs, through every mode's policy object on a simulated clock."""
     import numpy as np
 
-    from backfill.bench.arrivals import gamma_arrivals
-    from backfill.bench.scenario import CoserveScenario
-    from backfill.bench.lengths import parse_length_spec
-    from backfill.finetune.sim import SimCosts, SimRequest, simulate
+    from backfill.finetune.sim import SimCosts, online_requests, simulate
     from backfill.policy.harli import make_colo_policy
 
     from backfill.finetune.data import load_training_file
@@ -279,14 +276,8 @@ def _run_sim(args, modes, loaded, latency) -> int:
     costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
     results: dict[str, list[dict]] = {}
     for k in range(args.rounds):
-        scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
-        rng = np.random.default_rng(k)
-        prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
-        mean_prompt, mean_output = float(np.mean(prompt_len.sample(rng, 2000))), float(np.mean(output_len.sample(rng, 2000)))
-        service_s = (prefill(mean_prompt) + mean_output * latency.solo_ms(1, mean_prompt + mean_output / 2, 1.0)) / 1e3
-        arrivals = gamma_arrivals(args.online_load / service_s, scenario.cv, k, duration_s=args.duration)
-        prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
-        requests = [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
+        requests = online_requests(args.duration, args.online_load, k, prefill,
+                                   lambda ctx: latency.solo_ms(1, ctx, 1.0))
         for mode in (SOLO, *modes):
             if mode == "separate":
                 r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,

@@ -24,6 +24,8 @@ def add_commands(commands: CommandParser) -> None:
     commands.defer("finetune profile", "fit HARLI's co-location latency predictor (HARLI §5) on this machine "
                                        "and save it", _fill_profile)
     commands.defer("bench finetune", "HARLI: finetuning co-located with the decode trace, four modes", _fill_bench)
+    commands.defer("sim finetune", "HARLI's device form simulated: SM partitions between decode and LoRA "
+                                   "finetuning on the H200 shape, four modes and a sensitivity table", _fill_sim)
 
 
 def _fill_run(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,47 @@ def _fill_bench(p: argparse.ArgumentParser) -> None:
 
     add_bench_args(p)
     _add_config_args(p)
+
+
+def _fill_sim(p: argparse.ArgumentParser) -> None:
+    from backfill.finetune.sim_config import SmDeviceConfig, SmSimScenario
+    from backfill.options import add_arguments, options_of
+
+    add_arguments(p, options_of(SmDeviceConfig))
+    add_arguments(p, options_of(SmSimScenario))
+    p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.6],
+                   help="online loads to run (each overrides --online-load)")
+    p.add_argument("--modes", nargs="+", default=["separate", "static", "pause-only", "harli"],
+                   help="modes besides solo: separate, static, pause-only, harli")
+    p.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
+                   help="also rerun harli, static and pause-only with each stated parameter varied")
+    p.add_argument("--json", default="runs/sim-finetune.json", help="where the result JSON goes")
+    p.set_defaults(func=cmd_sim_finetune)
+
+
+def cmd_sim_finetune(args: argparse.Namespace) -> int:
+    from backfill.errors import SimDeviceError
+    from backfill.finetune import sim_sm
+    from backfill.finetune.sim_config import SmDeviceConfig, SmSimScenario
+    from backfill.options import build, given, options_of
+
+    config = build(SmDeviceConfig, given(args, options_of(SmDeviceConfig)))
+    scenario = build(SmSimScenario, given(args, options_of(SmSimScenario)))
+    if unknown := [m for m in args.modes if m not in sim_sm.MODES]:
+        raise SimDeviceError(f"unknown modes {unknown}; choose among {', '.join(sim_sm.MODES)}")
+    for load in args.loads:
+        SmSimScenario(online_load=load)  # the scenario's own check, for each load
+    result = sim_sm.run(config, scenario, tuple(args.loads), args.sensitivity, modes=tuple(args.modes),
+                        log=lambda m: print(m, flush=True))
+    print("simulated (stated device parameters, not a GPU measurement):")
+    print(sim_sm.markdown(result))
+    if "sensitivity" in result:
+        print(sim_sm.sensitivity_markdown(result["sensitivity"]))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -35,6 +35,24 @@ class SimRequest:
     output_tokens: int
 
 
+def online_requests(duration_s: float, online_load: float, seed: int, prefill_ms, decode_ms) -> list[SimRequest]:
+    """The coserve benchmark's online trace (its gamma arrivals and length distributions), its rate
+    set so that `online_load` of the time would go to one request after another alone: prefill_ms
+    (prompt tokens -> ms) and decode_ms (context -> ms of a batch-1 step) cost one request."""
+    from backfill.bench.arrivals import gamma_arrivals
+    from backfill.bench.lengths import parse_length_spec
+    from backfill.bench.scenario import CoserveScenario
+
+    scenario = CoserveScenario(duration_s=duration_s, online_load=online_load, seed=seed, warmup_s=0.0)
+    rng = np.random.default_rng(seed)
+    prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+    mean_prompt, mean_output = float(np.mean(prompt_len.sample(rng, 2000))), float(np.mean(output_len.sample(rng, 2000)))
+    service_s = (prefill_ms(mean_prompt) + mean_output * decode_ms(mean_prompt + mean_output / 2)) / 1e3
+    arrivals = gamma_arrivals(online_load / service_s, scenario.cv, seed, duration_s=duration_s)
+    prompts, outputs = prompt_len.sample(rng, len(arrivals)), output_len.sample(rng, len(arrivals))
+    return [SimRequest(float(a), int(p), max(1, int(o))) for a, p, o in zip(arrivals, prompts, outputs)]
+
+
 def simulate(policy, requests: list[SimRequest], costs: SimCosts, duration_s: float, tpot_target_ms: float,
              seed: int = 0, separate_share_infer: float | None = None) -> dict:
     rng = np.random.default_rng(seed)
