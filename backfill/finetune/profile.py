@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.errors import LatencyProfileError
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.job import FinetuneJob
 from backfill.policy.harli import HarliLatencyModel
@@ -172,13 +173,17 @@ def _points(specs: list[tuple[int, int, float, tuple[str, ...]]], measured: list
     for (bs, seq, _, _), samples in zip(specs, measured):
         if samples:
             ms, ft_ms, mix = _median(samples)
-            s_ft = ft_ms / (ft_ms + latency.solo_ms(bs, seq, 1.0))
+            solo = latency.solo_ms(bs, seq, 1.0)
+            if not solo > 0:
+                raise LatencyProfileError(f"stage 1 predicts a decode step of {solo:.3f} ms at batch {bs}, context "
+                                          f"{seq}: the solo fit is unusable (a disturbed profile); run it again")
+            s_ft = ft_ms / (ft_ms + solo)
             out.append((bs, seq, 1 - s_ft, s_ft, ms, mix))
     return out
 
 
 def _repeats(specs: list[tuple[int, int, float, tuple[str, ...]]], repeats: int) -> list[int]:
-    return [min([RARE_REPEATS.get(k, repeats) for k in kinds], default=repeats) for *_, kinds in specs]
+    return [min([RARE_REPEATS.get(k, repeats) for k in kinds] + [repeats]) for *_, kinds in specs]
 
 
 def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model_name: str = "",

@@ -7,10 +7,10 @@ has share_infer and finetune units share_ft. Stage 1 (§5.1) is the solo decode 
 (the token interval when the rest of the time is left idle), `bs*b0 + c0 + bs*k0*seqlen` fitted
 per share; stage 2 (§5.2) the co-located interval `(share_infer*b1 + share_ft*k1) * stage1`,
 whose b1, k1 absorb what finetuning does to the decode step around it (caches, memory bandwidth).
-On CPU that effect depends on the kind of unit (an LM-head slice streams the whole output
-embedding and evicts the decode weights from cache; a layer piece does not), so stage 2 keeps
-HARLI's form with one k1 per unit kind, `(share_infer*b1 + sum_kind share_kind*k1_kind) * stage1`,
-where share_kind is the share of the interval that units of that kind take.
+On CPU that effect depends on the kind of unit before the step (an LM-head slice streams the
+whole output embedding, a layer piece one layer's weights), so stage 2 keeps HARLI's form with one
+k1 per unit kind, `(share_infer*b1 + sum_kind share_kind*k1_kind) * stage1`, where share_kind is
+the share of the interval that units of that kind take.
 The device form (SM partitions via CUDA green contexts) uses the same policy with SM shares;
 it needs a GPU and is not built yet.
 
