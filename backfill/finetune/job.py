@@ -205,11 +205,13 @@ class FinetuneJob:
             ids, mask = collate(batch[start:start + c.micro_batch_size], self.pad_id)
             tokens += int(ids.numel())
             saved = [embed(model, ids)]
-            with torch.no_grad():
-                for li in range(layers):
+            for li in range(layers):
+                # no_grad around the layer only: grad mode is per thread, and a `with` held across a
+                # yield would leave the caller's thread without autograd while the step is paused.
+                with torch.no_grad():
                     saved.append(layer_forward(model, self.adapter, li, saved[-1]))
-                    self._next_kind = "forward" if li < layers - 1 else "head"
-                    yield
+                self._next_kind = "forward" if li < layers - 1 else "head"
+                yield
             top = saved.pop().requires_grad_()
             slices = target_slices(mask, c.loss_rows_per_unit)
             for si, part in enumerate(slices):  # gradients of the slices add up in top.grad

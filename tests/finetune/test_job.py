@@ -202,3 +202,15 @@ def test_next_units_are_the_units_the_job_then_runs(tmp_path, layers_per_unit):
             assert all(ms > 0 for u in ahead for _, ms in u)  # the recent median of each kind
     assert ran == predicted and job.next_units(4) == ()
     assert all(len(u) <= layers_per_unit for u in ran)
+
+
+def test_a_step_paused_in_its_forward_leaves_autograd_on(tmp_path):
+    """Grad mode is per thread: a job paused mid-forward (or dropped there) must not leave the
+    engine's thread without autograd, or the next job's head slice has nothing to differentiate."""
+    data = write_chat_file(tmp_path / "t.jsonl")
+    first = FinetuneJob(tiny_model(), TOKENIZER, data, CONFIG, tmp_path / "first")
+    first.run_unit()
+    assert first.next_piece_kind == "forward" and torch.is_grad_enabled()
+    second = FinetuneJob(tiny_model(), TOKENIZER, data, replace(CONFIG, max_steps=1), tmp_path / "second")
+    second.run()  # its head's backward needs autograd
+    assert second.finished and torch.is_grad_enabled()
