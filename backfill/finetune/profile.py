@@ -37,13 +37,13 @@ from backfill.policy.harli import HarliLatencyModel
 SHARES = (1.0, 0.8, 0.6, 0.4)      # stage-1 compute shares (time slices)
 BATCHES = (1, 2, 4)                # three batch sizes suffice (HARLI §5.1)
 SEQLENS = (32, 256, 512)
-WARMUP_INTERVALS = 2               # untimed intervals before each run of a point, of its own shape
+WARMUP_INTERVALS = 2               # untimed decode steps before each visit of a solo point, of its shape
 PASSES = 3                         # visits a solo point's intervals are spread over
 F, H, B, U = "forward", "head", "backward", "update"
 # Stage 2: the kinds of the units in an interval. Layer pieces come 30 in a row, head slices two
 # per micro-batch and the update once a step, so the rarer ones get fewer intervals (RARE_REPEATS).
 KIND_SEQUENCES = ((F,), (F, F), (F, F, F), (B,), (B, B), (B, B, B), (H,), (U,))
-RARE_REPEATS = {H: 7, U: 5}        # intervals of a point with these kinds (two head slices a micro-batch)
+RARE_REPEATS = {H: 7, U: 5}        # intervals of a point with these kinds (at most --repeats)
 HELD_OUT = ((3, 128, (F, F)), (3, 384, (B, B)), (2, 384, (F, H)), (4, 128, (H, B)), (1, 384, (B, U)),
             (3, 32, (B, B, B)), (2, 128, (H, H)), (4, 384, (U, F)))
 MAX_PIECES = 8_000                 # stop walking the job after this many pieces (a kind that never comes)
