@@ -114,6 +114,10 @@ class LeaseExpiredError(CoordinatorError):
     """A lease or offer named in a coordinator call has expired or does not exist."""
 
 
+class LatencyProfileError(BackfillError, ValueError):
+    """A saved latency profile is unreadable, malformed or of a format this backfill cannot use."""
+
+
 class FinetuneError(BackfillError):
     """A finetuning job (HARLI) cannot be created, resumed or run."""
 

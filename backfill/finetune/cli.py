@@ -146,7 +146,7 @@ def _load_model(args: argparse.Namespace, **serving_changes):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    serving = _serving(args, kv_cache_gb=0.25, **serving_changes)
+    serving = _serving(args, **({"kv_cache_gb": 0.25} | serving_changes))
     loaded = load_model(serving.model)
     return serving, loaded
 
@@ -178,9 +178,9 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
     from backfill.finetune.profile import profile_finetune
     from backfill.serving.build import build_runner
 
-    serving, loaded = _load_model(args)  # a small KV pool for the profile's decode batches
+    serving, loaded = _load_model(args, kv_cache_gb=0.5)  # every profiled decode batch at once
     runner = build_runner(loaded.config, loaded.weights, serving)
-    config = FinetuneConfig(rank=args.rank, alpha=args.alpha, batch_size=4, micro_batch_size=1,
+    config = FinetuneConfig(rank=args.rank, alpha=args.alpha, batch_size=1, micro_batch_size=1,
                             max_seq_len=min(args.max_seq_len, 128), max_steps=10_000, checkpoint_every_steps=10_000,
                             layers_per_unit=args.layers_per_unit, loss_rows_per_unit=args.loss_rows_per_unit)
     result = profile_finetune(runner, loaded.tokenizer, repeats=args.repeats, model_name=loaded.config.name,
@@ -188,9 +188,11 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
     lat = result.latency
     for f in lat.solo:
         print(f"stage 1, share {f.share:.2f}: Lat_dec = bs*{f.b0:.3f} + {f.c0:.3f} + bs*{f.k0 * 1e3:.4f}e-3*seqlen ms")
-    print(f"stage 2: Lat_colo = (share_infer*{lat.b1:.3f} + share_ft*{lat.k1:.3f}) * Lat_dec(share_infer)")
+    kinds = " + ".join(f"share_{k}*{v:.3f}" for k, v in lat.k1_kind.items())
+    print(f"stage 2: Lat_colo = (share_infer*{lat.b1:.3f} + {kinds}) * Lat_dec(share_infer); "
+          f"kind-average k1 {lat.k1:.3f}")
     for name, e in lat.errors.items():
-        print(f"error {name:9s}: mean {e['mean'] * 100:5.2f}%  max {e['max'] * 100:5.2f}%  ({e['points']} points)")
+        print(f"error {name:21s}: mean {e['mean'] * 100:5.2f}%  max {e['max'] * 100:5.2f}%  ({e['points']} points)")
     print(f"decode step (bs 1): {result.decode_ms:.1f} ms; finetune pieces: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in result.unit_ms.items()))
     path = lat.save(harli_profile_path(loaded.config.name))
@@ -200,6 +202,6 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({
             "latency": json.loads(path.read_text()), "solo_points": result.solo_points,
             "colo_points": result.colo_points, "held_out": result.held_out, "decode_ms": result.decode_ms,
-            "unit_ms": result.unit_ms, "threads": __import__("torch").get_num_threads()}, indent=1))
+            "unit_ms": result.unit_ms, "colo_samples": result.colo_samples, "threads": __import__("torch").get_num_threads()}, indent=1))
         print(f"wrote {args.json}")
     return 0

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backfill.errors import FinetuneError
+from backfill.errors import FinetuneError, LatencyProfileError
 from backfill.finetune.job import FinetuneJob
 from backfill.finetune.memory import KVLease, inference_demand_blocks, reserve_blocks
 from backfill.policy.harli import ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
@@ -107,8 +107,9 @@ class _Driver:
         decoding = [s for s in snapshot.seqs if s.running]
         waiting = len(snapshot.seqs) - len(decoding) + (1 if self.engine.scheduler.has_work() and not snapshot.seqs else 0)
         seqlen = sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0
+        lookahead = getattr(self.policy, "max_units_per_step", 0)  # only HARLI's policy predicts per unit
         state = ColoState(time.monotonic(), len(decoding), waiting, seqlen, self.tpot_target_ms, ready,
-                          job.next_unit_estimate_ms())
+                          job.next_unit_estimate_ms(), job.next_units(lookahead) if lookahead else ())
         plan = self.policy.plan(state)
         stats.reasons[plan.reason] = stats.reasons.get(plan.reason, 0) + 1
         if decoding and plan.units == 0:
@@ -169,10 +170,14 @@ def load_saved_latency(model_name: str) -> HarliLatencyModel | None:
     if not path.exists():
         return None
     try:
-        return HarliLatencyModel.load(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        log.warning("unreadable HARLI profile %s: ignored", path)
+        latency = HarliLatencyModel.load(path)
+    except LatencyProfileError as exc:
+        log.warning("%s: ignored", exc)
         return None
+    if not latency.per_kind:
+        log.warning("HARLI profile %s predates stage 2 per unit kind: predicting with its single k1 for "
+                    "every kind; re-run `backfill finetune profile` to fit one per kind", path)
+    return latency
 
 
 __all__ = ["FinetuneHandle", "attach_finetune", "harli_profile_path", "load_saved_latency"]

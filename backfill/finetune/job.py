@@ -54,8 +54,10 @@ class FinetuneJob:
         self.unit_ms: list[float] = []   # durations of recent units (for the QoS policy)
         # Recent durations of each kind of piece (forward / head / backward / update), for estimates.
         self.piece_ms: dict[str, list[float]] = {}
+        self.last_unit_pieces: list[tuple[str, float]] = []  # (kind, ms) of each piece of the last unit
         self._next_kind = "forward"
         self._pieces_in_step = 0
+        self._kinds_cache: tuple[int, tuple[str, ...]] | None = None
         self._pieces_this_step = 0       # pieces of the step in flight (known once it starts)
         self._step: Iterator[None] | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,12 +89,15 @@ class FinetuneJob:
         started = time.perf_counter()
         if self._step is None:
             self._step = self._train_step()
+        self.last_unit_pieces = []
         for _ in range(self.config.layers_per_unit):
             kind, piece_started = self._next_kind, time.perf_counter()
             done = next(self._step, StopIteration) is StopIteration
             self._pieces_in_step = 0 if done else self._pieces_in_step + 1
+            piece_ms = (time.perf_counter() - piece_started) * 1e3
+            self.last_unit_pieces.append((kind, piece_ms))
             recent = self.piece_ms.setdefault(kind, [])
-            recent.append((time.perf_counter() - piece_started) * 1e3)
+            recent.append(piece_ms)
             del recent[:-16]
             if done:
                 self._step, self._next_kind = None, "forward"
@@ -104,20 +109,52 @@ class FinetuneJob:
 
     def next_unit_estimate_ms(self, default_ms: float = 10.0) -> float:
         """The expected duration of the next unit: the median of recent pieces of its kind."""
-        recent = self.piece_ms.get(self._next_kind) or self.piece_ms.get("backward") or []
-        piece = sorted(recent)[len(recent) // 2] if recent else default_ms
+        piece = self._piece_estimate_ms(self._next_kind, default_ms)
         return piece * (self.config.layers_per_unit if self._next_kind in ("forward", "backward") else 1)
+
+    def _piece_estimate_ms(self, kind: str, default_ms: float = 10.0) -> float:
+        recent = self.piece_ms.get(kind) or self.piece_ms.get("backward") or []
+        return sorted(recent)[len(recent) // 2] if recent else default_ms
+
+    def next_units(self, count: int, default_ms: float = 10.0) -> tuple[tuple[tuple[str, float], ...], ...]:
+        """The next `count` units (fewer near the end of the job), each as its pieces' (kind,
+        expected ms): the step's piece sequence is a function of (seed, step), so a scheduler can
+        predict with the kinds it would actually run (HARLI §5.2, §6.2)."""
+        units: list[tuple[tuple[str, float], ...]] = []
+        step, index = self.steps_done, (self._pieces_in_step if self._step is not None else 0)
+        while len(units) < count and step < self.total_steps:
+            kinds = self.kinds_of_step(step)
+            while len(units) < count and index < len(kinds):
+                # A unit never spans two steps: run_unit stops at the step's end.
+                pieces = kinds[index:index + self.config.layers_per_unit]
+                units.append(tuple((k, self._piece_estimate_ms(k, default_ms)) for k in pieces))
+                index += len(pieces)
+            step, index = step + 1, 0
+        return tuple(units)
+
+    def kinds_left_in_step(self) -> tuple[str, ...]:
+        """The kinds of the pieces of the step in flight not run yet (empty between steps)."""
+        return self.kinds_of_step(self.steps_done)[self._pieces_in_step:] if self._step is not None else ()
+
+    def kinds_of_step(self, step: int) -> tuple[str, ...]:
+        """The kind of every unit-sized piece of a step, in the order they run: per micro-batch
+        each layer's forward, the head's slices, each layer's backward; then the optimizer update."""
+        if self._kinds_cache is not None and self._kinds_cache[0] == step:
+            return self._kinds_cache[1]
+        c, layers = self.config, self.model.config.num_layers
+        batch = [self.samples[i] for i in step_samples(len(self.samples), c.batch_size, c.seed, step)]
+        kinds: list[str] = []
+        for start in range(0, len(batch), c.micro_batch_size):
+            targets = sum(s.num_targets for s in batch[start:start + c.micro_batch_size])
+            kinds += ["forward"] * layers + ["head"] * max(1, -(-targets // c.loss_rows_per_unit)) + ["backward"] * layers
+        kinds.append("update")
+        self._kinds_cache = (step, tuple(kinds))
+        return self._kinds_cache[1]
 
     def pieces_of_step(self, step: int) -> int:
         """Unit-sized pieces of a step: per micro-batch every layer forward and backward and the
         head's slices, then the optimizer update."""
-        c = self.config
-        batch = [self.samples[i] for i in step_samples(len(self.samples), c.batch_size, c.seed, step)]
-        pieces = 1
-        for start in range(0, len(batch), c.micro_batch_size):
-            targets = sum(s.num_targets for s in batch[start:start + c.micro_batch_size])
-            pieces += 2 * self.model.config.num_layers + max(1, -(-targets // c.loss_rows_per_unit))
-        return pieces
+        return len(self.kinds_of_step(step))
 
     @property
     def progress_steps(self) -> float:
@@ -168,11 +205,13 @@ class FinetuneJob:
             ids, mask = collate(batch[start:start + c.micro_batch_size], self.pad_id)
             tokens += int(ids.numel())
             saved = [embed(model, ids)]
-            with torch.no_grad():
-                for li in range(layers):
+            for li in range(layers):
+                # no_grad around the layer only: grad mode is per thread, and a `with` held across a
+                # yield would leave the caller's thread without autograd while the step is paused.
+                with torch.no_grad():
                     saved.append(layer_forward(model, self.adapter, li, saved[-1]))
-                    self._next_kind = "forward" if li < layers - 1 else "head"
-                    yield
+                self._next_kind = "forward" if li < layers - 1 else "head"
+                yield
             top = saved.pop().requires_grad_()
             slices = target_slices(mask, c.loss_rows_per_unit)
             for si, part in enumerate(slices):  # gradients of the slices add up in top.grad

@@ -2,10 +2,19 @@
 
 Stage 1 (solo): batches of bs sequences at context seqlen decode back to back; with a share
 s_infer < 1 each step is followed by idle time so decode holds s_infer of the token interval.
-Stage 2 (co-located): each decode step is followed by n finetuning units of a real job instead,
-so the split is what n units realise (share_ft = their time / the interval). Each grid point is
-the median of `repeats` token intervals, taken in a few passes over the grid. Held-out points (other
-batch sizes, contexts and unit counts) measure the error on co-located steps the fit never saw.
+
+Stage 2 (co-located): a token interval is n finetuning units of a real job and then the decode
+step they delay, as the policy plans it. Its split is the one the policy computes before it runs
+the units: share_ft = the units' time / (that time + the stage-1 decode step), not a share of the
+measured interval (a decode step slowed by noise would lower its own share_ft, and the prediction
+with it, the wrong way; on a GPU the SM share is likewise set before the step runs). A grid point
+is (bs, seqlen, the kinds of its n units): the job's piece sequence is deterministic, so the
+profiler walks through it and measures, at each position, a point whose kinds come next (a unit
+of a kind no pending point needs is run untimed; a step whose remaining kinds none needs is
+dropped), until every point has its intervals; a point is its interval of median length with
+that interval's own finetuning time per kind. Solo points are measured in the same walk, a few
+intervals at a time, so both stages see the same load. Held-out points (other batch sizes, contexts and
+kind sequences, mixes included) measure the error on co-located intervals the fit never saw.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from pathlib import Path
 import torch
 
 from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.errors import LatencyProfileError
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.job import FinetuneJob
 from backfill.policy.harli import HarliLatencyModel
@@ -27,20 +37,27 @@ from backfill.policy.harli import HarliLatencyModel
 SHARES = (1.0, 0.8, 0.6, 0.4)      # stage-1 compute shares (time slices)
 BATCHES = (1, 2, 4)                # three batch sizes suffice (HARLI §5.1)
 SEQLENS = (32, 256, 512)
-UNITS = (1, 2, 3)                  # finetuning units per token interval (stage 2)
-WARMUP_INTERVALS = 2               # untimed intervals before each run of a point, of its own shape
-PASSES = 3                         # passes through the grid the repeats are spread over
-HELD_OUT = ((3, 128, 1), (3, 384, 2), (2, 384, 3), (4, 128, 2), (1, 384, 2), (3, 32, 3))
+WARMUP_INTERVALS = 2               # untimed decode steps before each visit of a solo point, of its shape
+PASSES = 3                         # visits a solo point's intervals are spread over
+F, H, B, U = "forward", "head", "backward", "update"
+# Stage 2: the kinds of the units in an interval. Layer pieces come 30 in a row, head slices two
+# per micro-batch and the update once a step, so the rarer ones get fewer intervals (RARE_REPEATS).
+KIND_SEQUENCES = ((F,), (F, F), (F, F, F), (B,), (B, B), (B, B, B), (H,), (U,))
+RARE_REPEATS = {H: 7, U: 5}        # intervals of a point with these kinds (at most --repeats)
+HELD_OUT = ((3, 128, (F, F)), (3, 384, (B, B)), (2, 384, (F, H)), (4, 128, (H, B)), (1, 384, (B, U)),
+            (3, 32, (B, B, B)), (2, 128, (H, H)), (4, 384, (U, F)))
+MAX_PIECES = 8_000                 # stop walking the job after this many pieces (a kind that never comes)
 
 
 @dataclass
 class ProfileResult:
     latency: HarliLatencyModel
     solo_points: list[tuple[float, float, float, float]]
-    colo_points: list[tuple[float, float, float, float, float]]
-    held_out: list[tuple[float, float, float, float, float]]
+    colo_points: list[tuple]        # (bs, seqlen, share_infer, share_ft, ms, {kind: ms})
+    held_out: list[tuple]
     decode_ms: float               # a lone decode step at bs 1, seqlen 32 (for sizing units)
     unit_ms: dict[str, float]      # median duration of each kind of finetuning piece
+    colo_samples: dict[str, list[float]]  # every interval (ms) measured for each stage-2 grid point
 
 
 def synthetic_training_file(path: Path, tokenizer, num: int = 32, words: int = 60, seed: int = 0) -> Path:
@@ -57,83 +74,170 @@ def synthetic_training_file(path: Path, tokenizer, num: int = 32, words: int = 6
     return path
 
 
-class _Bench:
-    def __init__(self, runner: ModelRunner, job: FinetuneJob, repeats: int) -> None:
-        self.runner, self.job, self.repeats = runner, job, repeats
+class _Walk:
+    """Every interval of the profile, solo and co-located, measured in one walk along the job's
+    own sequence of units, so a change of load during the profile reaches both stages alike.
 
-    def _decode(self, batch: int, seqlen: int):
-        kv = self.runner.kv
-        tables = [kv.allocate(kv.blocks_needed(seqlen + 1)) for _ in range(batch)]
-        chunks = [SeqChunk(f"p{i}", [5], seqlen, t, want_logits=True) for i, t in enumerate(tables)]
-        return chunks, tables
+    A spec is (bs, seqlen, share_infer, kinds). Solo (kinds empty): WARMUP_INTERVALS untimed
+    decode steps, then a few timed intervals with decode at share_infer and the rest idle.
+    Co-located (share_infer 1): the units of those kinds, then the decode step they delay; it can
+    only be measured where the job's next units have those kinds (a unit is placed by the kind
+    of its first piece; its time is split among the kinds of the pieces it ran)."""
 
-    def intervals(self, batch: int, seqlen: int, share_infer: float, units: int, count: int) -> list[tuple[float, float]]:
-        """`count` token intervals (ms) with the finetuning share of each, after WARMUP_INTERVALS
-        untimed ones of the same shape (so the first timed one follows the same pattern)."""
-        chunks, tables = self._decode(batch, seqlen)
+    def __init__(self, runner: ModelRunner, job: FinetuneJob) -> None:
+        self.runner, self.job = runner, job
+
+    def measure(self, specs: list[tuple[int, int, float, tuple[str, ...]]], repeats: list[int]) -> list[list[tuple]]:
+        job, kv = self.job, self.runner.kv
+        decodes = {}
+        for bs, seq, _, _ in specs:
+            if (bs, seq) not in decodes:
+                tables = [kv.allocate(kv.blocks_needed(seq + 1)) for _ in range(bs)]
+                decodes[(bs, seq)] = [SeqChunk(f"p{i}", [5], seq, t, want_logits=True) for i, t in enumerate(tables)]
+        measured: list[list[tuple]] = [[] for _ in specs]
+        per_visit = -(-max(repeats, default=1) // PASSES)
         try:
-            measured = []
-            for _ in range(WARMUP_INTERVALS + count):
-                start = time.perf_counter()
-                step_s = self.runner.execute(chunks).duration_s
-                ft_s = 0.0
-                if units:
-                    t = time.perf_counter()
-                    for _ in range(units):
-                        if not self.job.run_unit():
-                            raise RuntimeError("the profiling job ran out of steps")
-                    ft_s = time.perf_counter() - t
-                elif share_infer < 1.0:
-                    time.sleep(step_s * (1 - share_infer) / share_infer)
-                total = time.perf_counter() - start
-                measured.append((total * 1e3, ft_s / total))
-            return measured[WARMUP_INTERVALS:]
+            for chunks in decodes.values():  # untimed: each shape's first step
+                self.runner.execute(chunks)
+            left, order, pieces = list(repeats), 0, 0
+            while any(left) and pieces < MAX_PIECES:
+                upcoming = tuple(u[0][0] for u in job.next_units(3))
+                # A solo spec fits anywhere; it is taken only while it is as far from done as the
+                # co-located ones, so solo intervals spread over the walk as theirs do.
+                behind = max((left[j] / repeats[j] for j, spec in enumerate(specs) if left[j] and spec[3]), default=0.0)
+                fits = [i for i, (_, _, _, kinds) in enumerate(specs) if left[i] and upcoming[:len(kinds)] == kinds
+                        and (kinds or left[i] / repeats[i] >= behind)]
+                if not fits:
+                    needed = {k for i, spec in enumerate(specs) if left[i] for k in spec[3]}
+                    if job.step_in_flight and not needed & set(job.kinds_left_in_step()):
+                        job.abandon_step()  # nothing left in this step is needed: start the next one
+                    else:
+                        job.run_unit()
+                        pieces += 1
+                    continue
+                # The spec furthest from done, round-robin among equals, so each spec's intervals
+                # spread over the whole walk (a disturbance hits a few of them, not all).
+                order += 1
+                i = max(fits, key=lambda j: (left[j] / repeats[j], -((j - order) % len(specs))))
+                bs, seq, share, kinds = specs[i]
+                if kinds:
+                    measured[i].append(self._colo(decodes[(bs, seq)], len(kinds)))
+                    left[i] -= 1
+                    pieces += len(kinds)
+                else:
+                    count = min(left[i], per_visit)
+                    measured[i] += self._solo(decodes[(bs, seq)], share, count)
+                    left[i] -= count
         finally:
-            for t in tables:
-                self.runner.kv.free(t)
+            for chunks in decodes.values():
+                for c in chunks:
+                    kv.free(c.block_table)
+        return measured
 
-    def points(self, specs: list[tuple[int, int, float, int]]) -> list[tuple[float, float]]:
-        """For each (bs, seqlen, share_infer, units): the median interval and the finetuning share of
-        that same interval (medians taken apart would pair a long unit's interval with a short
-        unit's share). The repeats are spread over PASSES passes through all the specs, so a
-        disturbance lasting a second or two hits one pass of a few points, not all repeats of one."""
-        measured: list[list[tuple[float, float]]] = [[] for _ in specs]
-        per_pass = -(-self.repeats // PASSES)
-        for _ in range(PASSES):
-            for i, (bs, seq, share, units) in enumerate(specs):
-                measured[i] += self.intervals(bs, seq, share, units, per_pass)
-        return [sorted(m)[len(m) // 2] for m in measured]
+    def _solo(self, chunks, share_infer: float, count: int) -> list[tuple[float, float, dict]]:
+        out = []
+        for n in range(WARMUP_INTERVALS + count):
+            start = time.perf_counter()
+            step_s = self.runner.execute(chunks).duration_s
+            if share_infer < 1.0:
+                time.sleep(step_s * (1 - share_infer) / share_infer)
+            if n >= WARMUP_INTERVALS:
+                out.append(((time.perf_counter() - start) * 1e3, 0.0, {}))
+        return out
+
+    def _colo(self, chunks, units: int) -> tuple[float, float, dict[str, float]]:
+        """n units, then the decode step they delay: (interval ms, units' ms, {kind: ms})."""
+        mix: dict[str, float] = {}
+        start = time.perf_counter()
+        for _ in range(units):
+            if not self.job.run_unit():
+                raise RuntimeError("the profiling job ran out of steps")
+            for kind, ms in self.job.last_unit_pieces:
+                mix[kind] = mix.get(kind, 0.0) + ms
+        ft = time.perf_counter()
+        self.runner.execute(chunks)
+        return (time.perf_counter() - start) * 1e3, (ft - start) * 1e3, mix
+
+
+def _median(samples: list[tuple]) -> tuple:
+    """The sample of median interval, whole (medians taken apart would pair a long unit's
+    interval with a short unit's time)."""
+    return sorted(samples, key=lambda x: x[0])[len(samples) // 2]
+
+
+def _points(specs: list[tuple[int, int, float, tuple[str, ...]]], measured: list[list[tuple]],
+            latency: HarliLatencyModel) -> list[tuple]:
+    """Each co-located spec's interval of median length with its units' time per kind, and the
+    split the policy would compute for those units; specs never measured are left out."""
+    out = []
+    for (bs, seq, _, _), samples in zip(specs, measured):
+        if samples:
+            ms, ft_ms, mix = _median(samples)
+            solo = latency.solo_ms(bs, seq, 1.0)
+            if not solo > 0:
+                raise LatencyProfileError(f"stage 1 predicts a decode step of {solo:.3f} ms at batch {bs}, context "
+                                          f"{seq}: the solo fit is unusable (a disturbed profile); run it again")
+            s_ft = ft_ms / (ft_ms + solo)
+            out.append((bs, seq, 1 - s_ft, s_ft, ms, mix))
+    return out
+
+
+def _repeats(specs: list[tuple[int, int, float, tuple[str, ...]]], repeats: int) -> list[int]:
+    return [min([RARE_REPEATS.get(k, repeats) for k in kinds] + [repeats]) for *_, kinds in specs]
 
 
 def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model_name: str = "",
                      config: FinetuneConfig | None = None, log=print) -> ProfileResult:
-    config = config or FinetuneConfig(batch_size=4, micro_batch_size=1, max_seq_len=128, max_steps=10_000,
+    # One sample per step: an update every micro-batch, so its intervals come four times as often.
+    config = config or FinetuneConfig(batch_size=1, micro_batch_size=1, max_seq_len=128, max_steps=10_000,
                                       checkpoint_every_steps=10_000)
     with tempfile.TemporaryDirectory() as tmp:
         data = synthetic_training_file(Path(tmp) / "profile.jsonl", tokenizer)
         job = FinetuneJob(runner.model, tokenizer, data, config, Path(tmp) / "job")
         while job.steps_done == 0:  # one step through: every piece kind timed
             job.run_unit()
-        bench = _Bench(runner, job, repeats)
-        specs = [(bs, seq, share, 0) for share in SHARES for bs in BATCHES for seq in SEQLENS]
-        solo = [(share, bs, seq, ms) for (bs, seq, share, _), (ms, _) in zip(specs, bench.points(specs))]
-        log(f"stage 1: {len(solo)} solo points")
+        started = time.perf_counter()
+        solo_specs = [(bs, seq, share, ()) for share in SHARES for bs in BATCHES for seq in SEQLENS]
+        grid = [(bs, seq, 1.0, kinds) for bs in BATCHES for seq in SEQLENS for kinds in KIND_SEQUENCES]
+        held_specs = [(bs, seq, 1.0, kinds) for bs, seq, kinds in HELD_OUT]
+        specs = solo_specs + grid + held_specs
+        measured = _Walk(runner, job).measure(specs, _repeats(specs, repeats))
+        log(f"measured {sum(map(len, measured))} intervals ({time.perf_counter() - started:.0f} s)")
+        m_solo, m_grid, m_held = (measured[:len(solo_specs)], measured[len(solo_specs):-len(held_specs)],
+                                  measured[-len(held_specs):])
+        solo = [(share, bs, seq, _median(m)[0]) for (bs, seq, share, _), m in zip(solo_specs, m_solo)]
         latency = HarliLatencyModel(HarliLatencyModel.fit_solo(solo), model_name=model_name,
                                     device=runner.device.type)
-        specs = [(bs, seq, 1.0, n) for bs in BATCHES for seq in SEQLENS for n in UNITS]
-        colo = [(bs, seq, 1 - s_ft, s_ft, ms) for (bs, seq, _, _), (ms, s_ft) in zip(specs, bench.points(specs))]
-        log(f"stage 2: {len(colo)} co-located points")
-        latency.fit_colo(colo)
-        specs = [(bs, seq, 1.0, n) for bs, seq, n in HELD_OUT]
-        held = [(bs, seq, 1 - s_ft, s_ft, ms) for (bs, seq, _, _), (ms, s_ft) in zip(specs, bench.points(specs))]
-        decode_ms = bench.points([(1, 32, 1.0, 0)])[0][0]
+        colo = _points(grid, m_grid, latency)
+        held = _points(held_specs, m_held, latency)
+        colo_samples = {f"{bs},{seq},{'+'.join(kinds)}": [round(x[0], 2) for x in m]
+                        for (bs, seq, _, kinds), m in zip(grid, m_grid)}
         unit_ms = {k: statistics.median(v) for k, v in job.piece_ms.items() if v}
+        latency.fit_colo(colo, kind_weights=step_time_by_kind(job, unit_ms))
+        share_only = HarliLatencyModel(latency.solo)  # HARLI's single k1, fitted on the same points
+        share_only.fit_colo([p[:5] for p in colo])
+        decode_ms = _median(_Walk(runner, job).measure([(1, 32, 1.0, ())], [repeats])[0])[0]
     # Each stage is judged by its own prediction (HARLI §8.4): stage 1 on the solo points, stage 2
     # on the co-located ones; the grid is both together.
+    # "kind_average" is this model without the kinds (what a caller that does not pass them gets);
+    # "share_only" HARLI's single-k1 stage 2 fitted on the same points: the per-kind gain, same run.
     solo_err, colo_err = latency.solo_errors(solo), latency.relative_errors(colo)
     grid_errs = [abs(latency.solo_ms(bs, seq, share) - ms) / ms for share, bs, seq, ms in solo] + \
-                [abs(latency.colo_ms(*p[:4]) - p[4]) / p[4] for p in colo]
+                [abs(latency.colo_ms(*p[:4], ft_mix=p[5]) - p[4]) / p[4] for p in colo]
     latency.errors = {"grid": {"mean": sum(grid_errs) / len(grid_errs), "max": max(grid_errs), "points": len(grid_errs)},
-                      "solo": solo_err, "colo": colo_err, "held_out": latency.relative_errors(held)}
+                      "solo": solo_err, "colo": colo_err, "held_out": latency.relative_errors(held),
+                      "colo_kind_average": latency.relative_errors(colo, use_mix=False),
+                      "held_out_kind_average": latency.relative_errors(held, use_mix=False),
+                      "colo_share_only": share_only.relative_errors(colo),
+                      "held_out_share_only": share_only.relative_errors(held)}
     latency.unit_ms = unit_ms
-    return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms)
+    return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms, colo_samples)
+
+
+def step_time_by_kind(job: FinetuneJob, unit_ms: dict[str, float]) -> dict[str, float]:
+    """Each kind's time in one training step of the job (its pieces x their median time): the
+    weights of the kind-average k1."""
+    out: dict[str, float] = {}
+    for kind in job.kinds_of_step(job.steps_done):
+        out[kind] = out.get(kind, 0.0) + unit_ms.get(kind, 0.0)
+    return out

@@ -7,6 +7,10 @@ has share_infer and finetune units share_ft. Stage 1 (§5.1) is the solo decode 
 (the token interval when the rest of the time is left idle), `bs*b0 + c0 + bs*k0*seqlen` fitted
 per share; stage 2 (§5.2) the co-located interval `(share_infer*b1 + share_ft*k1) * stage1`,
 whose b1, k1 absorb what finetuning does to the decode step around it (caches, memory bandwidth).
+On CPU that effect depends on the kind of unit before the step (an LM-head slice streams the
+whole output embedding, a layer piece one layer's weights), so stage 2 keeps HARLI's form with one
+k1 per unit kind, `(share_infer*b1 + sum_kind share_kind*k1_kind) * stage1`, where share_kind is
+the share of the interval that units of that kind take.
 The device form (SM partitions via CUDA green contexts) uses the same policy with SM shares;
 it needs a GPU and is not built yet.
 
@@ -18,12 +22,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from backfill.errors import PolicyInputError
+from backfill.errors import LatencyProfileError, PolicyInputError
+
+# The kinds of finetuning piece a scheduling unit is made of (backfill/finetune/job.py).
+UNIT_KINDS = ("forward", "head", "backward", "update")
+PROFILE_FORMAT = 2  # 2: stage 2 with one k1 per unit kind (k1_kind); files without it are format 1
+
+# A co-located point: (bs, seqlen, share_infer, share_ft, ms) or, with the finetuning time of each
+# unit kind in the interval, (bs, seqlen, share_infer, share_ft, ms, {kind: ms}).
 
 
 @dataclass(frozen=True)
@@ -48,11 +60,19 @@ class HarliLatencyModel:
     device: str = "cpu"
     errors: dict = field(default_factory=dict)  # {"grid": {"mean": .., "max": ..}, "held_out": {...}}
     unit_ms: dict = field(default_factory=dict)  # profiled finetuning piece times by kind (for the simulator)
+    # Stage 2's k1 per unit kind; k1 is their average weighted by each kind's time in a training
+    # step, used when the kinds are not known (and for every kind by a format-1 profile).
+    k1_kind: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.solo = tuple(sorted(self.solo, key=lambda f: f.share))
         if not self.solo:
             raise PolicyInputError("a HARLI latency model needs at least one solo fit")
+
+    @property
+    def per_kind(self) -> bool:
+        """Whether stage 2 was fitted per unit kind (a format-2 profile)."""
+        return bool(self.k1_kind)
 
     def solo_ms(self, batch: float, seqlen: float, share_infer: float) -> float:
         """Stage 1; between two profiled shares, interpolated in 1 / share (time slices scale so)."""
@@ -67,9 +87,20 @@ class HarliLatencyModel:
                 return w * lo.ms(batch, seqlen) + (1 - w) * hi.ms(batch, seqlen)
         return fits[-1].ms(batch, seqlen)
 
-    def colo_ms(self, batch: float, seqlen: float, share_infer: float, share_ft: float) -> float:
-        """Stage 2 (HARLI eq. 3)."""
-        return (share_infer * self.b1 + share_ft * self.k1) * self.solo_ms(batch, seqlen, share_infer)
+    def colo_ms(self, batch: float, seqlen: float, share_infer: float, share_ft: float, *,
+                ft_mix: Mapping[str, float] | None = None) -> float:
+        """Stage 2 (HARLI eq. 3). ft_mix: the finetuning time of each unit kind in the interval (any
+        unit, ms or weights); share_ft is split among the kinds in that proportion. Without it, or
+        for a kind the profile has no k1 of, the kind-average k1."""
+        return (share_infer * self.b1 + self._ft_term(share_ft, ft_mix)) * self.solo_ms(batch, seqlen, share_infer)
+
+    def _ft_term(self, share_ft: float, ft_mix: Mapping[str, float] | None) -> float:
+        if not ft_mix:
+            return share_ft * self.k1
+        if any(w < 0 for w in ft_mix.values()) or not sum(ft_mix.values()) > 0:
+            raise PolicyInputError(f"ft_mix must hold non-negative times with a positive sum, got {dict(ft_mix)}")
+        total = sum(ft_mix.values())
+        return share_ft * sum(w / total * self.k1_kind.get(kind, self.k1) for kind, w in ft_mix.items())
 
     # --- fitting ----------------------------------------------------------------------------------
 
@@ -85,19 +116,52 @@ class HarliLatencyModel:
             fits.append(SoloFit(share, float(b0), float(c0), float(k0)))
         return tuple(fits)
 
-    def fit_colo(self, points: list[tuple[float, float, float, float, float]]) -> None:
-        """b1, k1 by least squares over (bs, seqlen, share_infer, share_ft, ms) points, in relative error."""
+    def fit_colo(self, points: list[tuple], kind_weights: Mapping[str, float] | None = None) -> None:
+        """b1 and k1 by least squares over co-located points, in relative error. Points that carry
+        their kind mix (6-tuples) give one k1 per kind present (HARLI §5.2's form, a coefficient per
+        kind); k1 is then their average weighted by kind_weights (each kind's time in a training
+        step; default: its time over the points). Points without a mix give one k1, as in HARLI."""
+        mixes = [p[5] if len(p) > 5 else None for p in points]
+        if any(m is None for m in mixes) or not points:
+            kinds: list[str] = []
+        else:
+            kinds = sorted({k for m in mixes for k, w in m.items() if w > 0}, key=_kind_order)
         a, y = [], []
-        for bs, seq, s_inf, s_ft, ms in points:
+        for point, mix in zip(points, mixes):
+            bs, seq, s_inf, s_ft, ms = point[:5]
             solo = self.solo_ms(bs, seq, s_inf)
-            a.append([s_inf * solo / ms, s_ft * solo / ms])  # rows scaled by 1/ms: relative residuals
+            row = [s_inf * solo / ms]  # rows scaled by 1/ms: relative residuals
+            if kinds:
+                total = sum(mix.values())
+                row += [s_ft * mix.get(k, 0.0) / total * solo / ms for k in kinds]
+            else:
+                row.append(s_ft * solo / ms)
+            a.append(row)
             y.append(1.0)
-        (self.b1, self.k1), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
-        self.b1, self.k1 = float(self.b1), float(self.k1)
+        if len(a) < 1 + max(1, len(kinds)):
+            raise PolicyInputError(f"stage 2 needs at least {1 + max(1, len(kinds))} co-located points, got {len(a)}")
+        coef, *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
+        self.b1 = float(coef[0])
+        if not kinds:
+            self.k1, self.k1_kind = float(coef[1]), {}
+            return
+        self.k1_kind = {k: float(c) for k, c in zip(kinds, coef[1:])}
+        if kind_weights is None:
+            kind_weights = {k: sum(m.get(k, 0.0) / sum(m.values()) * p[3] * p[4] for p, m in zip(points, mixes))
+                            for k in kinds}
+        weights = {k: kind_weights.get(k, 0.0) for k in kinds}
+        if not sum(weights.values()) > 0:
+            weights = dict.fromkeys(kinds, 1.0)
+        self.k1 = sum(weights[k] * self.k1_kind[k] for k in kinds) / sum(weights.values())
 
-    def relative_errors(self, points: list[tuple[float, float, float, float, float]]) -> dict:
-        """Stage 2's mean and max |predicted - measured| / measured over co-located points."""
-        return _summary([abs(self.colo_ms(bs, seq, s_inf, s_ft) - ms) / ms for bs, seq, s_inf, s_ft, ms in points])
+    def relative_errors(self, points: list[tuple], *, use_mix: bool = True) -> dict:
+        """Stage 2's mean and max |predicted - measured| / measured over co-located points (with
+        each point's kind mix where it has one, unless use_mix is False: the kind-average)."""
+        errors = []
+        for p in points:
+            mix = p[5] if use_mix and len(p) > 5 else None
+            errors.append(abs(self.colo_ms(*p[:4], ft_mix=mix) - p[4]) / p[4])
+        return _summary(errors)
 
     def solo_errors(self, points: list[tuple[float, float, float, float]]) -> dict:
         """Stage 1's error over solo points (share, bs, seqlen, ms), as HARLI §8.4 reports it."""
@@ -108,17 +172,35 @@ class HarliLatencyModel:
     def save(self, path: Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
-                "model_name": self.model_name, "device": self.device, "errors": self.errors,
-                "unit_ms": self.unit_ms}
+        data = {"format": PROFILE_FORMAT, "solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
+                "k1_kind": self.k1_kind, "model_name": self.model_name, "device": self.device,
+                "errors": self.errors, "unit_ms": self.unit_ms}
         path.write_text(json.dumps(data, indent=1))
         return path
 
     @classmethod
     def load(cls, path: Path) -> "HarliLatencyModel":
-        data = json.loads(Path(path).read_text())
-        return cls(tuple(SoloFit(**f) for f in data["solo"]), data["b1"], data["k1"], data.get("model_name", ""),
-                   data.get("device", "cpu"), data.get("errors", {}), data.get("unit_ms", {}))
+        """A saved profile. A format-1 file (no k1 per unit kind) loads with its single k1 used for
+        every kind; an unreadable one, or one of an unknown format, raises LatencyProfileError."""
+        rerun = "re-run `backfill finetune profile`"
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise LatencyProfileError(f"HARLI profile {path} is unreadable ({exc}); {rerun}") from exc
+        version = data.get("format", 1) if isinstance(data, dict) else None
+        if version not in (1, PROFILE_FORMAT):
+            raise LatencyProfileError(f"HARLI profile {path} has format {version!r}, this backfill reads 1 and "
+                                      f"{PROFILE_FORMAT}; {rerun}")
+        try:
+            return cls(tuple(SoloFit(**f) for f in data["solo"]), float(data["b1"]), float(data["k1"]),
+                       data.get("model_name", ""), data.get("device", "cpu"), data.get("errors", {}),
+                       data.get("unit_ms", {}), {str(k): float(v) for k, v in data.get("k1_kind", {}).items()})
+        except (KeyError, TypeError, ValueError, AttributeError, PolicyInputError) as exc:
+            raise LatencyProfileError(f"HARLI profile {path} is malformed ({exc!r}); {rerun}") from exc
+
+
+def _kind_order(kind: str) -> tuple[int, str]:
+    return (UNIT_KINDS.index(kind) if kind in UNIT_KINDS else len(UNIT_KINDS), kind)
 
 
 def _summary(errors: list[float]) -> dict:
@@ -136,6 +218,9 @@ class ColoState:
     tpot_target_ms: float        # the decode QoS target
     finetune_ready: bool         # the job has work it can run now (memory granted, not finished)
     unit_ms: float               # the next finetune unit's expected duration
+    # The job's next units in order, each as its pieces' (kind, expected ms); empty: unknown, so
+    # every unit is taken to last unit_ms and stage 2 uses the kind-average.
+    next_units: tuple[tuple[tuple[str, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -179,11 +264,22 @@ class HarliPolicy:
         if best.predicted_ms > target:
             return ColoPlan(0, 0.0, best.predicted_ms, "pause: decode alone is predicted over the target")
         unit = max(state.unit_ms, 1e-3)
+        known = state.next_units[:self.max_units_per_step]
+        ft_ms, mix = 0.0, {}
         # The splits whole units can realise in this token interval, fewest units first: the
         # largest whose predicted interval stays below the target is the one closest below it.
-        for n in range(1, self.max_units_per_step + 1):
-            share_ft = n * unit / (n * unit + solo_step)
-            predicted = self.latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft)
+        # With the next units' kinds known, stage 2 predicts with the kinds that would run (§5.2).
+        for n in range(1, (len(known) if known else self.max_units_per_step) + 1):
+            if known:
+                for kind, ms in known[n - 1]:
+                    ft_ms += max(ms, 0.0)
+                    mix[kind] = mix.get(kind, 0.0) + max(ms, 0.0)
+                ft_ms = max(ft_ms, 1e-3)
+            else:
+                ft_ms = n * unit
+            share_ft = ft_ms / (ft_ms + solo_step)
+            predicted = self.latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft,
+                                             ft_mix=mix if sum(mix.values()) > 0 else None)
             if predicted > target:
                 break
             best = ColoPlan(n, share_ft, predicted, "split closest below the target")

@@ -104,3 +104,65 @@ def test_burst_never_starves_inference_of_kv_blocks(tmp_path):
     assert all(reason is FinishReason.LENGTH for _, _, reason in colo)
     assert handle.stats.blocks_given_back > 0, "the burst should have needed the lent blocks"
     assert kv.num_usable == total and not kv.retired  # everything lent came back
+
+
+def test_the_driver_shows_the_policy_the_next_units(tmp_path):
+    """HARLI's policy predicts with the kinds of the units it would run: the driver's snapshot
+    lists the job's next units, and the units it then runs in that gap are those."""
+    events = []
+
+    class Recording(HarliPolicy):
+        def plan(self, state):
+            plan = super().plan(state)
+            events.append(("plan", [tuple(k for k, _ in u) for u in state.next_units], plan.units))
+            return plan
+
+    engine = _engine()
+    job = FinetuneJob(engine.scheduler.runner.model, TOKENIZER, write_chat_file(tmp_path / "t.jsonl"),
+                      replace(CONFIG, max_steps=2), tmp_path / "job")
+    run_unit = job.run_unit
+
+    def recorded_run_unit():
+        ran = run_unit()
+        events.append(("ran", tuple(k for k, _ in job.last_unit_pieces)))
+        return ran
+
+    job.run_unit = recorded_run_unit
+
+    async def go():
+        await engine.start()
+        try:
+            handle = attach_finetune(engine, job, Recording(LATENCY), tpot_target_ms=60.0)
+            await _serve(engine, _requests(3, 20, 12), gap_s=0.02)
+            await asyncio.wait_for(handle.wait(), 120)
+        finally:
+            await engine.stop()
+
+    asyncio.run(go())
+    plans = [i for i, e in enumerate(events) if e[0] == "plan"]
+    assert plans and any(events[i][2] > 0 for i in plans)
+    for i in plans:
+        _, upcoming, units = events[i]
+        assert 0 < len(upcoming) <= 8
+        ran = [e[1] for e in events[i + 1:i + 1 + units]]
+        assert all(e[0] == "ran" for e in events[i + 1:i + 1 + units]) and ran == upcoming[:len(ran)]
+
+
+def test_saved_profiles_of_the_old_format_load_and_bad_ones_are_ignored(tmp_path, monkeypatch, caplog):
+    import json
+    import logging
+
+    from backfill.finetune.colocate import harli_profile_path, load_saved_latency
+
+    monkeypatch.setenv("BACKFILL_CACHE_DIR", str(tmp_path))
+    path = harli_profile_path("m")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"solo": [{"share": 1.0, "b0": 2.0, "c0": 1.0, "k0": 0.0}], "b1": 1.0, "k1": 1.05}))
+    with caplog.at_level(logging.WARNING):
+        old = load_saved_latency("m")
+    assert old is not None and not old.per_kind and "re-run `backfill finetune profile`" in caplog.text
+    caplog.clear()
+    path.write_text(json.dumps({"format": 9}))
+    with caplog.at_level(logging.WARNING):
+        assert load_saved_latency("m") is None
+    assert "format 9" in caplog.text

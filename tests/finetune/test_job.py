@@ -179,3 +179,38 @@ def test_assistant_tokens_only_are_targets(tmp_path):
     sample = encode_conversation(TOKENIZER, messages, 512)
     targets = bytes(t for t, m in zip(sample.token_ids, sample.loss_mask) if m).decode()
     assert targets == "yes\n"
+
+
+@pytest.mark.parametrize("layers_per_unit", [1, 3])
+def test_next_units_are_the_units_the_job_then_runs(tmp_path, layers_per_unit):
+    """The piece sequence is a function of (seed, step): the kinds a scheduler is told come next are
+    the kinds run_unit then runs, across step boundaries and after a dropped step."""
+    config = replace(CONFIG, max_steps=3, loss_rows_per_unit=4, layers_per_unit=layers_per_unit)
+    job = FinetuneJob(tiny_model(), TOKENIZER, write_chat_file(tmp_path / "t.jsonl"), config, tmp_path / "out")
+    assert len(job.kinds_of_step(0)) == job.pieces_of_step(0)
+    assert job.kinds_of_step(0).count("update") == 1 and job.kinds_of_step(0).count("head") > 2
+    predicted = [tuple(k for k, _ in unit) for unit in job.next_units(10_000)]
+    ran = []
+    while job.run_unit():
+        ran.append(tuple(k for k, _ in job.last_unit_pieces))
+        if len(ran) == 5:  # a dropped step is redone from its start: the prediction says so
+            job.abandon_step()
+            predicted = ran + [tuple(k for k, _ in unit) for unit in job.next_units(10_000)]
+        if len(ran) == 40:
+            ahead = job.next_units(3)
+            assert [tuple(k for k, _ in u) for u in ahead] == predicted[40:43]
+            assert all(ms > 0 for u in ahead for _, ms in u)  # the recent median of each kind
+    assert ran == predicted and job.next_units(4) == ()
+    assert all(len(u) <= layers_per_unit for u in ran)
+
+
+def test_a_step_paused_in_its_forward_leaves_autograd_on(tmp_path):
+    """Grad mode is per thread: a job paused mid-forward (or dropped there) must not leave the
+    engine's thread without autograd, or the next job's head slice has nothing to differentiate."""
+    data = write_chat_file(tmp_path / "t.jsonl")
+    first = FinetuneJob(tiny_model(), TOKENIZER, data, CONFIG, tmp_path / "first")
+    first.run_unit()
+    assert first.next_piece_kind == "forward" and torch.is_grad_enabled()
+    second = FinetuneJob(tiny_model(), TOKENIZER, data, replace(CONFIG, max_steps=1), tmp_path / "second")
+    second.run()  # its head's backward needs autograd
+    assert second.finished and torch.is_grad_enabled()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from backfill.errors import PolicyInputError
+from backfill.errors import LatencyProfileError, PolicyInputError
 from backfill.policy.harli import (ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy, SoloFit,
                                    StaticSplitPolicy, make_colo_policy)
 
@@ -97,3 +98,104 @@ def test_model_round_trips_through_a_file(tmp_path):
     MODEL.errors = {"grid": {"mean": 0.01, "max": 0.05, "points": 3}}
     loaded = HarliLatencyModel.load(MODEL.save(tmp_path / "m.json"))
     assert loaded.solo == MODEL.solo and loaded.k1 == MODEL.k1 and loaded.errors == MODEL.errors
+
+
+# --- stage 2 per unit kind (HARLI §5.2 with one k1 per kind) -------------------------------------
+
+KINDS = {"forward": 0.9, "head": 1.4, "backward": 1.05, "update": 1.2}
+PER_KIND = HarliLatencyModel(MODEL.solo, b1=1.02, k1=1.1, k1_kind=dict(KINDS))
+
+
+def _kind_points(model: HarliLatencyModel) -> list[tuple]:
+    """Points (bs, seqlen, share_infer, share_ft, ms, mix) the model predicts exactly: pure kinds and
+    mixed intervals, as the profiler's grid and held-out set hold them."""
+    mixes = [{"forward": 4.0}, {"forward": 8.0}, {"backward": 14.0}, {"backward": 28.0}, {"head": 24.0},
+             {"update": 16.0}, {"forward": 4.0, "head": 24.0}, {"head": 24.0, "backward": 14.0}]
+    points = []
+    for bs in (1, 4):
+        for seq in (32, 512):
+            for mix in mixes:
+                ft = sum(mix.values())
+                s_ft = ft / (ft + model.solo_ms(bs, seq, 1.0))
+                points.append((bs, seq, 1 - s_ft, s_ft, model.colo_ms(bs, seq, 1 - s_ft, s_ft, ft_mix=mix), mix))
+    return points
+
+
+def test_fit_recovers_known_per_kind_coefficients():
+    points = _kind_points(PER_KIND)
+    model = HarliLatencyModel(MODEL.solo)
+    weights = {"forward": 120.0, "head": 48.0, "backward": 420.0, "update": 16.0}
+    model.fit_colo(points, kind_weights=weights)
+    assert model.b1 == pytest.approx(1.02)
+    assert model.k1_kind == pytest.approx(KINDS)
+    assert model.k1 == pytest.approx(sum(weights[k] * KINDS[k] for k in KINDS) / sum(weights.values()))
+    assert model.per_kind and model.relative_errors(points)["max"] < 1e-9
+    # Without the kinds HARLI's single k1 cannot fit these points: the per-kind form is what recovers them.
+    share_only = HarliLatencyModel(MODEL.solo)
+    share_only.fit_colo([p[:5] for p in points])
+    assert not share_only.per_kind and share_only.relative_errors([p[:5] for p in points])["max"] > 0.01
+
+
+def test_colo_ms_uses_the_mix_and_falls_back_to_the_kind_average():
+    bs, seq, s_ft = 2, 100.0, 0.4
+    solo = PER_KIND.solo_ms(bs, seq, 0.6)
+    assert PER_KIND.colo_ms(bs, seq, 0.6, s_ft) == pytest.approx((0.6 * 1.02 + s_ft * 1.1) * solo)
+    assert PER_KIND.colo_ms(bs, seq, 0.6, s_ft, ft_mix={"head": 5.0}) == pytest.approx((0.6 * 1.02 + s_ft * 1.4) * solo)
+    half = PER_KIND.colo_ms(bs, seq, 0.6, s_ft, ft_mix={"head": 1.0, "forward": 1.0})
+    assert half == pytest.approx((0.6 * 1.02 + s_ft * (1.4 + 0.9) / 2) * solo)
+    # a kind the profile never saw: the kind-average
+    assert PER_KIND.colo_ms(bs, seq, 0.6, s_ft, ft_mix={"merge": 3.0}) == pytest.approx(PER_KIND.colo_ms(bs, seq, 0.6, s_ft))
+    for bad in ({"head": -1.0, "forward": 2.0}, {"head": 0.0}):
+        with pytest.raises(PolicyInputError, match="ft_mix"):
+            PER_KIND.colo_ms(bs, seq, 0.6, s_ft, ft_mix=bad)
+
+
+def test_fit_needs_enough_points():
+    with pytest.raises(PolicyInputError, match="co-located points"):
+        HarliLatencyModel(MODEL.solo).fit_colo([])
+    with pytest.raises(PolicyInputError, match="co-located points"):
+        HarliLatencyModel(MODEL.solo).fit_colo(_kind_points(PER_KIND)[:1])
+
+
+def _units(*kinds_ms: tuple[str, float]) -> tuple:
+    return tuple(((kind, ms),) for kind, ms in kinds_ms)
+
+
+def test_policy_runs_fewer_units_when_the_next_one_is_a_head_slice():
+    policy = HarliPolicy(PER_KIND)
+    forwards = ColoState(0.0, 2, 0, 100.0, 40.0, True, 4.0, _units(*[("forward", 4.0)] * 8))
+    head_next = ColoState(0.0, 2, 0, 100.0, 40.0, True, 4.0, _units(("forward", 4.0), ("head", 24.0),
+                                                                    *[("head", 24.0)] + [("backward", 14.0)] * 5))
+    many, few = policy.plan(forwards), policy.plan(head_next)
+    assert many.units > few.units == 1 and few.predicted_ms <= 40.0 * 0.95
+    # Same durations, another kind: the head's larger k1 alone costs units.
+    same_ms = [ColoState(0.0, 2, 0, 100.0, 40.0, True, 3.0, _units(*[(kind, 3.0)] * 8)) for kind in ("forward", "head")]
+    assert policy.plan(same_ms[0]).units > policy.plan(same_ms[1]).units >= 1
+    # Fewer units known than the policy could run (the job is ending): never more than it has.
+    assert policy.plan(ColoState(0.0, 2, 0, 100.0, 80.0, True, 4.0, _units(("forward", 4.0)))).units == 1
+
+
+def test_a_format_1_profile_loads_with_its_single_k1(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"solo": [{"share": 1.0, "b0": 2.0, "c0": 10.0, "k0": 0.001}], "b1": 1.0, "k1": 1.2,
+                                "model_name": "m", "device": "cpu", "errors": {}, "unit_ms": {"head": 20.0}}))
+    old = HarliLatencyModel.load(path)
+    assert not old.per_kind and old.k1 == 1.2
+    assert old.colo_ms(1, 0, 0.5, 0.5, ft_mix={"head": 1.0}) == pytest.approx(old.colo_ms(1, 0, 0.5, 0.5))
+    loaded = HarliLatencyModel.load(PER_KIND.save(tmp_path / "new.json"))
+    assert loaded.k1_kind == KINDS and json.loads((tmp_path / "new.json").read_text())["format"] == 2
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "unreadable"),
+    (json.dumps({"format": 3, "solo": [], "b1": 1, "k1": 1}), "format 3"),
+    (json.dumps({"solo": [{"share": 1.0}], "b1": 1.0, "k1": 1.0}), "malformed"),
+    (json.dumps({"solo": [], "b1": 1.0, "k1": 1.0}), "malformed"),
+    (json.dumps([1, 2]), "format None"),
+])
+def test_bad_profiles_raise_a_typed_error_that_says_to_reprofile(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(LatencyProfileError, match=match) as err:
+        HarliLatencyModel.load(path)
+    assert "backfill finetune profile" in str(err.value)
