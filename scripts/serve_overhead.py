@@ -1,0 +1,212 @@
+"""The server's own overhead: the same bursts against `backfill serve` over HTTP and against the
+engine in-process, one after the other in one run, with the ratios side by side.
+
+    flock /tmp/bench.lock nice -n -5 python scripts/serve_overhead.py runs/overhead
+    python scripts/serve_overhead.py runs/overhead --parts serve --py-spy 64   # profile the server
+
+Starts `python -m backfill serve` (bf16, compiled decode, the default policy) on a free 127.0.0.1
+port, runs `python -m backfill.bench.concurrency_burst --url ... --server-pid ...`, stops the
+server, then runs the same bursts `--in-process`. Writes OUTDIR/burst-serve.json,
+OUTDIR/burst-in-process.json and OUTDIR/overhead.json (per level: tok/s and P50 TPOT of each,
+the overhead in percent, the CPU the load generator and the server used), and prints the table.
+--py-spy LEVEL records the server with py-spy (`--gil --threads`, raw) during that level's bursts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # this checkout's backfill, as the `-m` subprocesses (cwd ROOT) get
+ENGINE_FLAGS = ["--dtype", "bfloat16", "--compile-decode"]
+SEED_PROFILE = "docs/results/profile-cpu-zen5-bf16-cd-p6.json"
+
+
+def seed_profile() -> None:
+    """coserve plans with a step-latency profile, measured for minutes on first use; where none is
+    cached for these flags, the one docs/results holds for this machine kind seeds the cache."""
+    import shutil
+
+    from backfill.engine.weights import load_model
+    from backfill.serving.build import default_profile_path
+    from backfill.serving.config import ServingConfig
+
+    config = ServingConfig(dtype="bfloat16", compile_decode=True)   # ENGINE_FLAGS
+    path = default_profile_path(load_model(config.model).config.name, config)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / SEED_PROFILE, path)
+        print(f"seeded {path} from {SEED_PROFILE}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the server was not healthy within {timeout_s:g} s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def burst_args(args: argparse.Namespace, json_path: Path) -> list[str]:
+    return [sys.executable, "-m", "backfill.bench.concurrency_burst", "--concurrency", *map(str, args.concurrency),
+            "--bursts", str(args.bursts), "--json", str(json_path), *ENGINE_FLAGS]
+
+
+def run_serve(args: argparse.Namespace, out: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(out / "serve.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "backfill", "serve", "--host", "127.0.0.1", "--port", str(port),
+                               *ENGINE_FLAGS, "--db", str(out / "serve.db"), "--fresh-db",
+                               "--max-online-queue", "100000", "--log-level", "warning", *args.serve_args],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    spy = None
+    try:
+        wait_healthy(url, server, 600)
+        client = subprocess.Popen([*burst_args(args, out / "burst-serve.json"), "--url", url,
+                                   "--server-pid", str(server.pid), "--label", "serve"],
+                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for line in client.stdout:
+            print(f"  serve: {line}", end="", flush=True)
+            if args.py_spy and spy is None and line.startswith(f"concurrency {_previous(args, args.py_spy)}:"):
+                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--gil", "--threads",
+                                        "--rate", "200", "--format", "raw", "--nonblocking",
+                                        "--output", str(out / f"py-spy-{args.py_spy}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=open(out / "py-spy.log", "w"))
+        if client.wait() != 0:
+            raise SystemExit("the HTTP bursts failed")
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
+            spy.wait(60)
+        stop(server)
+
+
+def _previous(args: argparse.Namespace, level: int) -> str:
+    """The level whose result line is printed just before `level`'s bursts start."""
+    index = args.concurrency.index(level)
+    if index == 0:
+        raise SystemExit("--py-spy needs a level after the first (the one before it marks its start)")
+    return str(args.concurrency[index - 1])
+
+
+def run_in_process(args: argparse.Namespace, out: Path) -> None:
+    client = subprocess.Popen([*burst_args(args, out / "burst-in-process.json"), "--in-process",
+                               "--label", "in-process"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    for line in client.stdout:
+        print(f"  in-process: {line}", end="", flush=True)
+    if client.wait() != 0:
+        raise SystemExit("the in-process bursts failed")
+
+
+def compare(out: Path) -> dict:
+    serve = {lv["concurrency"]: lv for lv in json.loads((out / "burst-serve.json").read_text())["levels"]}
+    local = {lv["concurrency"]: lv for lv in json.loads((out / "burst-in-process.json").read_text())["levels"]}
+    rows = []
+    for level in sorted(set(serve) & set(local)):
+        s, i = serve[level], local[level]
+        rows.append({"concurrency": level,
+                     "serve_tok_s": s["tokens_per_s"], "in_process_tok_s": i["tokens_per_s"],
+                     "throughput_overhead_pct": 100 * (1 - s["tokens_per_s"] / i["tokens_per_s"]),
+                     "serve_p50_tpot_ms": s["p50_tpot_ms"], "in_process_p50_tpot_ms": i["p50_tpot_ms"],
+                     "tpot_overhead_pct": 100 * (s["p50_tpot_ms"] / i["p50_tpot_ms"] - 1),
+                     "serve_mean_ttft_ms": s["mean_ttft_ms"], "in_process_mean_ttft_ms": i["mean_ttft_ms"],
+                     "client_cores": _cores(s.get("cpu_s"), s["wall_s"]),
+                     "server_cores": _cores(s.get("server_cpu_s"), s["wall_s"]),
+                     "in_process_cores": _cores(i.get("cpu_s"), i["wall_s"])})
+    return {"rows": rows}
+
+
+def _cores(cpu_s: float | None, wall_s: float) -> float | None:
+    return cpu_s / wall_s if cpu_s is not None and wall_s > 0 else None
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| concurrency | serve tok/s | in-process tok/s | throughput overhead | P50 TPOT ms serve / in-process "
+          "| TPOT overhead | cores: client / server / in-process |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        cores = " / ".join(f"{c:.2f}" if c is not None else "-"
+                           for c in (r["client_cores"], r["server_cores"], r["in_process_cores"]))
+        print(f"| {r['concurrency']} | {r['serve_tok_s']:.1f} | {r['in_process_tok_s']:.1f} | "
+              f"{r['throughput_overhead_pct']:.1f}% | {r['serve_p50_tpot_ms']:.1f} / {r['in_process_p50_tpot_ms']:.1f} | "
+              f"{r['tpot_overhead_pct']:.1f}% | {cores} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--bursts", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", choices=("serve", "in-process"), default=["serve", "in-process"])
+    parser.add_argument("--py-spy", type=int, default=None, metavar="LEVEL",
+                        help="profile the server with py-spy during this level's bursts")
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="extra `backfill serve` flags (last on the line)")
+    args = parser.parse_args()
+    if args.py_spy is not None and args.py_spy not in args.concurrency:
+        parser.error("--py-spy must name one of the --concurrency levels")
+    args.out.mkdir(parents=True, exist_ok=True)
+    seed_profile()
+    # A kernel cache of this checkout's own: checkouts sharing one rebuild each other's kernels.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/torch-ext-{ROOT.name}")
+    started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()}
+    if "serve" in args.parts:
+        run_serve(args, args.out)
+    if "in-process" in args.parts:
+        run_in_process(args, args.out)
+    if not ((args.out / "burst-serve.json").exists() and (args.out / "burst-in-process.json").exists()):
+        return 0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    doc = {"started": started, "ended": {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "loadavg": os.getloadavg()},
+           "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
+           "commit": commit.strip(), "engine_flags": ENGINE_FLAGS, "bursts": args.bursts, **compare(args.out)}
+    (args.out / "overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"load average {started['loadavg'][0]:.2f} at the start, {doc['ended']['loadavg'][0]:.2f} at the end")
+    print_table(doc["rows"])
+    return 0
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
