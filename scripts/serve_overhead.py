@@ -4,7 +4,7 @@ engine in-process, one after the other in one run, with the ratios side by side.
     flock /tmp/bench.lock nice -n -5 python scripts/serve_overhead.py runs/overhead
     python scripts/serve_overhead.py runs/overhead --parts serve --py-spy 64   # profile the server
 
-Starts `python -m backfill serve` (bf16, compiled decode, the default policy) on a free 127.0.0.1
+Starts `python -m backfill.server` (`backfill serve`) (bf16, compiled decode, the default policy) on a free 127.0.0.1
 port, runs `python -m backfill.bench.concurrency_burst --url ... --server-pid ...`, stops the
 server, then runs the same bursts `--in-process`. Writes OUTDIR/burst-serve.json,
 OUTDIR/burst-in-process.json and OUTDIR/overhead.json (per level: tok/s and P50 TPOT of each,
@@ -89,9 +89,12 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(out / "serve.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "backfill", "serve", "--host", "127.0.0.1", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
                                *ENGINE_FLAGS, "--db", str(out / "serve.db"), "--fresh-db",
-                               "--max-online-queue", "100000", "--log-level", "warning", *args.serve_args],
+                               # The engine in-process admits every request: so does the server here,
+                               # or bursts past the TTFT prediction get 429 and the workloads differ.
+                               "--max-online-queue", "100000", "--admission-ttft-share", "inf",
+                               "--log-level", "warning", *args.serve_args],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     spy = None
     try:
@@ -101,7 +104,7 @@ def run_serve(args: argparse.Namespace, out: Path) -> None:
                                   cwd=ROOT, stdout=subprocess.PIPE, text=True)
         for line in client.stdout:
             print(f"  serve: {line}", end="", flush=True)
-            if args.py_spy and spy is None and line.startswith(f"concurrency {_previous(args, args.py_spy)}:"):
+            if args.py_spy and spy is None and line.split(":")[0].split() == ["concurrency", _previous(args, args.py_spy)]:
                 spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--gil", "--threads",
                                         "--rate", "200", "--format", "raw", "--nonblocking",
                                         "--output", str(out / f"py-spy-{args.py_spy}.txt")],
