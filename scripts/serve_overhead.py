@@ -10,6 +10,8 @@ server, then runs the same bursts `--in-process`. Writes OUTDIR/burst-serve.json
 OUTDIR/burst-in-process.json and OUTDIR/overhead.json (per level: tok/s and P50 TPOT of each,
 the overhead in percent, the CPU the load generator and the server used), and prints the table.
 --py-spy LEVEL records the server with py-spy (`--gil --threads`, raw) during that level's bursts.
+--baseline-root DIR first runs the same bursts against the server of another checkout (its
+figures are rows "serve-baseline"), so a change and its base are measured in the same run.
 """
 
 from __future__ import annotations
@@ -85,25 +87,27 @@ def burst_args(args: argparse.Namespace, json_path: Path) -> list[str]:
             "--bursts", str(args.bursts), "--json", str(json_path), *ENGINE_FLAGS]
 
 
-def run_serve(args: argparse.Namespace, out: Path) -> None:
+def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve") -> None:
+    """Bursts against a server run from the checkout at root (the client is always this one)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(out / "serve.log", "w")
+    log = open(out / f"{name}.log", "w")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/torch-ext-{root.name}")
     server = subprocess.Popen([sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
                                *ENGINE_FLAGS, "--db", str(out / "serve.db"), "--fresh-db",
                                # The engine in-process admits every request: so does the server here,
                                # or bursts past the TTFT prediction get 429 and the workloads differ.
                                "--max-online-queue", "100000", "--admission-ttft-share", "inf",
                                "--log-level", "warning", *args.serve_args],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                              cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     spy = None
     try:
         wait_healthy(url, server, 600)
-        client = subprocess.Popen([*burst_args(args, out / "burst-serve.json"), "--url", url,
-                                   "--server-pid", str(server.pid), "--label", "serve"],
+        client = subprocess.Popen([*burst_args(args, out / f"burst-{name}.json"), "--url", url,
+                                   "--server-pid", str(server.pid), "--label", name],
                                   cwd=ROOT, stdout=subprocess.PIPE, text=True)
         for line in client.stdout:
-            print(f"  serve: {line}", end="", flush=True)
+            print(f"  {name}: {line}", end="", flush=True)
             if args.py_spy and spy is None and line.split(":")[0].split() == ["concurrency", _previous(args, args.py_spy)]:
                 spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--gil", "--threads",
                                         "--rate", "200", "--format", "raw", "--nonblocking",
@@ -135,13 +139,13 @@ def run_in_process(args: argparse.Namespace, out: Path) -> None:
         raise SystemExit("the in-process bursts failed")
 
 
-def compare(out: Path) -> dict:
-    serve = {lv["concurrency"]: lv for lv in json.loads((out / "burst-serve.json").read_text())["levels"]}
+def compare(out: Path, name: str = "serve") -> dict:
+    serve = {lv["concurrency"]: lv for lv in json.loads((out / f"burst-{name}.json").read_text())["levels"]}
     local = {lv["concurrency"]: lv for lv in json.loads((out / "burst-in-process.json").read_text())["levels"]}
     rows = []
     for level in sorted(set(serve) & set(local)):
         s, i = serve[level], local[level]
-        rows.append({"concurrency": level,
+        rows.append({"concurrency": level, "server": name,
                      "serve_tok_s": s["tokens_per_s"], "in_process_tok_s": i["tokens_per_s"],
                      "throughput_overhead_pct": 100 * (1 - s["tokens_per_s"] / i["tokens_per_s"]),
                      "serve_p50_tpot_ms": s["p50_tpot_ms"], "in_process_p50_tpot_ms": i["p50_tpot_ms"],
@@ -149,8 +153,10 @@ def compare(out: Path) -> dict:
                      "serve_mean_ttft_ms": s["mean_ttft_ms"], "in_process_mean_ttft_ms": i["mean_ttft_ms"],
                      "client_cores": _cores(s.get("cpu_s"), s["wall_s"]),
                      "server_cores": _cores(s.get("server_cpu_s"), s["wall_s"]),
-                     "in_process_cores": _cores(i.get("cpu_s"), i["wall_s"])})
-    return {"rows": rows}
+                     "server_loop_cores": _cores(s.get("server_loop_cpu_s"), s["wall_s"]),
+                     "in_process_cores": _cores(i.get("cpu_s"), i["wall_s"]),
+                     "in_process_loop_cores": _cores(i.get("loop_cpu_s"), i["wall_s"])})
+    return rows
 
 
 def _cores(cpu_s: float | None, wall_s: float) -> float | None:
@@ -158,13 +164,14 @@ def _cores(cpu_s: float | None, wall_s: float) -> float | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| concurrency | serve tok/s | in-process tok/s | throughput overhead | P50 TPOT ms serve / in-process "
-          "| TPOT overhead | cores: client / server / in-process |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| server | concurrency | serve tok/s | in-process tok/s | throughput overhead | P50 TPOT ms serve / in-process "
+          "| TPOT overhead | cores: client / server (its loop) / in-process (its loop) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        cores = " / ".join(f"{c:.2f}" if c is not None else "-"
-                           for c in (r["client_cores"], r["server_cores"], r["in_process_cores"]))
-        print(f"| {r['concurrency']} | {r['serve_tok_s']:.1f} | {r['in_process_tok_s']:.1f} | "
+        f = lambda c: f"{c:.2f}" if c is not None else "-"   # noqa: E731
+        cores = (f"{f(r['client_cores'])} / {f(r['server_cores'])} ({f(r['server_loop_cores'])}) / "
+                 f"{f(r['in_process_cores'])} ({f(r['in_process_loop_cores'])})")
+        print(f"| {r['server']} | {r['concurrency']} | {r['serve_tok_s']:.1f} | {r['in_process_tok_s']:.1f} | "
               f"{r['throughput_overhead_pct']:.1f}% | {r['serve_p50_tpot_ms']:.1f} / {r['in_process_p50_tpot_ms']:.1f} | "
               f"{r['tpot_overhead_pct']:.1f}% | {cores} |")
 
@@ -177,6 +184,8 @@ def main() -> int:
     parser.add_argument("--parts", nargs="+", choices=("serve", "in-process"), default=["serve", "in-process"])
     parser.add_argument("--py-spy", type=int, default=None, metavar="LEVEL",
                         help="profile the server with py-spy during this level's bursts")
+    parser.add_argument("--baseline-root", type=Path, default=None,
+                        help="also run the server of this checkout (e.g. `git archive` of the base commit), first")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
@@ -184,9 +193,11 @@ def main() -> int:
         parser.error("--py-spy must name one of the --concurrency levels")
     args.out.mkdir(parents=True, exist_ok=True)
     seed_profile()
-    # A kernel cache of this checkout's own: checkouts sharing one rebuild each other's kernels.
+    # A kernel cache per checkout: checkouts sharing one rebuild each other's kernels.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/torch-ext-{ROOT.name}")
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()}
+    if "serve" in args.parts and args.baseline_root is not None:
+        run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline")
     if "serve" in args.parts:
         run_serve(args, args.out)
     if "in-process" in args.parts:
@@ -197,7 +208,9 @@ def main() -> int:
     doc = {"started": started, "ended": {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                          "loadavg": os.getloadavg()},
            "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
-           "commit": commit.strip(), "engine_flags": ENGINE_FLAGS, "bursts": args.bursts, **compare(args.out)}
+           "commit": commit.strip(), "engine_flags": ENGINE_FLAGS, "bursts": args.bursts,
+           "rows": [*(compare(args.out, "serve-baseline") if (args.out / "burst-serve-baseline.json").exists() else []),
+                    *compare(args.out)]}
     (args.out / "overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(f"load average {started['loadavg'][0]:.2f} at the start, {doc['ended']['loadavg'][0]:.2f} at the end")
     print_table(doc["rows"])

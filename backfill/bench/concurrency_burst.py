@@ -9,9 +9,10 @@ tokens/s is its output tokens over the summed wall time of its bursts (first sen
 as vLLM's `bench serve` reports for a burst; TTFT and TPOT are per request. --url measures an
 OpenAI-compatible server over HTTP (backfill serve, vLLM, ...); --in-process drives the same
 AsyncEngine `backfill serve` runs, without HTTP, so the two side by side are the server's own cost.
-Each level also records the CPU seconds this process used over its bursts (with --url: the load
-generator's own share of the machine, which it takes from the server) and, given --server-pid,
-the server's.
+Each level also records the CPU seconds this process and its main thread (the event loop) used
+over its bursts (with --url: the load generator's own share of the machine, which it takes from
+the server) and, given --server-pid, the server's and its main thread's (uvicorn's event loop,
+where all HTTP and streaming work runs).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -67,12 +69,16 @@ class LevelResult:
     mean_tpot_ms: float
     cpu_s: float | None = None          # CPU seconds of this process (all threads) over the level's bursts
     server_cpu_s: float | None = None   # the same for --server-pid's process
+    loop_cpu_s: float | None = None          # of this process's main thread (its event loop) alone
+    server_loop_cpu_s: float | None = None   # of the server's main thread (uvicorn's event loop) alone
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process (all its threads) has used, from /proc/PID/stat."""
+def process_cpu_s(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds a process (all its threads) or one of its threads has used, from
+    /proc/PID/stat or /proc/PID/task/TID/stat."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(path).read_text()
     except OSError:
         raise WorkloadError(f"no process {pid} to measure (is the server running?)") from None
     # Fields after the command name, which is in parentheses and may hold spaces: utime and stime
@@ -90,7 +96,8 @@ def burst_workload(prompts: PromptSource, shape: BurstShape, concurrency: int, i
 
 
 def level_result(concurrency: int, bursts: list[list[RequestRecord]], cpu_s: float | None = None,
-                 server_cpu_s: float | None = None) -> LevelResult:
+                 server_cpu_s: float | None = None, loop_cpu_s: float | None = None,
+                 server_loop_cpu_s: float | None = None) -> LevelResult:
     records = [r for burst in bursts for r in burst]
     done = [r for r in records if r.ok and r.first_token_s is not None]
     tokens = sum(r.output_tokens for r in done)
@@ -103,7 +110,8 @@ def level_result(concurrency: int, bursts: list[list[RequestRecord]], cpu_s: flo
                        statistics.fmean(ttft_ms) if ttft_ms else float("nan"),
                        statistics.median(ttft_ms) if ttft_ms else float("nan"),
                        statistics.median(tpot_ms) if tpot_ms else float("nan"),
-                       statistics.fmean(tpot_ms) if tpot_ms else float("nan"), cpu_s, server_cpu_s)
+                       statistics.fmean(tpot_ms) if tpot_ms else float("nan"), cpu_s, server_cpu_s,
+                       loop_cpu_s, server_loop_cpu_s)
 
 
 async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAULT_LEVELS,
@@ -122,18 +130,23 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
     for concurrency in levels:
         bursts = []
         cpu0 = time.process_time()
+        loop0 = process_cpu_s(os.getpid(), threading.get_native_id())
         server0 = process_cpu_s(server_pid) if server_pid is not None else None
+        server_loop0 = process_cpu_s(server_pid, server_pid) if server_pid is not None else None
         for _ in range(shape.bursts):
             index += 1
             run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
                                      start_delay_s=0.0)
             bursts.append(run.records)
         result = level_result(concurrency, bursts, time.process_time() - cpu0,
-                              process_cpu_s(server_pid) - server0 if server0 is not None else None)
+                              process_cpu_s(server_pid) - server0 if server0 is not None else None,
+                              process_cpu_s(os.getpid(), threading.get_native_id()) - loop0,
+                              process_cpu_s(server_pid, server_pid) - server_loop0 if server_pid is not None else None)
         wall_s = max(result.wall_s, 1e-9)
         log(f"concurrency {concurrency:>3}: {result.tokens_per_s:7.1f} tok/s, mean TTFT {result.mean_ttft_ms:6.0f} ms, "
             f"P50 TPOT {result.p50_tpot_ms:5.1f} ms, CPU {result.cpu_s / wall_s:.2f} cores here"
-            + (f", {result.server_cpu_s / wall_s:.2f} in the server" if result.server_cpu_s is not None else "")
+            + (f", {result.server_cpu_s / wall_s:.2f} in the server ({result.server_loop_cpu_s / wall_s:.2f} its event "
+               "loop)" if result.server_cpu_s is not None else f" ({result.loop_cpu_s / wall_s:.2f} its event loop)")
             + (f", {result.failed} failed" if result.failed else ""))
         results.append(result)
     return results
