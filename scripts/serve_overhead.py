@@ -109,9 +109,10 @@ def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str 
         for line in client.stdout:
             print(f"  {name}: {line}", end="", flush=True)
             if args.py_spy and spy is None and line.split(":")[0].split() == ["concurrency", _previous(args, args.py_spy)]:
+                spy_started = time.monotonic()
                 spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(server.pid), "--gil", "--threads",
                                         "--rate", "200", "--format", "raw", "--nonblocking",
-                                        "--output", str(out / f"py-spy-{args.py_spy}.txt")],
+                                        "--output", str(out / f"py-spy-{args.py_spy}-{name}.txt")],
                                        stdout=subprocess.DEVNULL, stderr=open(out / "py-spy.log", "w"))
         if client.wait() != 0:
             raise SystemExit("the HTTP bursts failed")
@@ -119,6 +120,12 @@ def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str 
         if spy is not None:
             spy.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
             spy.wait(60)
+            profile = out / f"py-spy-{args.py_spy}-{name}.txt"
+            if profile.exists():
+                summary = {"level": args.py_spy, "rate_hz": 200, "seconds": time.monotonic() - spy_started,
+                           **py_spy_summary(profile)}
+                (out / f"py-spy-{args.py_spy}-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+                print(json.dumps(summary, indent=1))
         stop(server)
 
 
@@ -176,12 +183,41 @@ def print_table(rows: list[dict]) -> None:
               f"{r['tpot_overhead_pct']:.1f}% | {cores} |")
 
 
+# Where the event loop's samples go, by the first of these found in a sample's stack.
+LOOP_PARTS = (("h11", "uvicorn's h11 protocol"), ("backfill/server/sse.py", "SSE chunks"),
+              ("stream_sse", "SSE chunks"), ("chunk_body", "SSE chunks"), ("batches.py", "Batch API worker"),
+              ("fine_tuning", "fine-tuning worker"), ("_deliver", "token delivery"),
+              ("access_log", "access log"), ("starlette", "ASGI stack"), ("fastapi", "ASGI stack"))
+
+
+def py_spy_summary(path: Path) -> dict:
+    """Samples of a `py-spy record --gil --threads --format raw` file: per thread, and the event
+    loop's (MainThread) by part of the server. With --gil a sample is taken only while some thread
+    holds the GIL, so samples / (rate x seconds) is a thread's share of the wall time holding it."""
+    threads: dict[str, int] = {}
+    loop: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        name = frames[0].split(":", 1)[-1].strip().rstrip("_0123456789") or frames[0]
+        threads[name] = threads.get(name, 0) + int(count)
+        if "MainThread" in frames[0]:
+            part = next((label for key, label in LOOP_PARTS if key in stack), "asyncio and other")
+            loop[part] = loop.get(part, 0) + int(count)
+    return {"samples_by_thread": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
+            "event_loop_samples_by_part": dict(sorted(loop.items(), key=lambda kv: -kv[1]))}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--bursts", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", choices=("serve", "in-process"), default=["serve", "in-process"])
+    parser.add_argument("--parts", nargs="+", choices=("serve-baseline", "serve", "in-process"), default=None,
+                        help="what to run, in this order (default: serve-baseline with --baseline-root, serve, "
+                             "in-process)")
     parser.add_argument("--py-spy", type=int, default=None, metavar="LEVEL",
                         help="profile the server with py-spy during this level's bursts")
     parser.add_argument("--baseline-root", type=Path, default=None,
@@ -189,6 +225,10 @@ def main() -> int:
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    if args.parts is None:
+        args.parts = [*(["serve-baseline"] if args.baseline_root else []), "serve", "in-process"]
+    if "serve-baseline" in args.parts and args.baseline_root is None:
+        parser.error("serve-baseline needs --baseline-root")
     if args.py_spy is not None and args.py_spy not in args.concurrency:
         parser.error("--py-spy must name one of the --concurrency levels")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -196,12 +236,13 @@ def main() -> int:
     # A kernel cache per checkout: checkouts sharing one rebuild each other's kernels.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/torch-ext-{ROOT.name}")
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()}
-    if "serve" in args.parts and args.baseline_root is not None:
-        run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline")
-    if "serve" in args.parts:
-        run_serve(args, args.out)
-    if "in-process" in args.parts:
-        run_in_process(args, args.out)
+    for part in args.parts:
+        if part == "serve-baseline":
+            run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline")
+        elif part == "serve":
+            run_serve(args, args.out)
+        else:
+            run_in_process(args, args.out)
     if not ((args.out / "burst-serve.json").exists() and (args.out / "burst-in-process.json").exists()):
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
