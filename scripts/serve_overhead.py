@@ -3,6 +3,7 @@ engine in-process, one after the other in one run, with the ratios side by side.
 
     flock /tmp/bench.lock nice -n -5 python scripts/serve_overhead.py runs/overhead
     python scripts/serve_overhead.py runs/overhead --parts serve --py-spy 64   # profile the server
+    python scripts/serve_overhead.py runs/all --medians-of runs/a runs/b runs/c  # medians of runs
 
 Starts `python -m backfill.server` (`backfill serve`) (bf16, compiled decode, the default policy) on a free 127.0.0.1
 port, runs `python -m backfill.bench.concurrency_burst --url ... --server-pid ...`, stops the
@@ -94,7 +95,7 @@ def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str 
     log = open(out / f"{name}.log", "w")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/torch-ext-{root.name}")
     server = subprocess.Popen([sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
-                               *ENGINE_FLAGS, "--db", str(out / "serve.db"), "--fresh-db",
+                               *ENGINE_FLAGS, "--db", str(out / f"{name}.db"), "--fresh-db",
                                # The engine in-process admits every request: so does the server here,
                                # or bursts past the TTFT prediction get 429 and the workloads differ.
                                "--max-online-queue", "100000", "--admission-ttft-share", "inf",
@@ -210,9 +211,32 @@ def py_spy_summary(path: Path) -> dict:
             "event_loop_samples_by_part": dict(sorted(loop.items(), key=lambda kv: -kv[1]))}
 
 
+def medians(runs: list[Path]) -> list[dict]:
+    """Per server and level, the median over runs (each an OUTDIR/overhead.json) of every figure."""
+    import statistics
+
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for run in runs:
+        for row in json.loads((run / "overhead.json").read_text())["rows"]:
+            groups.setdefault((row["server"], row["concurrency"]), []).append(row)
+    out = []
+    for (server, level), rows in groups.items():
+        merged = {"server": server, "concurrency": level, "runs": len(rows)}
+        for key, value in rows[0].items():
+            if isinstance(value, float):
+                values = [r[key] for r in rows if r.get(key) is not None]
+                merged[key] = statistics.median(values) if values else None
+                if key.endswith("_pct"):
+                    merged[key + "_each"] = [round(r[key], 1) for r in rows]
+        out.append(merged)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--medians-of", nargs="+", type=Path, default=None, metavar="RUN",
+                        help="measure nothing: write OUT/medians.json and print the medians of these runs' figures")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--bursts", type=int, default=2)
     parser.add_argument("--parts", nargs="+", choices=("serve-baseline", "serve", "in-process"), default=None,
@@ -225,6 +249,13 @@ def main() -> int:
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    if args.medians_of:
+        rows = medians(args.medians_of)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "medians.json").write_text(json.dumps({"runs": [str(r) for r in args.medians_of], "rows": rows},
+                                                          indent=1) + "\n")
+        print_table(rows)
+        return 0
     if args.parts is None:
         args.parts = [*(["serve-baseline"] if args.baseline_root else []), "serve", "in-process"]
     if "serve-baseline" in args.parts and args.baseline_root is None:
@@ -249,7 +280,8 @@ def main() -> int:
     doc = {"started": started, "ended": {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                          "loadavg": os.getloadavg()},
            "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
-           "commit": commit.strip(), "engine_flags": ENGINE_FLAGS, "bursts": args.bursts,
+           "commit": commit.strip(), "baseline_root": str(args.baseline_root) if args.baseline_root else None,
+           "parts": args.parts, "engine_flags": ENGINE_FLAGS, "bursts": args.bursts,
            "rows": [*(compare(args.out, "serve-baseline") if (args.out / "burst-serve-baseline.json").exists() else []),
                     *compare(args.out)]}
     (args.out / "overhead.json").write_text(json.dumps(doc, indent=1) + "\n")
