@@ -13,6 +13,9 @@ the overhead in percent, the CPU the load generator and the server used), and pr
 --py-spy LEVEL records the server with py-spy (`--gil --threads`, raw) during that level's bursts.
 --baseline-root DIR first runs the same bursts against the server of another checkout (its
 figures are rows "serve-baseline"), so a change and its base are measured in the same run.
+--parts in-process in-process-side-load: the engine in-process alone and with a process beside
+it that uses --side-load-ms of CPU in every 10 ms (what the HTTP load generator uses per token
+at 1 stream), writing OUTDIR/side-load.json: the cost of that CPU alone, with no HTTP.
 """
 
 from __future__ import annotations
@@ -138,13 +141,32 @@ def _previous(args: argparse.Namespace, level: int) -> str:
     return str(args.concurrency[index - 1])
 
 
-def run_in_process(args: argparse.Namespace, out: Path) -> None:
-    client = subprocess.Popen([*burst_args(args, out / "burst-in-process.json"), "--in-process",
-                               "--label", "in-process"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    for line in client.stdout:
-        print(f"  in-process: {line}", end="", flush=True)
-    if client.wait() != 0:
-        raise SystemExit("the in-process bursts failed")
+# A process that uses spin_ms of CPU in every 10 ms, as the HTTP load generator does per token at
+# 1 stream: what that much CPU beside the engine costs it, with no HTTP anywhere.
+SIDE_LOAD = """import sys, time
+spin_s = float(sys.argv[1]) / 1e3
+while True:
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(0.010 - spin_s)
+"""
+
+
+def run_in_process(args: argparse.Namespace, out: Path, side_load_ms: float = 0.0) -> None:
+    name = "in-process" if not side_load_ms else "in-process-side-load"
+    side = subprocess.Popen([sys.executable, "-c", SIDE_LOAD, str(side_load_ms)]) if side_load_ms else None
+    try:
+        client = subprocess.Popen([*burst_args(args, out / f"burst-{name}.json"), "--in-process",
+                                   "--label", name], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for line in client.stdout:
+            print(f"  {name}: {line}", end="", flush=True)
+        if client.wait() != 0:
+            raise SystemExit("the in-process bursts failed")
+    finally:
+        if side is not None:
+            side.kill()
+            side.wait()
 
 
 def compare(out: Path, name: str = "serve") -> dict:
@@ -185,10 +207,11 @@ def print_table(rows: list[dict]) -> None:
 
 
 # Where the event loop's samples go, by the first of these found in a sample's stack.
-LOOP_PARTS = (("h11", "uvicorn's h11 protocol"), ("backfill/server/sse.py", "SSE chunks"),
-              ("stream_sse", "SSE chunks"), ("chunk_body", "SSE chunks"), ("batches.py", "Batch API worker"),
-              ("fine_tuning", "fine-tuning worker"), ("_deliver", "token delivery"),
-              ("access_log", "access log"), ("starlette", "ASGI stack"), ("fastapi", "ASGI stack"))
+SSE = "SSE stream (generator, chunks)"
+LOOP_PARTS = (("h11", "uvicorn's h11 protocol"), ("backfill/server/sse.py", SSE), ("stream_sse", SSE),
+              ("chunk_body", SSE), ("batches.py", "Batch API worker"), ("fine_tuning", "fine-tuning worker"),
+              ("_deliver", "token delivery"), ("access_log", "access log"), ("starlette", "ASGI stack"),
+              ("fastapi", "ASGI stack"))
 
 
 def py_spy_summary(path: Path) -> dict:
@@ -239,13 +262,16 @@ def main() -> int:
                         help="measure nothing: write OUT/medians.json and print the medians of these runs' figures")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--bursts", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", choices=("serve-baseline", "serve", "in-process"), default=None,
+    parser.add_argument("--parts", nargs="+", choices=("serve-baseline", "serve", "in-process", "in-process-side-load"),
+                        default=None,
                         help="what to run, in this order (default: serve-baseline with --baseline-root, serve, "
                              "in-process)")
     parser.add_argument("--py-spy", type=int, default=None, metavar="LEVEL",
                         help="profile the server with py-spy during this level's bursts")
     parser.add_argument("--baseline-root", type=Path, default=None,
                         help="also run the server of this checkout (e.g. `git archive` of the base commit), first")
+    parser.add_argument("--side-load-ms", type=float, default=0.55,
+                        help="in-process-side-load: CPU ms in every 10 ms of a process beside the engine")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
@@ -272,8 +298,19 @@ def main() -> int:
             run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline")
         elif part == "serve":
             run_serve(args, args.out)
+        elif part == "in-process-side-load":
+            run_in_process(args, args.out, args.side_load_ms)
         else:
             run_in_process(args, args.out)
+    if (args.out / "burst-in-process-side-load.json").exists() and (args.out / "burst-in-process.json").exists():
+        side = compare(args.out, "in-process-side-load")
+        print(f"in-process with {args.side_load_ms:g} ms of CPU in every 10 ms beside it (as 'serve'):")
+        print_table(side)
+        (args.out / "side-load.json").write_text(json.dumps(
+            {"started": started, "ended": {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                           "loadavg": os.getloadavg()},
+             "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "parts": args.parts,
+             "side_load_ms_per_10ms": args.side_load_ms, "rows": side}, indent=1) + "\n")
     if not ((args.out / "burst-serve.json").exists() and (args.out / "burst-in-process.json").exists()):
         return 0
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
