@@ -537,6 +537,3 @@ def usage_chunk(prepared: Prepared, num_prompt: int, num_output: int) -> dict:
     return {"id": prepared.response_id, "object": obj, "created": prepared.created, "model": prepared.model,
             "choices": [], "service_tier": prepared.service_tier, "system_fingerprint": None,
             "usage": usage(num_prompt, num_output)}
-
-
-
