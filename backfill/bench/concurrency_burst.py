@@ -9,6 +9,10 @@ tokens/s is its output tokens over the summed wall time of its bursts (first sen
 as vLLM's `bench serve` reports for a burst; TTFT and TPOT are per request. --url measures an
 OpenAI-compatible server over HTTP (backfill serve, vLLM, ...); --in-process drives the same
 AsyncEngine `backfill serve` runs, without HTTP, so the two side by side are the server's own cost.
+Each level also records the CPU seconds this process and its main thread (the event loop) used
+over its bursts (with --url: the load generator's own share of the machine, which it takes from
+the server) and, given --server-pid, the server's and its main thread's (uvicorn's event loop,
+where all HTTP and streaming work runs).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -60,6 +67,24 @@ class LevelResult:
     p50_ttft_ms: float
     p50_tpot_ms: float
     mean_tpot_ms: float
+    cpu_s: float | None = None          # CPU seconds of this process (all threads) over the level's bursts
+    server_cpu_s: float | None = None   # the same for --server-pid's process
+    loop_cpu_s: float | None = None          # of this process's main thread (its event loop) alone
+    server_loop_cpu_s: float | None = None   # of the server's main thread (uvicorn's event loop) alone
+
+
+def process_cpu_s(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds a process (all its threads) or one of its threads has used, from
+    /proc/PID/stat or /proc/PID/task/TID/stat."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    try:
+        stat = Path(path).read_text()
+    except OSError:
+        raise WorkloadError(f"no process {pid} to measure (is the server running?)") from None
+    # Fields after the command name, which is in parentheses and may hold spaces: utime and stime
+    # are the 14th and 15th fields of the whole line, i.e. the 12th and 13th after it.
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def burst_workload(prompts: PromptSource, shape: BurstShape, concurrency: int, index: int) -> Workload:
@@ -70,7 +95,9 @@ def burst_workload(prompts: PromptSource, shape: BurstShape, concurrency: int, i
     return Workload(requests, name=f"burst of {concurrency}")
 
 
-def level_result(concurrency: int, bursts: list[list[RequestRecord]]) -> LevelResult:
+def level_result(concurrency: int, bursts: list[list[RequestRecord]], cpu_s: float | None = None,
+                 server_cpu_s: float | None = None, loop_cpu_s: float | None = None,
+                 server_loop_cpu_s: float | None = None) -> LevelResult:
     records = [r for burst in bursts for r in burst]
     done = [r for r in records if r.ok and r.first_token_s is not None]
     tokens = sum(r.output_tokens for r in done)
@@ -83,12 +110,14 @@ def level_result(concurrency: int, bursts: list[list[RequestRecord]]) -> LevelRe
                        statistics.fmean(ttft_ms) if ttft_ms else float("nan"),
                        statistics.median(ttft_ms) if ttft_ms else float("nan"),
                        statistics.median(tpot_ms) if tpot_ms else float("nan"),
-                       statistics.fmean(tpot_ms) if tpot_ms else float("nan"))
+                       statistics.fmean(tpot_ms) if tpot_ms else float("nan"), cpu_s, server_cpu_s,
+                       loop_cpu_s, server_loop_cpu_s)
 
 
 async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAULT_LEVELS,
-                     shape: BurstShape = BurstShape(), log=print) -> list[LevelResult]:
-    """Every level in turn against one target (after one unmeasured warm-up burst)."""
+                     shape: BurstShape = BurstShape(), log=print, server_pid: int | None = None) -> list[LevelResult]:
+    """Every level in turn against one target (after one unmeasured warm-up burst); server_pid:
+    also the CPU time of that process per level."""
     if not levels or any(c < 1 for c in levels):
         raise WorkloadError(f"concurrency levels must be positive, got {levels!r}")
     prompts = PromptSource(tokenizer, seed=0)
@@ -100,14 +129,25 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
     results = []
     for concurrency in levels:
         bursts = []
+        cpu0 = time.process_time()
+        loop0 = process_cpu_s(os.getpid(), threading.get_native_id())
+        server0 = process_cpu_s(server_pid) if server_pid is not None else None
+        server_loop0 = process_cpu_s(server_pid, server_pid) if server_pid is not None else None
         for _ in range(shape.bursts):
             index += 1
             run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
                                      start_delay_s=0.0)
             bursts.append(run.records)
-        result = level_result(concurrency, bursts)
+        result = level_result(concurrency, bursts, time.process_time() - cpu0,
+                              process_cpu_s(server_pid) - server0 if server0 is not None else None,
+                              process_cpu_s(os.getpid(), threading.get_native_id()) - loop0,
+                              process_cpu_s(server_pid, server_pid) - server_loop0 if server_pid is not None else None)
+        wall_s = max(result.wall_s, 1e-9)
         log(f"concurrency {concurrency:>3}: {result.tokens_per_s:7.1f} tok/s, mean TTFT {result.mean_ttft_ms:6.0f} ms, "
-            f"P50 TPOT {result.p50_tpot_ms:5.1f} ms" + (f", {result.failed} failed" if result.failed else ""))
+            f"P50 TPOT {result.p50_tpot_ms:5.1f} ms, CPU {result.cpu_s / wall_s:.2f} cores here"
+            + (f", {result.server_cpu_s / wall_s:.2f} in the server ({result.server_loop_cpu_s / wall_s:.2f} its event "
+               "loop)" if result.server_cpu_s is not None else f" ({result.loop_cpu_s / wall_s:.2f} its event loop)")
+            + (f", {result.failed} failed" if result.failed else ""))
         results.append(result)
     return results
 
@@ -131,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=BurstShape.prompt_tokens)
     parser.add_argument("--output-tokens", type=int, default=BurstShape.output_tokens)
     parser.add_argument("--bursts", type=int, default=BurstShape.bursts, help="measured bursts per level")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: also record this process's CPU time per level (the server's pid)")
     parser.add_argument("--label", default=None, help="name of this run in the JSON")
     parser.add_argument("--json", default=None, help="write the results to this file")
     engine_options = options_of(ServingConfig, "engine") + options_of(ServingConfig, "serving")
@@ -149,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
         async def go() -> list[LevelResult]:
             async with HttpTarget(args.url, model, prompt_as="token_ids") as target:
-                return await run_bursts(target, tokenizer, levels, shape)
+                return await run_bursts(target, tokenizer, levels, shape, server_pid=args.server_pid)
+        if args.server_pid is not None:
+            process_cpu_s(args.server_pid)   # fail before the bursts, not after
         results = asyncio.run(go())
         where_run = {"url": args.url, "model": model}
     else:

@@ -117,11 +117,15 @@ def validation_entry(code: str, message: str, line: int | None = None, param: st
 
 class BatchWorker:
     def __init__(self, store: Store, service: CompletionService, max_in_flight: int = 64,
-                 poll_interval_s: float = 0.5) -> None:
+                 poll_interval_s: float = 0.5, idle_poll_interval_s: float = 5.0) -> None:
         self.store = store
         self.service = service
         self.max_in_flight = max_in_flight
         self.poll_interval_s = poll_interval_s
+        # With no batch open, polling the store is event-loop work that shares the GIL with the
+        # engine's steps for nothing: creating or cancelling a batch wakes the worker at once, so
+        # an idle worker only looks now and then (for a batch another process put in the store).
+        self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         self._attempts: dict[tuple[str, int], int] = {}   # runs of a line without a stored result
         self.unwritable: set[tuple[str, int]] = set()     # lines whose result the store refused for good
@@ -168,25 +172,30 @@ class BatchWorker:
     async def _loop(self) -> None:
         while not self._stopped:
             self._wake.clear()   # before the tick: a wake-up during it triggers the next one at once
+            busy = True
             try:
-                await self._tick()
+                busy = await self._tick()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a database hiccup must not end offline processing for good
                 log.exception("batch worker tick failed; retrying")
             try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s if busy else self.idle_poll_interval_s)
             except asyncio.TimeoutError:
                 pass
 
-    async def _tick(self) -> None:
+    async def _tick(self) -> bool:
+        """One look at the store; whether any batch is open (validating, cancelling, running)."""
         store = self.store
-        for batch_id in await asyncio.to_thread(store.batch_ids, "validating"):
+        validating = await asyncio.to_thread(store.batch_ids, "validating")
+        for batch_id in validating:
             await self._validate(batch_id)
-        for batch_id in await asyncio.to_thread(store.batch_ids, "cancelling"):
+        cancelling = await asyncio.to_thread(store.batch_ids, "cancelling")
+        for batch_id in cancelling:
             await self._end(batch_id, "cancelled")
         now = int(time.time())
-        for batch_id, status, expires_at, pending in await asyncio.to_thread(store.running_batches):
+        running = await asyncio.to_thread(store.running_batches)
+        for batch_id, status, expires_at, pending in running:
             if status == "in_progress" and expires_at is not None and expires_at <= now:
                 await self._end(batch_id, "expired")
             elif pending == 0 and not self._has_in_flight(batch_id):
@@ -198,6 +207,7 @@ class BatchWorker:
             for line in await asyncio.to_thread(store.pending_lines, free, skip):
                 key = (line.batch_id, line.line)
                 self._tasks[key] = asyncio.create_task(self._run_line(line), name=f"batch-line-{key}")
+        return bool(validating or cancelling or running or self._tasks)
 
     def _has_in_flight(self, batch_id: str) -> bool:
         return any(key[0] == batch_id for key in self._tasks)

@@ -19,6 +19,7 @@ from backfill.errors import ContextLengthError
 from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.metrics import ServerMetrics
 from backfill.server.schemas import ChatCompletionBody, CompletionBody, validate_body
+from backfill.server.sse import DONE, ChunkTemplate, sse
 from backfill.server.structured import check_grammar, requested_grammar
 from backfill.server.tool_calls import (ToolCallStream, call_text, forced_grammar, parse_tool_calls,
                                         template_defines_tools, tool_schema, tools_system_prompt)
@@ -264,9 +265,10 @@ class CompletionService:
         """Server-sent events: chunks (each names its choice index), an optional usage chunk, [DONE]."""
         num_prompt = len(prepared.request.prompt_token_ids)
         num_choices = len(prepared.requests)
+        chunk = ChunkTemplate(prepared).event
         if prepared.kind == "chat":
             for index in range(num_choices):
-                yield _sse(chunk_body(prepared, {"role": "assistant", "content": ""}, None, index))
+                yield chunk({"role": "assistant", "content": ""}, None, index)
         unfinished = num_choices
         tool_streams = [ToolCallStream(set(prepared.tool_names)) for _ in range(num_choices)] \
             if prepared.tool_names else None
@@ -277,32 +279,32 @@ class CompletionService:
                 stream = tool_streams[index]
                 deltas = stream.push(event.text) + (stream.finish() if event.finished else [])
                 for delta in deltas[:-1] if event.finished else deltas:
-                    yield _sse(chunk_body(prepared, delta, None, index))
+                    yield chunk(delta, None, index)
                 if event.finished:
                     reason = _finish_reason(event.finish_reason, bool(stream.calls))
-                    yield _sse(chunk_body(prepared, deltas[-1] if deltas else "", reason, index, logprobs))
+                    yield chunk(deltas[-1] if deltas else "", reason, index, logprobs)
                     unfinished -= 1
                     if unfinished == 0:
                         if prepared.include_usage:
-                            yield _sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                            yield sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
                         break
                 elif logprobs:
-                    yield _sse(chunk_body(prepared, "", None, index, logprobs))
+                    yield chunk("", None, index, logprobs)
                 continue
             if event.finished:
                 error = outcome_error(event.finish_reason)
                 if error is not None:
-                    yield _sse(error.body())
+                    yield sse(error.body())
                     break
-                yield _sse(chunk_body(prepared, event.text, event.finish_reason.value, index, logprobs))
+                yield chunk(event.text, event.finish_reason.value, index, logprobs)
                 unfinished -= 1
                 if unfinished == 0:
                     if prepared.include_usage:
-                        yield _sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                        yield sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
                     break
             elif event.text or logprobs:
-                yield _sse(chunk_body(prepared, event.text, None, index, logprobs))
-        yield b"data: [DONE]\n\n"
+                yield chunk(event.text, None, index, logprobs)
+        yield DONE
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -514,6 +516,7 @@ def logprobs_object(kind: Kind, logprobs: Sequence[TokenLogprob], text: Callable
 
 def chunk_body(prepared: Prepared, delta: str | dict, finish_reason: str | None, index: int = 0,
                logprobs: dict | None = None) -> dict:
+    """A streamed chunk's object (the SSE path serialises the same bytes from a template: sse.ChunkTemplate)."""
     if prepared.kind == "chat":
         if isinstance(delta, str):
             delta = {"content": delta} if delta else {}
@@ -534,8 +537,3 @@ def usage_chunk(prepared: Prepared, num_prompt: int, num_output: int) -> dict:
     return {"id": prepared.response_id, "object": obj, "created": prepared.created, "model": prepared.model,
             "choices": [], "service_tier": prepared.service_tier, "system_fingerprint": None,
             "usage": usage(num_prompt, num_output)}
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-

@@ -1,9 +1,10 @@
 import asyncio
+import os
 
 import pytest
 from bench_helpers import BPETokenizer, FakeOpenAIServer
 
-from backfill.bench.concurrency_burst import BurstShape, level_result, run_bursts
+from backfill.bench.concurrency_burst import BurstShape, level_result, process_cpu_s, run_bursts
 from backfill.bench.http_target import HttpTarget
 from backfill.bench.metrics import RequestRecord
 from backfill.errors import WorkloadError
@@ -45,3 +46,22 @@ def test_bad_shapes_and_levels():
         BurstShape(prompt_tokens=0)
     with pytest.raises(WorkloadError, match="concurrency"):
         asyncio.run(run_bursts(HttpTarget("http://127.0.0.1:1", "m"), BPETokenizer(), (0,)))
+
+
+def test_cpu_is_recorded_per_level_for_this_process_and_the_server():
+    with FakeOpenAIServer(pace_s=0.01) as server:   # in this process: it stands in for the server's pid
+        async def go():
+            async with HttpTarget(server.base_url, "m", prompt_as="token_ids") as target:
+                return await run_bursts(target, BPETokenizer(), (4,), BurstShape(16, 5, bursts=1, warmup_requests=0),
+                                        log=lambda *a: None, server_pid=os.getpid())
+        (result,) = asyncio.run(go())
+    assert 0 < result.loop_cpu_s <= result.cpu_s + 0.02
+    assert 0 < result.server_loop_cpu_s <= result.server_cpu_s + 0.02
+    # The fake server's thread is part of this process: its CPU shows in the whole-process figure.
+    assert result.server_cpu_s >= result.server_loop_cpu_s
+
+
+def test_cpu_of_a_missing_process_is_a_typed_error():
+    with pytest.raises(WorkloadError, match="no process"):
+        process_cpu_s(2**22 + 12345)
+    assert process_cpu_s(os.getpid()) > 0

@@ -201,3 +201,42 @@ def test_worker_stops_even_when_woken_as_it_is_cancelled(tmp_path):
 
     asyncio.run(run())
     state.store.close()
+
+
+def test_idle_worker_polls_rarely_and_wakes_for_a_new_batch(tmp_path):
+    """With no batch open the worker looks at the store every idle_poll_interval_s, not every
+    poll_interval_s; a batch created (which wakes it) is still picked up at once."""
+    app = make_app(tmp_path / "idle.db")
+    state = app.state.backfill
+    store = state.store
+    looks = []
+    running_batches = store.running_batches
+
+    def counted():
+        looks.append(time.monotonic())
+        return running_batches()
+
+    store.running_batches = counted
+
+    async def run() -> dict:
+        await state.engine.start()
+        worker = BatchWorker(store, state.service, max_in_flight=4, poll_interval_s=0.01, idle_poll_interval_s=30.0)
+        worker.start()
+        await asyncio.sleep(0.5)
+        idle_looks = len(looks)
+        file = store.create_file("batch", "in.jsonl", chat_line("x").encode())
+        batch = store.create_batch(file["id"], "/v1/chat/completions", "24h", None)
+        worker.wake()
+        deadline = time.monotonic() + 60
+        while store.get_batch(batch["id"])["status"] != "completed" and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        busy_looks = len(looks) - idle_looks
+        await worker.stop(time.monotonic())
+        await state.engine.stop()
+        return {"idle": idle_looks, "busy": busy_looks, "status": store.get_batch(batch["id"])["status"]}
+
+    result = asyncio.run(run())
+    store.close()
+    # 0.5 s idle at a 0.01 s poll would be ~50 looks; at 30 s, the first one only.
+    assert result["idle"] == 1
+    assert result["status"] == "completed" and result["busy"] >= 2
