@@ -102,8 +102,10 @@ PYEOF
 if [[ " $PARTS " == *" backfill "* ]]; then
     PORT=$(free_port)
     URL=http://127.0.0.1:$PORT
+    # vLLM queues every request it gets; so that both servers run the same bursts, backfill admits
+    # every request too (no queue cap, no TTFT admission), as a throughput comparison needs.
     setsid "$BF" serve --host 127.0.0.1 --port "$PORT" $ENGINE_FLAGS --db "$OUT/backfill-serve.db" \
-        --fresh-db --max-online-queue 100000 --log-level warning > "$OUT/backfill-serve.log" 2>&1 &
+        --fresh-db --max-online-queue 100000 --admission-ttft-share inf --log-level warning > "$OUT/backfill-serve.log" 2>&1 &
     SERVER_PID=$!
     wait_healthy "$URL" "$OUT/backfill-serve.log" 600 && client_runs backfill "$URL" \
         "$(curl -s "$URL/v1/models" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" both
