@@ -70,3 +70,12 @@ def test_the_whole_tree_parses_every_command():
     assert parser.parse_args(["finetune", "get", "ftjob-1"]).job_id == "ftjob-1"
     assert parser.parse_args(["sim", "fleet", "--devices", "8"]).devices == 8
     assert parser.parse_args(["generate", "hi"]).prompt == "hi"
+
+
+def test_python_dash_m_backfill_is_the_backfill_command():
+    done = subprocess.run([sys.executable, "-m", "backfill", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: backfill" in done.stdout and "serve" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "backfill", "no-such-command"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
