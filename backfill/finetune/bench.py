@@ -218,6 +218,8 @@ def _stop_separate(proc, events: Path) -> tuple[float, float]:
 
 
 def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
+    from backfill.finetune.sim import add_harli_ratios
+
     table = {}
     for mode, rounds in results.items():
         table[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in rounds),
@@ -226,11 +228,7 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
                        "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
         table[mode]["meets_qos"] = table[mode]["p99_tpot_ms"] <= target_ms
-    if "harli" in table:
-        for base in ("pause-only", "static", "separate"):
-            if base in table and table[base]["samples_per_s"] > 0:
-                table["harli"][f"x_{base}"] = table["harli"]["samples_per_s"] / table[base]["samples_per_s"]
-    return table
+    return add_harli_ratios(table)
 
 
 def _markdown(table: dict, args) -> str:

@@ -99,15 +99,38 @@ def simulate(policy, requests: list[SimRequest], costs: SimCosts, duration_s: fl
             interval = lat.colo_ms(bs, seqlen, 1.0 - share_ft, share_ft)
             units += n
         t_ms += noisy(interval)
-        for s in running:
-            s["ctx"] += 1
-            s["left"] -= 1
-            s["times"].append(t_ms)
-        done += [s for s in running if s["left"] <= 0]
-        running = [s for s in running if s["left"] > 0]
-    tpots = [(s["times"][-1] - s["times"][0]) / (len(s["times"]) - 1) for s in done if len(s["times"]) > 1]
+        running = decode_token(running, done, t_ms)
+    p50_tpot_ms, p99_tpot_ms = tpot_percentiles_ms(done)
     if separate_share_infer is not None:
         units = (1 - separate_share_infer) * t_ms / costs.unit_ms
     samples = units / costs.pieces_per_step * costs.samples_per_step
-    return {"samples_per_s": samples / (t_ms / 1e3), "p99_tpot_ms": float(np.percentile(tpots, 99)) if tpots else 0.0,
-            "p50_tpot_ms": float(np.percentile(tpots, 50)) if tpots else 0.0, "completed": len(done)}
+    return {"samples_per_s": samples / (t_ms / 1e3), "p99_tpot_ms": p99_tpot_ms,
+            "p50_tpot_ms": p50_tpot_ms, "completed": len(done)}
+
+
+def decode_token(running: list[dict], done: list[dict], t_ms: float) -> list[dict]:
+    """Every running request got one token at t_ms; the finished ones move to done, the rest are returned."""
+    for s in running:
+        s["ctx"] += 1
+        s["left"] -= 1
+        s["times"].append(t_ms)
+    done += [s for s in running if s["left"] <= 0]
+    return [s for s in running if s["left"] > 0]
+
+
+def tpot_percentiles_ms(done: list[dict]) -> tuple[float, float]:
+    """P50 and P99 of the finished requests' mean time per output token (0 when none has two tokens)."""
+    tpots = [(s["times"][-1] - s["times"][0]) / (len(s["times"]) - 1) for s in done if len(s["times"]) > 1]
+    if not tpots:
+        return 0.0, 0.0
+    return float(np.percentile(tpots, 50)), float(np.percentile(tpots, 99))
+
+
+def add_harli_ratios(table: dict) -> dict:
+    """harli's finetune throughput over each baseline's, as x_<baseline> in harli's row."""
+    if "harli" in table:
+        for base in ("pause-only", "static", "separate"):
+            if base in table and table[base]["samples_per_s"] > 0:
+                table["harli"][f"x_{base}"] = table["harli"]["samples_per_s"] / table[base]["samples_per_s"]
+    return table
+

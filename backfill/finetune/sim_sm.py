@@ -22,7 +22,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from backfill.finetune.sim import SimRequest, online_requests
+from backfill.finetune.sim import SimRequest, add_harli_ratios, decode_token, online_requests, tpot_percentiles_ms
 from backfill.finetune.sim_config import SmDeviceConfig, SmSimScenario
 from backfill.finetune.sim_device import SimulatedDevice
 from backfill.finetune.sim_device_profile import NoisyDevice, profile_device
@@ -94,16 +94,10 @@ def simulate_sm(policy, requests: list[SimRequest], device: SimulatedDevice, dur
         advance(ms, s_ft, s_inf)
         busy_ms += ms
         busy_ft_ms += ms * s_ft
-        for s in running:
-            s["ctx"] += 1
-            s["left"] -= 1
-            s["times"].append(t_ms)
-        done += [s for s in running if s["left"] <= 0]
-        running = [s for s in running if s["left"] > 0]
-    tpots = [(s["times"][-1] - s["times"][0]) / (len(s["times"]) - 1) for s in done if len(s["times"]) > 1]
+        running = decode_token(running, done, t_ms)
+    p50_tpot_ms, p99_tpot_ms = tpot_percentiles_ms(done)
     return {"samples_per_s": steps_ft * device.units.samples / duration_s,
-            "p99_tpot_ms": float(np.percentile(tpots, 99)) if tpots else 0.0,
-            "p50_tpot_ms": float(np.percentile(tpots, 50)) if tpots else 0.0, "completed": len(done),
+            "p99_tpot_ms": p99_tpot_ms, "p50_tpot_ms": p50_tpot_ms, "completed": len(done),
             "busy_share": busy_ms / max(t_ms, 1e-9), "ft_share_while_busy": busy_ft_ms / max(busy_ms, 1e-9),
             "drains": drains}
 
@@ -143,11 +137,7 @@ def table(rounds: dict[str, list[dict]], target_ms: float) -> dict:
                      "ft_share_while_busy": statistics.median(r["ft_share_while_busy"] for r in rs),
                      "busy_share": statistics.median(r["busy_share"] for r in rs)}
         out[mode]["meets_qos"] = out[mode]["p99_tpot_ms"] <= target_ms
-    if "harli" in out:
-        for base in ("pause-only", "static", "separate"):
-            if base in out and out[base]["samples_per_s"] > 0:
-                out["harli"][f"x_{base}"] = out["harli"]["samples_per_s"] / out[base]["samples_per_s"]
-    return out
+    return add_harli_ratios(out)
 
 
 def markdown(result: dict) -> str:
