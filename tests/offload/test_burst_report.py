@@ -56,6 +56,18 @@ def test_producer_loss_is_paired_per_round_then_the_median():
     assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.04)
 
 
+def test_lending_loss_relative_to_the_producer_alone_takes_out_drift():
+    # The machine slowed between cfs-lent and cfs-host: the producer alone ran at 100 around
+    # cfs-host and 90 around cfs-lent. Raw, lending looks like 10%; relative to alone, 2%.
+    parts = parts_of([(100.0, 100.0, 88.2)])
+    parts["cfs-lent"][0].producer_alone_tokens_per_s = 90.0
+    result = report(BurstScenario(steady_s=5, burst_s=10, after_s=5), parts)
+    assert result["producer_lending_loss"] == pytest.approx(0.118)
+    assert result["producer_lending_loss_vs_alone"] == pytest.approx(0.02)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.02)
+    assert "relative to the producer alone either side of it: 2.0%" in format_table(result)
+
+
 def test_runs_made_apart_pool_into_one_report():
     scenario = BurstScenario(steady_s=5, burst_s=10, after_s=5)
     one = json.loads(json.dumps(report(scenario, parts_of([(100.0, 100.0, 98.0)])), default=str))
@@ -83,20 +95,25 @@ def test_scenario_errors_and_arrivals():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_producer_pinned_apart_from_the_consumer():
-    # In a child interpreter: pinning changes the calling process's threads.
+def test_producer_pinned_apart_from_the_consumer_every_thread():
+    # In a child interpreter: pinning changes the calling process's threads. Each pinned process
+    # has started a second thread before it is pinned (as the coordinator's request worker is).
     code = """
-import os, subprocess, sys
-from backfill.offload.burst import pin_apart
-a, b = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2))
+import json, os, subprocess, sys, time
+from backfill.offload.burst import pin_apart, thread_cpus
+child = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
+a, b = (subprocess.Popen([sys.executable, "-c", child]) for _ in range(2))
 try:
-    print(pin_apart(a.pid, b.pid), sorted(os.sched_getaffinity(a.pid)), sorted(os.sched_getaffinity(b.pid)),
-          sorted(os.sched_getaffinity(0)))
+    while any(len(os.listdir(f"/proc/{p.pid}/task")) < 2 for p in (a, b)):
+        time.sleep(0.01)
+    print(json.dumps([pin_apart(a.pid, b.pid), thread_cpus(a.pid), thread_cpus(b.pid), thread_cpus(os.getpid())]))
 finally:
     a.kill(); b.kill()
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    pinned, producer, coordinator, consumer = json.loads(out.stdout)
     cores = sorted(os.sched_getaffinity(0))
-    assert out[0] == "True"
-    producer, coordinator, consumer = (json.loads(x) for x in (out[1], out[2], out[3]))
-    assert producer == [cores[-1]] and consumer == coordinator == cores[:-1]
+    assert pinned is True
+    assert len(producer) == 2 and len(coordinator) == 2
+    assert all(t == [cores[-1]] for t in producer)
+    assert all(t == cores[:-1] for t in coordinator + consumer)
