@@ -42,6 +42,7 @@ from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
 from backfill.offload import producer_meter
 from backfill.offload.pager import KVPager, make_pager
+from backfill.offload.pinning import pin_apart, thread_cpus
 from backfill.policy.baselines import FCFSPolicy
 from backfill.policy.cfs import CFSConfig, CFSPolicy
 from backfill.serving.async_engine import AsyncEngine
@@ -191,41 +192,6 @@ class Processes:
                     proc.kill()
                     proc.wait()
         self.tmp.cleanup()
-
-
-def pin_apart(producer_pid: int, coordinator_pid: int) -> bool:
-    """AQUA's producer computes on its own accelerator: here, on its own core (the last one), and
-    this process and the coordinator on the others, every thread of each (sched_setaffinity on a
-    pid moves only its main thread; a thread started before, such as the coordinator's request
-    worker, would keep every core and serve the consumer's polls on the producer's). False
-    where there is one core."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return False
-    rest = set(cores[:-1])
-    _pin_threads(producer_pid, {cores[-1]})
-    _pin_threads(coordinator_pid, rest)
-    _pin_threads(os.getpid(), rest)
-    return True
-
-
-def _pin_threads(pid: int, cores: set[int]) -> None:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:
-            pass                     # a thread that has just exited
-
-
-def thread_cpus(pid: int) -> list[list[int]]:
-    """Per thread of pid, the cores it may run on."""
-    out = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
-        try:
-            out.append(sorted(os.sched_getaffinity(int(tid))))
-        except OSError:
-            pass
-    return out
 
 
 def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, tokenizer) -> Scheduler:

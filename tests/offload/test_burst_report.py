@@ -1,9 +1,6 @@
 """The burst benchmark's scenario and report, on constructed request records."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -92,28 +89,3 @@ def test_scenario_errors_and_arrivals():
     arrivals = BurstScenario(steady_rate_per_s=2.0, steady_s=50, burst_s=50, after_s=50).arrivals(0)
     steady, burst = ((arrivals < 50).sum(), ((arrivals >= 50) & (arrivals < 100)).sum())
     assert 1.5 < burst / steady < 2.6
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_producer_pinned_apart_from_the_consumer_every_thread():
-    # In a child interpreter: pinning changes the calling process's threads. Each pinned process
-    # has started a second thread before it is pinned (as the coordinator's request worker is).
-    code = """
-import json, os, subprocess, sys, time
-from backfill.offload.burst import pin_apart, thread_cpus
-child = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); time.sleep(30)"
-a, b = (subprocess.Popen([sys.executable, "-c", child]) for _ in range(2))
-try:
-    while any(len(os.listdir(f"/proc/{p.pid}/task")) < 2 for p in (a, b)):
-        time.sleep(0.01)
-    print(json.dumps([pin_apart(a.pid, b.pid), thread_cpus(a.pid), thread_cpus(b.pid), thread_cpus(os.getpid())]))
-finally:
-    a.kill(); b.kill()
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pinned, producer, coordinator, consumer = json.loads(out.stdout)
-    cores = sorted(os.sched_getaffinity(0))
-    assert pinned is True
-    assert len(producer) == 2 and len(coordinator) == 2
-    assert all(t == [cores[-1]] for t in producer)
-    assert all(t == cores[:-1] for t in coordinator + consumer)
