@@ -71,7 +71,7 @@ class BurstScenario:
     warmup_s: float = 8.0
     decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
-    producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one
+    producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one (1 s windows)
     pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
 
     def __post_init__(self) -> None:
