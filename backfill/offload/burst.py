@@ -3,12 +3,14 @@ burst window, then steady again, on an engine whose KV memory holds only a few r
 against CFS paging to host memory and CFS paging to memory a producer engine lent.
 
 The producer is a real second engine process serving its own closed-loop load and lending a
-shared-memory segment through a real coordinator process. Its throughput is measured in every
-mode's window and, alone, in an idle window before the first mode and after each one (the
-consumer doing nothing). Two losses, per round, then medians over rounds (AQUA §9.3):
-lending (cfs-lent against cfs-host: the same consumer work, only where the pages go differs,
-which is what lending costs a producer on its own accelerator) and against the producer alone
-(the windows either side; on one CPU this also counts the consumer's compute beside it).
+shared-memory segment through a real coordinator process. Its throughput is the median over
+one-second windows (`producer_meter`) of every mode and, alone, of an idle period before the
+first mode and after each one (the consumer doing nothing). Losses, per round, then medians
+over rounds (AQUA §9.3): lending (cfs-lent against cfs-host: the same consumer work, only where
+the pages go differs, which is what lending costs a producer on its own accelerator), the same
+with each mode first divided by the producer alone either side of it (the machine's drift
+between the two modes taken out), and against the producer alone (on one CPU this also counts
+the consumer's compute beside it).
 Modes run in turn, in rounds, on one loaded model, so they meet the same machine; the request
 records are saved, so runs made apart can be pooled (`--pool`).
 """
@@ -38,7 +40,9 @@ from backfill.bench.metrics import RequestRecord, Summary, compute_metrics
 from backfill.bench.prompts import PromptSource
 from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
+from backfill.offload import producer_meter
 from backfill.offload.pager import KVPager, make_pager
+from backfill.offload.pinning import pin_apart, thread_cpus
 from backfill.policy.baselines import FCFSPolicy
 from backfill.policy.cfs import CFSConfig, CFSPolicy
 from backfill.serving.async_engine import AsyncEngine
@@ -67,7 +71,7 @@ class BurstScenario:
     warmup_s: float = 8.0
     decode_attention: str = "auto"  # "sdpa": no C++ kernel build (see ServingConfig)
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
-    producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one
+    producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one (1 s windows)
     pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
 
     def __post_init__(self) -> None:
@@ -97,7 +101,10 @@ class ModeRound:
     duration_s: float
     window: tuple[float, float]       # monotonic start and end, for the producer's throughput
     engine: dict = field(default_factory=dict)
-    producer_alone_tokens_per_s: float | None = None   # the idle windows either side, averaged
+    producer_alone_tokens_per_s: float | None = None   # median over the idle windows either side
+    producer: dict = field(default_factory=dict)       # producer_meter.summarize of the mode's windows
+    alone: dict = field(default_factory=dict)          # ... and of the idle windows either side
+    windows: dict = field(default_factory=dict)        # {"mode": [...], "alone": [...]}: Window.compact rows
 
 
 def _free_port() -> int:
@@ -114,7 +121,9 @@ class Processes:
         self.log = log
         self.procs: list[subprocess.Popen] = []
         self.url: str | None = None
-        self.producer_tokens: list[tuple[float, int]] = []
+        self.producer_rows: list[dict] = []
+        self.producer_core: int | None = None
+        self.consumer_core: int | None = None
         self.pinned = False
         self.tmp = tempfile.TemporaryDirectory(prefix="backfill-burst-")
 
@@ -141,11 +150,16 @@ class Processes:
                "--lend-mb", str(self.scenario.lend_mb)] + (["--tiny"] if self.scenario.producer_tiny else [])
         producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.procs.append(producer)
-        if self.scenario.pin_cores:
-            self.pinned = pin_apart(producer.pid, self.procs[0].pid)
         ready = json.loads(producer.stdout.readline() or "{}")
         if not ready.get("ready"):
             raise OffloadError("the producer engine did not start")
+        if self.scenario.pin_cores:
+            # Pinned once both processes run every thread they start early (the coordinator's
+            # request worker among them); threads started later inherit the mask.
+            self.pinned = pin_apart(producer.pid, self.procs[0].pid)
+            if self.pinned:
+                self.producer_core = sorted(os.sched_getaffinity(producer.pid))[0]
+                self.consumer_core = sorted(os.sched_getaffinity(0))[0]
         self.log(f"producer engine: pid {producer.pid}, lends {self.scenario.lend_mb:.0f} MB ({ready['segment']})")
         threading.Thread(target=self._read_producer, args=(producer,), daemon=True).start()
 
@@ -153,14 +167,20 @@ class Processes:
         for line in producer.stdout:
             row = json.loads(line)
             if "tokens" in row:
-                self.producer_tokens.append((row["t"], row["tokens"]))
+                if self.producer_core is not None:
+                    row["core"] = producer_meter.core_times(self.producer_core)
+                    row["neighbour"] = producer_meter.core_times(self.consumer_core)
+                self.producer_rows.append(row)
 
-    def producer_rate(self, window: tuple[float, float]) -> float | None:
-        """The producer's output tokens per second inside a monotonic time window."""
-        rows = [r for r in self.producer_tokens if window[0] <= r[0] <= window[1]]
-        if len(rows) < 2:
-            return None
-        return (rows[-1][1] - rows[0][1]) / (rows[-1][0] - rows[0][0])
+    def producer_windows(self, window: tuple[float, float]) -> list[producer_meter.Window]:
+        """The producer's one-second windows inside a monotonic time window."""
+        return producer_meter.windows(list(self.producer_rows), *window)
+
+    def thread_cpus(self) -> dict[str, list[list[int]]]:
+        """The cores each thread of the coordinator and the producer may run on (the evidence
+        that nothing of theirs runs where it should not)."""
+        names = ("coordinator", "producer")
+        return {name: thread_cpus(proc.pid) for name, proc in zip(names, self.procs) if proc.poll() is None}
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -172,23 +192,6 @@ class Processes:
                     proc.kill()
                     proc.wait()
         self.tmp.cleanup()
-
-
-def pin_apart(producer_pid: int, coordinator_pid: int) -> bool:
-    """AQUA's producer computes on its own accelerator: here, on its own core (the last one), and
-    this process (every thread) and the coordinator on the others. False where there is one core."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return False
-    rest = set(cores[:-1])
-    os.sched_setaffinity(producer_pid, {cores[-1]})
-    os.sched_setaffinity(coordinator_pid, rest)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), rest)
-        except OSError:
-            pass                     # a thread that has just exited
-    return True
 
 
 def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, tokenizer) -> Scheduler:
@@ -269,6 +272,7 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
             asyncio.run(_run(AsyncEngine(_scheduler(runner, "cfs-host", scenario, None, tokenizer), tokenizer),
                              warm))
         parts: dict[str, list[ModeRound]] = {m: [] for m in modes}
+        thread_cpus_at_start = processes.thread_cpus() if processes.pinned else {}
         alone_before = _producer_alone(processes, scenario, log)
         for k in range(scenario.rounds):
             seed = scenario.seed + k
@@ -284,34 +288,60 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                 if isinstance(scheduler.policy, CFSPolicy):
                     engine["cfs_paging_share"] = scheduler.policy.paging_share
                     engine["cfs_fcfs_fallback_steps"] = scheduler.policy.fcfs_fallback_steps
-                rate = processes.producer_rate(window)
+                mode_windows = processes.producer_windows(window)
+                producer = producer_meter.summarize(mode_windows)
+                rate = producer["tokens_per_s"]
                 engine["producer_tokens_per_s"] = rate
+                if processes.pinned:
+                    engine["thread_cpus"] = processes.thread_cpus()
                 alone_after = _producer_alone(processes, scenario, log)
-                alone = [r for r in (alone_before, alone_after) if r]
-                parts[mode].append(ModeRound(records, duration_s, window, engine,
-                                             float(np.mean(alone)) if alone else None))
+                alone = producer_meter.summarize(alone_before + alone_after)
+                parts[mode].append(ModeRound(records, duration_s, window, engine, alone["tokens_per_s"],
+                                             producer, alone,
+                                             {"mode": [w.compact() for w in mode_windows],
+                                              "alone": [w.compact() for w in alone_before + alone_after]}))
                 alone_before = alone_after
                 if checkpoint is not None:
                     checkpoint({**report(scenario, {m: r for m, r in parts.items() if r}),
-                                "producer_pinned_apart": processes.pinned, "partial": True})
+                                "producer_pinned_apart": processes.pinned, "thread_cpus": thread_cpus_at_start,
+                                "partial": True})
                 log(f"   p99 TTFT {summarize(records, duration_s, _burst(scenario))['ttft_ms']['p99']:.0f} ms, "
-                    f"producer {rate if rate is None else round(rate, 1)} tok/s")
+                    f"producer {_brief(producer)}")
     finally:
         processes.stop()
     out = report(scenario, parts)
     out["producer_pinned_apart"] = processes.pinned
+    out["thread_cpus"] = thread_cpus_at_start
     return out
 
 
-def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> float | None:
-    """The producer's rate over an idle window of the consumer (the baseline of its loss)."""
+def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> list[producer_meter.Window]:
+    """The producer's windows over an idle period of the consumer (the baseline of its loss)."""
     if not scenario.producer or scenario.producer_idle_s <= 0:
-        return None
+        return []
     started = time.monotonic()
-    time.sleep(scenario.producer_idle_s)
-    rate = processes.producer_rate((started, time.monotonic()))
-    log(f"   producer alone: {rate if rate is None else round(rate, 1)} tok/s")
-    return rate
+    if processes.pinned:
+        # The consumer's core kept busy by a loop that touches no memory: other people's jobs
+        # on this shared machine then stay off it, as while the consumer computes, and do not
+        # contend for the producer's caches and memory only while it is "alone" (AQUA §9.3's
+        # producer alone has no neighbour at all).
+        while time.monotonic() - started < scenario.producer_idle_s:
+            pass
+    else:
+        time.sleep(scenario.producer_idle_s)
+    ws = processes.producer_windows((started, time.monotonic()))
+    log(f"   producer alone: {_brief(producer_meter.summarize(ws))}")
+    return ws
+
+
+def _brief(s: dict) -> str:
+    def fmt(key: str, scale: float = 1.0, digits: int = 1) -> str:
+        return "-" if s.get(key) is None else f"{scale * s[key]:.{digits}f}"
+
+    return (f"{fmt('tokens_per_s')} tok/s over {s['windows']} windows, step {fmt('step_ms', digits=2)} ms "
+            f"(compute {fmt('run_ms_per_step', digits=2)}), waiting for its core {fmt('wait_share', 100)}%, "
+            f"core to others {fmt('core_other_share', 100)}% (nice {fmt('nice_share', 100)}%, "
+            f"steal {fmt('steal_share', 100)}%), nice jobs on the consumer's core {fmt('neighbour_nice_share', 100)}%")
 
 
 def _burst(scenario: BurstScenario) -> tuple[float, float]:
@@ -333,6 +363,7 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         summary["engine"] = [p.engine for p in rounds]
         summary["rounds"] = [{"duration_s": p.duration_s, "window": list(p.window),
                               "producer_alone_tokens_per_s": p.producer_alone_tokens_per_s,
+                              "producer": p.producer, "producer_alone": p.alone, "producer_windows": p.windows,
                               "records": [_compact(r) for r in p.records]} for p in rounds]
         modes[mode] = summary
     out = {"scenario": asdict(scenario), "modes": modes}
@@ -344,6 +375,13 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         # Paired within each round (the modes ran minutes apart at most), then the median.
         out["producer_lending_loss_by_round"] = lending
         out["producer_lending_loss"] = float(np.median(lending))
+    # The same, each mode first taken relative to the producer alone either side of it, so a
+    # machine that drifts between the two modes (other work arriving or leaving) cancels out.
+    relative = [producer_meter.loss(_relative(a), _relative(b)) for a, b in zip(lent_rounds, host_rounds)]
+    relative = [x for x in relative if x is not None]
+    if relative:
+        out["producer_lending_loss_vs_alone_by_round"] = relative
+        out["producer_lending_loss_vs_alone"] = float(np.median(relative))
     if "fcfs" in modes:
         for mode in ("cfs-host", "cfs-lent"):
             if mode in modes and modes[mode]["ttft_ms"]["p99"]:
@@ -351,6 +389,11 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
                 modes[mode]["p99_tpot_vs_fcfs"] = modes[mode]["tpot_ms"]["p99"] / modes["fcfs"]["tpot_ms"]["p99"]
                 modes[mode]["p50_e2e_vs_fcfs"] = modes[mode]["e2e_ms"]["p50"] / modes["fcfs"]["e2e_ms"]["p50"]
     return out
+
+
+def _relative(part: ModeRound) -> float | None:
+    rate, alone = part.engine.get("producer_tokens_per_s"), part.producer_alone_tokens_per_s
+    return rate / alone if rate and alone else None
 
 
 def _compact(record: RequestRecord) -> dict:
@@ -377,7 +420,8 @@ def pool(results: list[dict]) -> dict:
             for rnd, engine in zip(m["rounds"], m["engine"]):
                 parts.setdefault(mode, []).append(ModeRound(
                     [RequestRecord.from_json(r) for r in rnd["records"]], rnd["duration_s"], tuple(rnd["window"]),
-                    engine, rnd["producer_alone_tokens_per_s"]))
+                    engine, rnd["producer_alone_tokens_per_s"], rnd.get("producer", {}), rnd.get("producer_alone", {}),
+                    rnd.get("producer_windows", {})))
     scenario = BurstScenario(**{**first, "rounds": sum(len(r) for r in parts.values()) // max(len(parts), 1),
                                 "seed": results[0]["scenario"]["seed"]})
     out = report(scenario, parts)
@@ -395,6 +439,12 @@ def format_table(result: dict) -> str:
                     f"{m['burst_ttft_ms']['p99'] or 0:>10.0f}     {m['tpot_ms']['p50']:>6.1f}/{m['tpot_ms']['p99']:<8.1f} "
                     f"{m['e2e_ms']['p50'] / 1e3:>6.1f}/{m['e2e_ms']['p99'] / 1e3:<7.1f} {paged:>8}   "
                     f"{'-' if prod is None else f'{prod:.1f}'}")
+    for mode, m in result["modes"].items():
+        for k, rnd in enumerate(m["rounds"]):
+            if rnd.get("producer", {}).get("windows"):
+                rows.append(f"producer in {mode} (round {k + 1}): {_brief(rnd['producer'])}")
+            if rnd.get("producer_alone", {}).get("windows"):
+                rows.append(f"   alone either side: {_brief(rnd['producer_alone'])}")
     for mode in ("cfs-host", "cfs-lent"):
         m = result["modes"].get(mode, {})
         if "p99_ttft_vs_fcfs" in m:
@@ -404,6 +454,10 @@ def format_table(result: dict) -> str:
         by_round = ", ".join(f"{100 * x:.1f}" for x in result["producer_lending_loss_by_round"])
         rows.append(f"producer loss from lending (cfs-lent vs cfs-host, paired per round, median): "
                     f"{100 * result['producer_lending_loss']:.1f}% (rounds: {by_round})")
+    if "producer_lending_loss_vs_alone" in result:
+        by_round = ", ".join(f"{100 * x:.1f}" for x in result["producer_lending_loss_vs_alone_by_round"])
+        rows.append(f"the same, each mode relative to the producer alone either side of it: "
+                    f"{100 * result['producer_lending_loss_vs_alone']:.1f}% (rounds: {by_round})")
     for mode, m in result["modes"].items():
         if m.get("producer_loss_vs_alone") is not None:
             by_round = ", ".join(f"{100 * x:.1f}" for x in m["producer_loss_vs_alone_by_round"])

@@ -43,7 +43,8 @@ def _fill_bench_burst(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-attention", default=d.decode_attention, choices=("auto", "sdpa"))
     p.add_argument("--threads", type=int, default=None, help="consumer torch threads (1 on a crowded machine)")
     p.add_argument("--producer-idle-s", type=float, default=d.producer_idle_s,
-                   help="the producer alone (consumer idle) before the first mode and after each one")
+                   help="the producer alone (the consumer's core busy with a loop that touches no memory) "
+                        "before the first mode and after each one")
     p.add_argument("--no-pin", action="store_true", help="let the producer share cores with the consumer")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--pool", nargs="+", metavar="JSON", help="report runs made apart as one (no new run)")

@@ -1,7 +1,9 @@
 """A producer engine process (AQUA §4, §6): serves its own steady closed-loop load and lends a
-shared-memory segment through the coordinator. It prints its cumulative output tokens as JSON
-lines ({"t": monotonic s, "tokens": n}) so a benchmark can measure its throughput, with and
-without consumers paging into its memory.
+shared-memory segment through the coordinator. It prints cumulative counters as JSON lines
+({"t": monotonic s, "tokens": n, "steps": n, "run_s": s, "wait_s": s}) so a benchmark can measure
+its throughput, with and without consumers paging into its memory, and tell where it loses:
+run_s is the engine thread's time on a core, wait_s its time runnable but waiting for one
+(something else ran on its core).
 
 Run: python -m backfill.offload.producer --coordinator URL --lend-mb 512 [--tiny]
 """
@@ -16,6 +18,17 @@ import threading
 import time
 
 import torch
+
+
+def thread_schedstat() -> tuple[float, float]:
+    """The calling thread's seconds on a core and runnable but waiting for one (Linux
+    schedstat); zeros where the kernel does not provide it."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            run_ns, wait_ns = f.read().split()[:2]
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,16 +101,19 @@ def main(argv: list[str] | None = None) -> None:
         submit()
     print(json.dumps({"ready": True, "offer_id": agent.offer_id if agent else None,
                       "segment": agent.segment.path if agent else None}), flush=True)
-    tokens, last_report = 0, 0.0
+    tokens, steps, last_report = 0, 0, 0.0
     try:
         while not stop.is_set():
+            steps += 1
             for event in scheduler.step():
                 tokens += len(event.token_ids)
                 if event.finished:
                     submit()
             now = time.monotonic()
             if now - last_report >= args.report_every_s:
-                print(json.dumps({"t": now, "tokens": tokens}), flush=True)
+                run_s, wait_s = thread_schedstat()
+                print(json.dumps({"t": now, "tokens": tokens, "steps": steps, "run_s": run_s, "wait_s": wait_s}),
+                      flush=True)
                 last_report = now
     finally:
         if agent is not None:
