@@ -165,7 +165,7 @@ class DecodeGraphs:
         self.whole_step = whole_step  # False: steps without a safepoint also replay the per-layer graphs
         self.mixed = mixed  # steps with prompt chunks replay the buckets too (module doc)
         self.whole_step_runs = 0  # steps run as one graph (tests and benchmarks read it)
-        self.mixed_runs = 0  # steps other than decodes that all want logits that replayed the buckets
+        self.mixed_runs = 0  # replayed steps with a prompt token or a row that wants no logits
         if self.capture and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
         self.model, self.kv = model, kv
