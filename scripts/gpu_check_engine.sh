@@ -2,6 +2,7 @@
 # The engine's GPU checks (docs/gpu.md): `bench engine` on the Llama-3-8B shape with the torch and
 # the Triton kernels, then the CUDA runs of the kernel, sampler and graph tests. Writes to DIR:
 #   engine-bench.json / .log   TPOT and tok/s per batch, greedy agreement graphs vs eager, triton vs torch
+#                              and mixed_steps: decodes beside a prompt chunk, mixed-step graphs on and off
 #   cuda-tests.json / .log     the tests' pass / fail / skip counts
 # Usage: scripts/gpu_check_engine.sh DIR   (PYTHON=... picks the interpreter; default python)
 set -uo pipefail

@@ -13,6 +13,13 @@ has the figures). The engine bench on the same device (engine-bench.json) measur
   with the bench's eager decode of one sequence), the bench's eager decodes of 8 / 32 / 64
   sequences less their context, its 512-token prefill and the profile's 1024-token point,
   interpolated between and made non-decreasing;
+- mixed table (steps with a prompt chunk replayed from the mixed-step graphs, which the device has
+  not run yet): the eager step's cost less the launch time graphs remove, where both were measured
+  at the same size: token table (n) - (eager decode (n) - graph decode (n)) at the bench's 1 / 8 /
+  32 / 64, each less its context, then padded to the graph buckets as the decode table is. A mixed
+  step of n tokens runs the graph of an n-row decode (every prompt token a row of the decode
+  attention), so where the token table is the eager decode (8 to 64) this is the graph decode;
+  past 64 tokens nothing graphs and nothing is derived;
 - ms_per_kctx and ms_per_mpair as the profile measured them.
 
 Usage: python scripts/h200_corrected_profile.py [SRC_DIR] [OUT_JSON]
@@ -60,8 +67,22 @@ def corrected(profile: dict, bench: dict) -> LatencyModel:
     grid = tuple(profile["token_grid"])
     known = sorted(points)
     step_ms = [float(np.interp(n, known, [points[k] for k in known])) for n in grid]
+
+    def eager_step(n: int) -> float:
+        return float(np.interp(n, grid, step_ms))
+
+    mixed = {b: eager_step(b) - (eager[b] - graph[b]) for b in batches}
+    mixed_bucket = {b: float(np.interp(b, batches, [mixed[x] for x in batches])) for b in BATCH_BUCKETS}
+    mixed_grid, mixed_ms = [], []
+    previous = 0
+    for b in BATCH_BUCKETS:
+        for n in sorted({previous + 1, b}):
+            mixed_grid.append(n)
+            mixed_ms.append(mixed_bucket[b])
+        previous = b
     return LatencyModel(grid, _monotone(step_ms), kctx, profile["ms_per_mpair"], "cuda",
-                        profile.get("model_name", ""), tuple(decode_grid), _monotone(decode_ms))
+                        profile.get("model_name", ""), tuple(decode_grid), _monotone(decode_ms),
+                        tuple(mixed_grid), _monotone(mixed_ms))
 
 
 def main() -> int:
@@ -72,6 +93,7 @@ def main() -> int:
     model.save(out)
     print(f"token table (ms): {dict(zip(model.token_grid, (round(x, 2) for x in model.step_ms)))}")
     print(f"decode table (ms): {dict(zip(model.decode_grid, (round(x, 2) for x in model.decode_ms)))}")
+    print(f"mixed table (ms): {dict(zip(model.mixed_grid, (round(x, 2) for x in model.mixed_ms)))}")
     print(f"wrote {out}")
     return 0
 

@@ -7,7 +7,9 @@ Measured in one run, so ratios compare like with like on a shared, noisy machine
   - prefill tokens/s for 512-token prompts;
   - HF transformers `generate` on the same weights at batch 1 and 8;
   - on CUDA, per kernel set (`cuda_kernels`, torch and triton), whether graphs and eager decode, and
-    triton and torch, give the same greedy tokens.
+    triton and torch, give the same greedy tokens;
+  - with mixed-step graphs (engine/cuda_graphs.py), steps of decodes beside a prompt chunk, replayed
+    and eager, and how far their logits differ.
 """
 
 from __future__ import annotations
@@ -113,6 +115,48 @@ def _bench_without(owner, attr: str, runner, batch: int, prompt_len: int, new_to
         setattr(owner, attr, fast)
     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
     return d
+
+
+MIXED_STEP_TOKENS = 64  # a mixed step: the decodes and a prompt chunk filling the largest graph bucket
+MIXED_CHUNK_MAX = 32
+
+
+def bench_mixed(runner, batch: int, prompt_len: int, repeats: int = 20) -> dict:
+    """Steps of `batch` decodes at prompt_len of context beside one prompt chunk (up to MIXED_CHUNK_MAX
+    tokens, the step at most MIXED_STEP_TOKENS), timed with the mixed-step graphs and with them off
+    (eager), in turns, on the same KV: each repeat writes the same positions again."""
+    graphs, kv = runner.decode_graphs, runner.kv
+    chunk = min(MIXED_CHUNK_MAX, MIXED_STEP_TOKENS - batch)
+    if graphs is None or not graphs.mixed or chunk < 1:
+        raise ValueError(f"mixed steps need mixed-step graphs and room for a chunk beside {batch} decodes")
+    vocab = runner.config.vocab_size
+    tables = [kv.allocate(kv.blocks_needed(prompt_len + 1)) for _ in range(batch + 1)]
+    try:
+        for i, table in enumerate(tables[:batch]):
+            runner.execute([SeqChunk(i, _prompt(prompt_len, i, vocab), 0, table, want_logits=False)])
+        # The chunk is the middle of a prompt: the step's attention reads its earlier context too.
+        start = max(0, prompt_len - chunk)
+        if start:
+            runner.execute([SeqChunk("p", _prompt(start, batch, vocab), 0, tables[batch], want_logits=False)])
+        step = [SeqChunk(i, [7], prompt_len, t) for i, t in enumerate(tables[:batch])]
+        step.append(SeqChunk("p", _prompt(chunk, batch + 1, vocab), start, tables[batch]))
+        times: dict[bool, list[float]] = {True: [], False: []}
+        logits = {}
+        for _ in range(2):  # warm-up of both paths
+            for on in (True, False):
+                graphs.mixed = on
+                logits[on] = runner.execute(step).logits
+        for _ in range(repeats):
+            for on in (True, False):
+                graphs.mixed = on
+                times[on].append(runner.execute(step).duration_s * 1e3)
+    finally:
+        graphs.mixed = True
+        for table in tables:
+            kv.free(table)
+    graphed, eager = statistics.median(times[True]), statistics.median(times[False])
+    return {"batch": batch, "chunk_tokens": chunk, "chunk_start": start, "graphed_ms": graphed, "eager_ms": eager,
+            "eager_over_graphed": eager / graphed, "max_abs_logit_diff": float((logits[True] - logits[False]).abs().max())}
 
 
 def _limits(batch: int, prompt_len: int):
@@ -251,6 +295,14 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                 run["greedy_graphs_vs_eager"].append(agree)
                 log(f"[{label}] batch {batch:3d} without CUDA graphs: TPOT {d['tpot_ms']:.2f} ms, "
                     f"{d['tokens_per_s']:.0f} tok/s; greedy tokens identical in {agree['identical']} of {batch}")
+        if run["cuda_graphs"] and runner.decode_graphs.mixed:
+            run["mixed_steps"] = []
+            for batch in [b for b in batches if b < MIXED_STEP_TOKENS]:
+                d = bench_mixed(runner, batch, prompt_len)
+                run["mixed_steps"].append(d)
+                log(f"[{label}] {batch:3d} decodes + a {d['chunk_tokens']}-token prompt chunk: graphed "
+                    f"{d['graphed_ms']:.2f} ms, eager {d['eager_ms']:.2f} ms ({d['eager_over_graphed']:.2f}x); "
+                    f"logits differ by at most {d['max_abs_logit_diff']:.3g}")
         if kernels == "torch":
             torch_tokens.update({(dtype_name, b): t for b, t in tokens.items()})
         elif all((dtype_name, b) in torch_tokens for b in batches):

@@ -19,6 +19,20 @@ and the key mask hides everything past each sequence's context. The serving stac
 bucket its context limit can reach at load (`capture_all`), biggest first as vLLM does, so that no
 online step pays for a capture: built on first use, a bucket cost its step tens of milliseconds, and
 the first requests after start-up, the online-only baseline's among them, took those stalls.
+
+Mixed steps (`mixed=True`): a step of decodes beside prompt chunks, up to BATCH_BUCKETS[-1] tokens
+in all, replays the same buckets with one row per token: a prompt token at position p is a row
+that attends to its sequence's first p + 1 keys, through the same block table as the sequence's
+other rows. Every layer writes all rows' K and V before its attention reads them, so within a
+chunk each token sees the tokens before it, as causal attention does. Without these graphs any
+step with a prompt token runs eagerly, so a co-serving step could carry an offline prompt only at
+an eager step's cost (ConServe §4.2 Algorithm 1 fills the step with prompt chunks). Full graphs,
+not piecewise ones (dense parts graphed, attention eager between them), because both decode
+attentions here (gather + SDPA with a key mask, and the Triton paged kernel) take any mix of
+context lengths at fixed shapes, and the eager prefill attention, one SDPA per chunk with shapes
+that change every step, would keep a step's launches and host time between the pieces. The cost:
+a prompt token reads its context as a decode does, not once per tile of a chunk as prefill
+attention does, which the bucket limit keeps small.
 """
 
 from __future__ import annotations
@@ -53,6 +67,31 @@ def blocks_bucket(blocks: int) -> int:
     while width < blocks:
         width *= 2
     return width
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step as the buckets' rows: one per token, each with its position and its sequence's table."""
+
+    token_ids: list[int]
+    positions: list[int]
+    tables: list[list[int]]
+    logit_rows: list[int]  # the last row of each chunk that wants logits, in the chunks' order
+
+
+def step_rows(chunks: list[SeqChunk]) -> StepRows:
+    """One row per token of the step: a decode is one row, a prompt chunk of n tokens n rows."""
+    ids: list[int] = []
+    positions: list[int] = []
+    tables: list[list[int]] = []
+    logit_rows: list[int] = []
+    for c in chunks:
+        ids.extend(c.token_ids)
+        positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+        tables.extend([c.block_table] * len(c.token_ids))
+        if c.want_logits:
+            logit_rows.append(len(ids) - 1)
+    return StepRows(ids, positions, tables, logit_rows)
 
 
 class _StaticBatch:
@@ -113,17 +152,20 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """Runs decode-only steps of up to BATCH_BUCKETS[-1] sequences through per-layer graphs.
+    """Runs decode-only steps of up to BATCH_BUCKETS[-1] sequences through per-layer graphs, and
+    with mixed=True any step of up to BATCH_BUCKETS[-1] tokens (decodes beside prompt chunks).
 
     capture=False runs the same fixed-shape parts eagerly (any device): tests on CPU check the
     padding and bucketing that the graphs replay.
     """
 
     def __init__(self, model: LlamaModel, kv: KVBlockPool, capture: bool | None = None,
-                 whole_step: bool = True) -> None:
+                 whole_step: bool = True, mixed: bool = False) -> None:
         self.capture = model.device.type == "cuda" if capture is None else capture
         self.whole_step = whole_step  # False: steps without a safepoint also replay the per-layer graphs
+        self.mixed = mixed  # steps with prompt chunks replay the buckets too (module doc)
         self.whole_step_runs = 0  # steps run as one graph (tests and benchmarks read it)
+        self.mixed_runs = 0  # replayed steps with a prompt token or a row that wants no logits
         if self.capture and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
         self.model, self.kv = model, kv
@@ -152,28 +194,39 @@ class DecodeGraphs:
                 self._bucket(batch, blocks)
         return len(self._buckets)
 
+    @staticmethod
+    def _is_decode_step(chunks: list[SeqChunk]) -> bool:
+        return all(c.is_decode and c.want_logits for c in chunks)
+
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        """Whether this step is a decode of sequences that all want logits, small enough for a bucket."""
-        return (0 < len(chunks) <= BATCH_BUCKETS[-1]
-                and all(c.is_decode and c.want_logits for c in chunks))
+        """Whether this step fits a bucket: a decode of sequences that all want logits, or with
+        mixed steps on, any step of at most BATCH_BUCKETS[-1] tokens."""
+        if not chunks or sum(len(c.token_ids) for c in chunks) > BATCH_BUCKETS[-1]:
+            return False
+        return self.mixed or self._is_decode_step(chunks)
 
     def forward(self, chunks: list[SeqChunk], safepoint: Safepoint | None = None) -> torch.Tensor:
-        """fp32 logits [len(chunks), vocab]; raises StepAborted(layer) when the safepoint says stop."""
+        """fp32 logits [chunks wanting logits, vocab], in the chunks' order; raises
+        StepAborted(layer) when the safepoint says stop."""
         bs = self.kv.block_size
-        positions = [c.start_pos for c in chunks]
-        bucket = self._bucket(batch_bucket(len(chunks)), blocks_bucket(max(positions) // bs + 1))
-        bucket.batch.stage([c.token_ids[0] for c in chunks], positions, [c.block_table for c in chunks],
-                           self.scratch_block)
+        rows = step_rows(chunks)
+        bucket = self._bucket(batch_bucket(len(rows.token_ids)), blocks_bucket(max(rows.positions) // bs + 1))
+        bucket.batch.stage(rows.token_ids, rows.positions, rows.tables, self.scratch_block)
+        decode_step = self._is_decode_step(chunks)
+        self.mixed_runs += not decode_step
         if safepoint is None and self.whole_step:
             bucket.whole()
             self.whole_step_runs += 1
-            return bucket.batch.logits[:len(chunks)].clone()
-        for i, run in enumerate(bucket.runs):
-            # Run i is layer i; the last run (i == num_layers) is the LM head, as in the eager forward.
-            if i > 0 and safepoint is not None and safepoint(i):
-                raise StepAborted(i)
-            run()
-        return bucket.batch.logits[:len(chunks)].clone()
+        else:
+            for i, run in enumerate(bucket.runs):
+                # Run i is layer i; the last run (i == num_layers) is the LM head, as in the eager forward.
+                if i > 0 and safepoint is not None and safepoint(i):
+                    raise StepAborted(i)
+                run()
+        logits = bucket.batch.logits
+        if decode_step:  # every row wants its logits, in order
+            return logits[:len(chunks)].clone()
+        return logits.index_select(0, torch.tensor(rows.logit_rows, dtype=torch.long, device=logits.device))
 
     def _bucket(self, batch: int, blocks: int) -> _Bucket:
         key = (batch, blocks)

@@ -127,12 +127,12 @@ class ModelRunner:
         if graphed:
             for chunk in chunks:
                 self._check(chunk)
-            input_ids, meta, logit_ids = None, None, [chunk.seq_id for chunk in chunks]
+            input_ids, meta, logit_ids = None, None, [chunk.seq_id for chunk in chunks if chunk.want_logits]
         elif resume is None:
             input_ids, meta, logit_ids = self._prepare(chunks)
         else:
             (input_ids, meta), logit_ids = resume.prepared, list(resume.logit_ids)
-        num_tokens = len(chunks) if graphed else int(input_ids.shape[0])
+        num_tokens = sum(len(c.token_ids) for c in chunks) if graphed else int(input_ids.shape[0])
         if safepoint is not None and self.device.type == "cuda":
             safepoint = paced_on_gpu(safepoint)
         try:

@@ -5,7 +5,8 @@ budget from the SLOs (TPOT when online requests decode, else what is left of the
 TTFT) and offline tokens fill what the latency model says still fits: offline decodes first, then
 offline prompt chunks (Algorithm 1), each where it costs no more per token there than in an
 offline batch (on a CPU a few offline tokens can turn a fast lone decode into a slow eager step
-for no throughput; on a GPU a prompt chunk turns a graph-replayed decode step into an eager one).
+for no throughput; on a GPU without mixed-step graphs a prompt chunk turns a graph-replayed
+decode step into an eager one, and with them its tokens read their context as decodes do).
 The budget is planned to a margin below the SLO that follows the latency model's measured error
 on recent co-serving steps (§4.5). Offline requests never hold blocks an online request needs:
 they are preempted, checkpointed ones first.

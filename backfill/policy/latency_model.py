@@ -17,6 +17,12 @@ compiled decode on a CPU. When the profile has a decode table (decode_grid -> de
 sequences), such steps up to its last point are read from it instead of the token table. Without
 it, a GPU profile saw a second sequence turn a 3 ms decode into an 11 ms step, and no offline
 token could ever ride along an online decode there (docs/benchmarks.md, co-serving on the H100).
+
+Steps with prompt tokens may replay graphs too (engine/cuda_graphs.py, mixed steps): every token of
+such a step is a row of the decode attention, with its own context. When the profile has a mixed
+table (mixed_grid -> mixed_ms, in tokens), steps with a prompt chunk up to its last point are read
+from it, and all their attention, the chunks' within themselves included, is priced per (query,
+key) pair at ms_per_kctx: the decode kernel's measured cost per row and context token.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from backfill.errors import BackfillError
@@ -71,6 +77,8 @@ class LatencyModel:
     model_name: str = ""
     decode_grid: tuple[int, ...] = ()    # sequences decoding, alone in a step
     decode_ms: tuple[float, ...] = ()
+    mixed_grid: tuple[int, ...] = ()     # tokens of a step with a prompt chunk, replayed from CUDA graphs
+    mixed_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_grid) != len(self.step_ms) or len(self.token_grid) < 2:
@@ -81,6 +89,18 @@ class LatencyModel:
             raise BackfillError("a latency model's decode table needs none or at least two (sequences, ms) points")
         if list(self.decode_grid) != sorted(set(self.decode_grid)):
             raise BackfillError("latency model decode grid must be strictly increasing")
+        if len(self.mixed_grid) != len(self.mixed_ms) or len(self.mixed_grid) == 1:
+            raise BackfillError("a latency model's mixed table needs none or at least two (tokens, ms) points")
+        if list(self.mixed_grid) != sorted(set(self.mixed_grid)):
+            raise BackfillError("latency model mixed grid must be strictly increasing")
+
+    def without_mixed_graphs(self) -> "LatencyModel":
+        """This profile for an engine whose steps with prompt chunks all run eagerly."""
+        return replace(self, mixed_grid=(), mixed_ms=())
+
+    def graphs_mixed(self, shape: BatchShape) -> bool:
+        """Whether a step of this shape with prompt tokens replays the mixed-step graphs."""
+        return bool(self.mixed_grid) and shape.prefill_attention_pairs > 0 and shape.num_tokens <= self.mixed_grid[-1]
 
     @staticmethod
     def _interp(grid: tuple[int, ...], ms: tuple[float, ...], tokens: int) -> float:
@@ -98,6 +118,10 @@ class LatencyModel:
     def estimate_ms(self, shape: BatchShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
+        if self.graphs_mixed(shape):
+            # Every prompt token attends as a decode row does: its pairs cost what context does.
+            context = shape.decode_context_tokens + shape.prefill_attention_pairs
+            return self._interp(self.mixed_grid, self.mixed_ms, shape.num_tokens) + self.ms_per_kctx * context / 1e3
         return (self._base_ms(shape) + self.ms_per_kctx * shape.decode_context_tokens / 1e3
                 + self.ms_per_mpair * shape.prefill_context_pairs / 1e6)
 
@@ -121,6 +145,8 @@ class LatencyModel:
                        ms_per_mpair=float(raw.get("ms_per_mpair", 0.0)),
                        device=str(raw.get("device", "cpu")), model_name=str(raw.get("model_name", "")),
                        decode_grid=tuple(int(x) for x in raw.get("decode_grid", ())),
-                       decode_ms=tuple(float(x) for x in raw.get("decode_ms", ())))
+                       decode_ms=tuple(float(x) for x in raw.get("decode_ms", ())),
+                       mixed_grid=tuple(int(x) for x in raw.get("mixed_grid", ())),
+                       mixed_ms=tuple(float(x) for x in raw.get("mixed_ms", ())))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise BackfillError(f"cannot read latency profile {path}: {exc}") from exc

@@ -44,6 +44,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     if cfg.compile_decode and device == "cpu" and load_small_batch_matmul():  # built already by the runner
         kernel += f"-sb{small_batch_digest()}"  # compiled decode packs its weights for this kernel
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
+    kernel += "-mg" if cfg.uses_mixed_graphs else ""  # the profile has a mixed-step table
     kernel += "-triton" if cfg.uses_triton_kernels else ""
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"
                                 f"-p{PROFILE_FORMAT}.json")
@@ -62,7 +63,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
                                 cfg.torch_dtype, device)
     graphs = None
     if cfg.uses_cuda_graphs:
-        graphs = DecodeGraphs(model, kv)
+        graphs = DecodeGraphs(model, kv, mixed=cfg.uses_mixed_graphs)
         started = time.perf_counter()
         count = graphs.capture_all(cfg.max_model_len)
         log.info("captured decode graphs for %d buckets in %.1f s", count, time.perf_counter() - started)

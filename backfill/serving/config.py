@@ -49,6 +49,10 @@ class ServingConfig:
     # CUDA: per-layer graphs captured at load for every (batch, context) bucket (engine/cuda_graphs.py).
     cuda_graphs: bool = knob(True, "CUDA: replay captured graphs for decode steps of up to 64 sequences",
                              group="engine")
+    # CUDA: steps with prompt chunks graphed as well, every token a row of the decode graphs' attention.
+    mixed_graphs: bool = knob(True, "CUDA (with cuda_graphs): steps of up to 64 tokens that carry prompt chunks "
+                              "beside decodes replay captured graphs too; off: such steps run eagerly",
+                              group="engine")
     # CUDA: "torch" until a GPU run of `bench engine --cuda-kernels torch triton` shows triton faster.
     cuda_kernels: str = knob("torch", "CUDA: kernels of a decode step; triton: decode attention reading the paged "
                              "KV cache in place, fused RoPE + KV write, residual + RMSNorm and SwiGLU "
@@ -107,6 +111,10 @@ class ServingConfig:
     @property
     def uses_cuda_graphs(self) -> bool:
         return self.cuda_graphs and self.resolved_device().startswith("cuda")
+
+    @property
+    def uses_mixed_graphs(self) -> bool:
+        return self.mixed_graphs and self.uses_cuda_graphs
 
     @property
     def uses_triton_kernels(self) -> bool:

@@ -3,7 +3,10 @@
 It runs synthetic batches on the runner's own KV pool: prefill chunks of growing size for the
 token table, batches of decoding sequences for the decode table, decode batches at two context
 lengths for the per-context cost, and a chunk at two start positions for the prefill-attention
-cost. The result is saved and reloaded at start, so serving does not pay for profiling twice.
+cost. Where the runner replays steps with prompt chunks from CUDA graphs (engine/cuda_graphs.py,
+mixed steps), the token table is measured with them off (eager steps, as past the graphs' last
+bucket) and the same chunks up to that bucket again with them on, for the mixed table. The result
+is saved and reloaded at start, so serving does not pay for profiling twice.
 """
 
 from __future__ import annotations
@@ -117,7 +120,15 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
                 while scratch:
                     kv.free(scratch.pop())
 
-        step_ms = remeasure_inversions([chunk_point(i) for i in range(len(grid))], chunk_point)
+        graphs = runner.decode_graphs
+        mixed = graphs is not None and graphs.mixed
+        if mixed:
+            graphs.mixed = False  # the token table is eager steps
+        try:
+            step_ms = remeasure_inversions([chunk_point(i) for i in range(len(grid))], chunk_point)
+        finally:
+            if mixed:
+                graphs.mixed = True
         decode_ms = remeasure_inversions([decode_point(i) for i in range(len(decode_grid))], decode_point)
         # Per-context cost of decode attention: 8 sequences decoding at short vs long context.
         log.info("profiling step latency %d/%d: attention cost per context token", steps, steps)
@@ -134,13 +145,25 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
         far = measure(lambda: [SeqChunk("a", [5] * chunk, long_ctx - chunk, t)])
         extra_pairs = chunk * (long_ctx - chunk)
         ms_per_mpair = max(0.0, (far - near) / extra_pairs * 1e6) if extra_pairs > 0 else 0.0
+        mixed_grid, mixed_ms = (), []
+        if mixed:
+            from backfill.engine.cuda_graphs import BATCH_BUCKETS
+
+            # Graphed, a chunk's tokens are decode rows: their attention (n (n + 1) / 2 pairs from
+            # position 0) is priced at ms_per_kctx by the model and taken out here.
+            mixed_grid = tuple(n for n in grid if n <= BATCH_BUCKETS[-1])
+            measured = remeasure_inversions([chunk_point(grid.index(n)) for n in mixed_grid],
+                                            lambda i: chunk_point(grid.index(mixed_grid[i])))
+            mixed_ms = [max(0.0, ms - ms_per_kctx * n * (n + 1) / 2 / 1e3) for n, ms in zip(mixed_grid, measured)]
     finally:
         for t in scratch:
             kv.free(t)
     if len(decode_grid) < 2:  # a pool too small for two decoding sequences: the token table alone
         decode_grid, decode_ms = (), []
+    if len(mixed_grid) < 2:
+        mixed_grid, mixed_ms = (), []
     return LatencyModel(grid, _monotone(step_ms), ms_per_kctx, ms_per_mpair, runner.device.type, model_name,
-                        decode_grid, _monotone(decode_ms))
+                        decode_grid, _monotone(decode_ms), mixed_grid, _monotone(mixed_ms))
 
 
 def _monotone(step_ms: list[float]) -> tuple[float, ...]:

@@ -177,7 +177,8 @@ def load_inputs(serving: ServingConfig, profile: str | Path | None = None, machi
                 step_overhead_ms: float = 0.0, noise_cv: float = 0.0) -> tuple[ModelConfig, LatencyModel, SimMachine]:
     """The model's shape, the profile the policies plan with (by default the one `backfill profile`
     saved for these options) and the machine (by default the profile itself, with the KV pool the
-    serving config sizes)."""
+    serving config sizes). Without mixed-step graphs (serving.mixed_graphs or cuda_graphs off), both
+    price steps with prompt chunks as eager ones, as an engine without them runs them."""
     config = read_model_config(serving.model)
     path = Path(profile) if profile else default_profile_path(config.name, serving)
     if not path.is_file():
@@ -185,6 +186,8 @@ def load_inputs(serving: ServingConfig, profile: str | Path | None = None, machi
                             "or pass --profile")
     latency = LatencyModel.load(path)
     cost = LatencyModel.load(machine) if machine else latency
+    if not (serving.cuda_graphs and serving.mixed_graphs):
+        latency, cost = latency.without_mixed_graphs(), cost.without_mixed_graphs()
     blocks = KVBlockPool.blocks_in_memory(config, int(serving.kv_cache_gb * 2**30), serving.block_size,
                                           serving.torch_dtype)
     return config, latency, SimMachine(cost, blocks, serving.block_size, step_overhead_ms, noise_cv)

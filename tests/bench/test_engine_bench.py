@@ -61,3 +61,21 @@ def test_greedy_agreement_counts_where_sequences_part():
     assert agree["identical"] == 1 and agree["shortest_common_prefix"] == 1 and agree["mean_common_prefix"] == 2
     with pytest.raises(ValueError, match="2 sequences against 1"):
         engine_bench.greedy_agreement([[1], [2]], [[1]])
+
+
+def test_mixed_steps_are_timed_graphed_and_eager_with_the_same_logits(tiny_runner):
+    """Decodes beside a prompt chunk, through the mixed-step graphs (capture off on CPU) and eagerly."""
+    from backfill.engine.cuda_graphs import DecodeGraphs
+    from backfill.engine.runner import ModelRunner
+
+    kv = tiny_runner.kv
+    runner = ModelRunner(tiny_runner.model, kv, DecodeGraphs(tiny_runner.model, kv, capture=False, mixed=True))
+    free = kv.num_free
+    d = engine_bench.bench_mixed(runner, batch=3, prompt_len=40, repeats=2)
+    assert d["chunk_tokens"] == engine_bench.MIXED_CHUNK_MAX and d["chunk_start"] == 40 - d["chunk_tokens"]
+    assert d["graphed_ms"] > 0 and d["eager_ms"] > 0
+    assert d["max_abs_logit_diff"] < 1e-4  # fp32 on CPU: summation order only
+    # Prompts of 3 x 40 and 8 tokens fit the buckets too; then 2 warm-ups and 2 repeats graphed.
+    assert runner.decode_graphs.mixed_runs == 4 + 2 + 2 and runner.decode_graphs.mixed and kv.num_free == free
+    with pytest.raises(ValueError, match="mixed"):
+        engine_bench.bench_mixed(tiny_runner, batch=3, prompt_len=40)

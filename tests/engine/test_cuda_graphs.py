@@ -218,3 +218,63 @@ def test_the_scheduler_replays_whole_steps_only_where_no_safepoint_may_stop_them
     graphs = runner.decode_graphs
     assert graphs.captured_buckets  # the decode steps ran through the graphs
     assert graphs.whole_step_runs == (5 if request_class == "online" else 0)
+
+
+def _mixed_steps(lengths: dict[str, int]) -> list[list[tuple[str, int, int, bool]]]:
+    """Steps of (sequence, first token, tokens, wants logits): prompt chunks beside decodes."""
+    return [
+        [("a", 0, 12, False), ("b", 0, lengths["b"], True)],                 # two prompt chunks
+        [("a", 12, 8, True), ("b", lengths["b"], 1, True), ("c", 0, 5, False)],  # chunk, decode, chunk
+        [("a", 20, 1, True), ("b", lengths["b"] + 1, 1, True), ("c", 5, 25, True)],  # decodes + the rest of c
+        [("c", 30, 1, True), ("a", 21, 1, True), ("b", lengths["b"] + 2, 1, False)],  # decodes, one without logits
+    ]
+
+
+def _run_mixed(runner: ModelRunner, safepoint=None) -> list[torch.Tensor]:
+    lengths = {"a": 20, "b": 7, "c": 30}
+    tokens = dict(zip(lengths, _prompts(list(lengths.values()))))
+    tables = {s: runner.kv.allocate(runner.kv.blocks_needed(n + 4)) for s, n in lengths.items()}
+    out = []
+    for step in _mixed_steps(lengths):
+        chunks = [SeqChunk(s, (tokens[s] + [11, 12, 13, 14])[first:first + n], first, tables[s], want_logits=w)
+                  for s, first, n, w in step]
+        result = runner.execute(chunks, safepoint=safepoint)
+        assert result.logit_seq_ids == [s for s, _, _, w in step if w]
+        assert result.num_tokens == sum(n for _, _, n, _ in step)
+        out.append(result.logits)
+    return out
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_mixed_steps_replay_the_buckets_with_the_eager_logits(model, tiny_config, device, per_layer):
+    """Prompt chunks beside decodes, one row per token (capture off on CPU: the staging, padding and
+    bucket choice the graphs replay). fp32 logits within 1e-4 of the eager forward's on CPU: only the
+    summation order differs (padded keys, decode attention in place of causal SDPA)."""
+    eager = ModelRunner(model, KVBlockPool(tiny_config, 96, 8, device=device))
+    kv = KVBlockPool(tiny_config, 96, 8, device=device)
+    graphs = DecodeGraphs(model, kv, capture=device == "cuda", mixed=True)
+    graphed = ModelRunner(model, kv, graphs)
+    safepoint = (lambda layer: False) if per_layer else None
+    expected = _run_mixed(eager)
+    got = _run_mixed(graphed, safepoint)
+    for g, e in zip(got, expected):
+        _close(g, e)
+    assert graphs.mixed_runs == 4  # the last step is decodes only, one without logits: a mixed step too
+    assert graphs.whole_step_runs == (0 if per_layer else 4)
+    # Steps of 19, 14, 27 and 3 tokens padded to 32, 16, 32 and 4 rows; contexts up to 31 tokens: 4 blocks of 8.
+    assert graphs.captured_buckets == [(4, 4), (16, 4), (32, 4)]
+
+
+def test_mixed_steps_fit_up_to_the_largest_bucket_in_tokens(model, tiny_config, device):
+    kv = KVBlockPool(tiny_config, 96, 8, device=device)
+    graphs = DecodeGraphs(model, kv, capture=False, mixed=True)
+    table = kv.allocate(12)
+    largest = BATCH_BUCKETS[-1]
+    assert graphs.fits([SeqChunk("p", [5] * largest, 0, table)])
+    assert graphs.fits([SeqChunk("p", [5] * (largest - 1), 0, table), SeqChunk("d", [5], 3, table)])
+    assert not graphs.fits([SeqChunk("p", [5] * largest, 0, table), SeqChunk("d", [5], 3, table)])
+    assert not graphs.fits([])
+    assert not DecodeGraphs(model, kv, capture=False).fits([SeqChunk("p", [5] * 4, 0, table)])  # mixed off
+    runner = ModelRunner(model, kv, graphs)
+    runner.execute([SeqChunk("p", [5] * (largest + 1), 0, table, want_logits=False)])  # eager: no bucket
+    assert graphs.captured_buckets == [] and graphs.mixed_runs == 0

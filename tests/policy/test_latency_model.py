@@ -69,3 +69,32 @@ def test_decode_table_round_trips_and_is_validated(tmp_path):
         LatencyModel((1, 64), (3.0, 9.0), decode_grid=(1, 2), decode_ms=(1.0,))
     with pytest.raises(BackfillError, match="decode grid"):
         LatencyModel((1, 64), (3.0, 9.0), decode_grid=(2, 1), decode_ms=(1.0, 2.0))
+
+
+def test_steps_with_prompt_chunks_read_the_mixed_table_up_to_its_last_point():
+    # A GPU with mixed-step graphs: a prompt chunk beside decodes costs the graphed step, its tokens'
+    # attention priced per (query, key) pair at the decode rate; past the table, the eager token table.
+    m = LatencyModel((1, 64, 128), (11.0, 12.0, 13.0), ms_per_kctx=1.0, ms_per_mpair=0.5,
+                     decode_grid=(1, 8), decode_ms=(3.0, 3.7), mixed_grid=(1, 64), mixed_ms=(3.0, 9.3))
+    decodes = BatchShape().plus(1, 499).plus(1, 499)
+    assert m.estimate_ms(decodes) == pytest.approx(3.1 + 1.0)  # decodes alone: the decode table
+    mixed = decodes.plus(4, 10)  # 6 tokens; the chunk's pairs: 4 * 10 + 10 = 50
+    assert m.graphs_mixed(mixed)
+    assert m.estimate_ms(mixed) == pytest.approx(3.0 + 6.3 * 5 / 63 + 1.0 * (1000 + 50) / 1e3)
+    eager = decodes.plus(70, 10)
+    assert not m.graphs_mixed(eager)
+    assert m.estimate_ms(eager) == pytest.approx(12.0 + 8 / 64 + 1.0 + 0.5 * 700 / 1e6)
+    # Without the graphs (an engine that runs them eagerly) the same step reads the token table.
+    plain = m.without_mixed_graphs()
+    assert not plain.graphs_mixed(mixed) and plain.decode_grid == m.decode_grid
+    assert plain.estimate_ms(mixed) == pytest.approx(11.0 + 5 / 63 + 1.0 + 0.5 * 40 / 1e6)
+
+
+def test_mixed_table_round_trips_and_is_validated(tmp_path):
+    m = LatencyModel((1, 64), (3.0, 9.0), mixed_grid=(1, 64), mixed_ms=(2.0, 4.0))
+    m.save(tmp_path / "p.json")
+    assert LatencyModel.load(tmp_path / "p.json") == m
+    with pytest.raises(BackfillError, match="mixed table"):
+        LatencyModel((1, 64), (3.0, 9.0), mixed_grid=(1,), mixed_ms=(1.0,))
+    with pytest.raises(BackfillError, match="mixed grid"):
+        LatencyModel((1, 64), (3.0, 9.0), mixed_grid=(4, 1), mixed_ms=(1.0, 2.0))

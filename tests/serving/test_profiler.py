@@ -86,3 +86,32 @@ def test_a_point_slower_than_a_bigger_shape_is_measured_again():
     assert remeasure_inversions([10.0, 90.0, 12.0, 13.0], again) == [10.0, 11.0, 12.0, 13.0]
     assert calls == [1]
     assert remeasure_inversions([10.0, 12.4, 10.0], lambda i: 99.0) == [10.0, 12.4, 10.0]  # within 1.25x
+
+
+def test_with_mixed_step_graphs_the_token_table_is_eager_and_a_mixed_table_is_graphed(tiny_config, monkeypatch):
+    """Where the runner graphs steps with prompt chunks (capture off on CPU), the token table is timed
+    with them off and the chunks up to the largest bucket again with them on, for the mixed table."""
+    from backfill.engine.cuda_graphs import DecodeGraphs
+    from backfill.engine.kv_pool import KVBlockPool
+    from backfill.engine.model import LlamaModel
+    from backfill.engine.runner import ModelRunner
+    from tests.conftest import random_weights
+
+    model = LlamaModel(tiny_config, random_weights(tiny_config))
+    kv = KVBlockPool(tiny_config, 64, 8)
+    graphs = DecodeGraphs(model, kv, capture=False, mixed=True)
+    runner = ModelRunner(model, kv, graphs)
+    seen, execute = [], runner.execute
+
+    def spy(chunks, *args, **kwargs) -> StepOutput:
+        if all(c.start_pos == 0 for c in chunks):
+            seen.append((len(chunks[0].token_ids), graphs.mixed))
+        return execute(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", spy)
+    latency = profile_latency(runner, grid=(1, 8, 128), decode_grid=(1, 2), repeats=1, warmups=0)
+    assert (128, False) in seen and (8, False) in seen      # token table: eager
+    assert (8, True) in seen and (128, True) not in seen     # mixed table: up to the largest bucket
+    assert latency.mixed_grid == (1, 8) and graphs.mixed
+    assert all(ms >= 0 for ms in latency.mixed_ms)
+    assert latency.graphs_mixed(BatchShape().plus(8, 0)) and not latency.graphs_mixed(BatchShape().plus(128, 0))
