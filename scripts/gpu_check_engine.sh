@@ -15,7 +15,7 @@ status=0
 nvidia-smi > "$DIR/nvidia-smi.txt" 2>&1 || true
 
 "$PYTHON" -m backfill.cli bench engine --random-weights --shape llama3-8b --device cuda --dtypes bfloat16 --no-hf \
-    --batches 1 8 32 64 --cuda-kernels torch triton --json "$DIR/engine-bench.json" 2>&1 | tee "$DIR/engine-bench.log"
+    --mixed-graphs --batches 1 8 32 64 --cuda-kernels torch triton --json "$DIR/engine-bench.json" 2>&1 | tee "$DIR/engine-bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 BACKFILL_TEST_DEVICE=cuda "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$DIR/cuda-tests.xml" \

@@ -49,8 +49,9 @@ class ServingConfig:
     # CUDA: per-layer graphs captured at load for every (batch, context) bucket (engine/cuda_graphs.py).
     cuda_graphs: bool = knob(True, "CUDA: replay captured graphs for decode steps of up to 64 sequences",
                              group="engine")
-    # CUDA: steps with prompt chunks graphed as well, every token a row of the decode graphs' attention.
-    mixed_graphs: bool = knob(True, "CUDA (with cuda_graphs): steps of up to 64 tokens that carry prompt chunks "
+    # CUDA: steps with prompt chunks graphed as well, every token a row of the decode graphs' attention;
+    # off until a GPU run of `bench engine` (mixed_steps) shows the graphed step correct and cheaper.
+    mixed_graphs: bool = knob(False, "CUDA (with cuda_graphs): steps of up to 64 tokens that carry prompt chunks "
                               "beside decodes replay captured graphs too; off: such steps run eagerly",
                               group="engine")
     # CUDA: "torch" until a GPU run of `bench engine --cuda-kernels torch triton` shows triton faster.

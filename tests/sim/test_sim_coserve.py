@@ -148,9 +148,9 @@ def test_a_profile_that_is_off_shows_in_the_model_error_and_in_the_frontier(tmp_
     assert len(json.loads((tmp_path / "frontier.json").read_text())) == 2
 
 
-def test_mixed_step_graphs_are_priced_unless_the_engine_knob_turns_them_off(tmp_path):
-    """A machine whose profile has a mixed table graphs steps with prompt chunks; with
-    --no-mixed-graphs (as the measured H200 runs ran) both the plan and the machine price them eagerly."""
+def test_mixed_step_graphs_are_priced_only_where_the_engine_knob_turns_them_on(tmp_path):
+    """With --mixed-graphs a machine whose profile has a mixed table graphs steps with prompt chunks;
+    without it (the default, as the measured H200 runs ran) both the plan and the machine price them eagerly."""
     from dataclasses import replace
 
     from backfill.policy.latency_model import BatchShape
@@ -158,9 +158,9 @@ def test_mixed_step_graphs_are_priced_unless_the_engine_knob_turns_them_off(tmp_
     gpu = replace(CPU_LIKE, decode_grid=(1, 64), decode_ms=(5.0, 8.0), mixed_grid=(1, 64), mixed_ms=(5.0, 8.0))
     gpu.save(tmp_path / "gpu.json")
     step = BatchShape().plus(1, 100).plus(8, 0)
-    _, latency, machine = load_inputs(ServingConfig(kv_cache_gb=0.05), profile=tmp_path / "gpu.json")
+    _, latency, machine = load_inputs(ServingConfig(kv_cache_gb=0.05, mixed_graphs=True), profile=tmp_path / "gpu.json")
     assert latency.graphs_mixed(step) and machine.cost.estimate_ms(step) < 10.0
-    _, latency, machine = load_inputs(ServingConfig(kv_cache_gb=0.05, mixed_graphs=False), profile=tmp_path / "gpu.json",
+    _, latency, machine = load_inputs(ServingConfig(kv_cache_gb=0.05), profile=tmp_path / "gpu.json",
                                       machine=tmp_path / "gpu.json")
     assert not latency.graphs_mixed(step) and not machine.cost.graphs_mixed(step)
     assert machine.cost.estimate_ms(step) == CPU_LIKE.estimate_ms(step) >= 20.0
