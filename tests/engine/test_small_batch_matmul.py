@@ -116,10 +116,13 @@ def test_a_cpu_without_avx512_bf16_gets_no_kernel(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config, dtype):
+def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
     """Batches of 9 to 33 sequences run in the smallest bucket that holds them, zero rows padded:
-    every real sequence's logits equal the eager batch's (as for the unpadded sizes above)."""
+    every real sequence's logits equal the eager batch's. In fp32, where the two paths agree to
+    1e-4, so a padding row leaking into a real one would show; in bf16 the paths round at different
+    points and differ by about 5% of the largest logit on this random model (the eight-row test's
+    bound), too loose to catch that."""
+    dtype = torch.float32
     from backfill.engine.compiled_decode import PACKED_DECODE_BUCKETS
 
     weights = random_weights(tiny_config, seed=6)
@@ -148,8 +151,5 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config, dtype
                 runner.kv.free(table)
         reference, compiled = results
         assert compiled.shape == reference.shape == (3, batch, tiny_config.vocab_size)
-        if dtype == torch.float32:
-            torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
-        else:
-            assert (compiled - reference).abs().max() < 0.05 * reference.abs().max() + 0.05
+        torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
     assert padded == [16] * 3 + [16] * 3 + [48] * 3
