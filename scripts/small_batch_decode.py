@@ -1,7 +1,9 @@
-"""Decode steps of a few sequences, compiled pieces against the eager path, alternating in one process.
+"""Decode steps, compiled pieces against the eager path, alternating in one process.
 
 One model built with compiled decode; the script hides its compiled pieces every few steps so the
 same steps run eager, on the same pool and sequences, and a drifting machine slows both alike.
+Batches above eight run in the padded buckets (engine/compiled_decode.py), which the script waits
+for before it measures.
 
     .venv/bin/python scripts/small_batch_decode.py [--dtype bfloat16] [--context 200] [--steps 60]
                                                    [--batches 1 2 4 8]
@@ -37,8 +39,9 @@ def main() -> None:
     compiled = model.compiled_decode
     if compiled is None:
         raise SystemExit("compiled decode could not be built here (see the warning above)")
+    compiled.wait_for_buckets()
     result = {"dtype": args.dtype, "context": args.context, "compiled_batch_sizes": list(compiled.batch_sizes),
-              "small_batch_kernel": compiled.packed, "batches": {}}
+              "buckets": sorted(compiled.buckets), "small_batch_kernel": compiled.packed, "batches": {}}
     for batch in args.batches:
         tables = [kv.allocate(kv.blocks_needed(args.context + 2 * args.steps + 1)) for _ in range(batch)]
         for i, table in enumerate(tables):

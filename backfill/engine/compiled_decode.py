@@ -29,6 +29,16 @@ them at streaming speed for up to eight sequences, and the pieces are built for 
 8 (scripts/small_batch_decode.py compares them with eager). A co-serving step that carries a few
 offline decodes with an online one is such a batch.
 
+Larger decode batches (a burst of online requests, an offline batch) are compute-bound at any
+size: the kernel and oneDNN multiply at the same rate there (the kernel keeps a tile of the weight
+in cache for all eight-row chunks), and what eager loses is the rest of the step, about twenty
+dispatches per layer. So the packed pieces are also built for buckets of 16 to 64 sequences; a
+batch runs in the smallest bucket that holds it, its rows padded with zeros (a padded row costs
+its share of the matmuls, which is why the buckets are close together). The LM head of a bucket
+stays on oneDNN, which is faster than the kernel from sixteen rows. These buckets compile on a
+background thread after load (seconds each, cached on disk by inductor), so the server starts
+as fast as before and large batches stay eager until their bucket is ready.
+
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
 its context grows every step and would recompile a static graph, and a dynamic one runs slower
 than eager (also with the block-table gather fused in, once the KV is not in cache). It runs
@@ -41,6 +51,7 @@ MLP, is left out: for a few sequences the o and gate/up projections are a small 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -61,6 +72,9 @@ log = logging.getLogger(__name__)
 # dot products, and with the small-batch kernel.
 DECODE_BATCH_SIZES = (1, 2, 3)
 PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
+# Padded buckets for larger decode batches (packed weights only), in the order they are compiled:
+# the full batches of a burst first.
+PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24)
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +175,7 @@ class DecodePieces:
     o_then_norm: Callable
     gate_up_silu: Callable
     down_then_norm: Callable
-    lm_head_logits: Callable
+    lm_head_logits: Callable | None  # None: the model's own LM head (a bucket)
 
 
 class CompiledDecode:
@@ -170,10 +184,10 @@ class CompiledDecode:
     Keeps its own copy of the matmul weights (the eager path's are packed for oneDNN and opaque),
     so it costs the model's weight memory once more. On a CPU with AVX-512 BF16, that copy is
     packed for the small-batch kernel, which reads the weights at streaming speed for up to eight
-    sequences, and the pieces are built for batch sizes 1 to 8; elsewhere the copy is plain,
-    the pieces take the dot products, and they stop at 3. Compilation happens here, at load, so no
-    request pays for it; where it cannot (no C++ compiler, say), `ready` is False and the model
-    stays eager.
+    sequences, and the pieces are built for batch sizes 1 to 8 (and, by compile_buckets, for
+    padded buckets up to 64); elsewhere the copy is plain, the pieces take the dot products, and
+    they stop at 3. Compilation happens here, at load, so no request pays for it; where it cannot
+    (no C++ compiler, say), `ready` is False and the model stays eager.
     """
 
     def __init__(self, layers: list[DecodeLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
@@ -192,6 +206,10 @@ class CompiledDecode:
         self.layers, self.lm_head = layers, lm_head
         batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES
         self.pieces: dict[int, DecodePieces] = {}
+        # Padded buckets, filled by compile_buckets (dict stores are atomic: the engine thread
+        # reads it while a background thread adds to it).
+        self.buckets: dict[int, DecodePieces] = {}
+        self._bucket_thread: threading.Thread | None = None
         try:
             for batch in batch_sizes:
                 self.pieces[batch] = self._compile_pieces(batch)
@@ -201,6 +219,41 @@ class CompiledDecode:
             self.pieces.clear()
             self.ready = False
 
+    def compile_buckets(self, background: bool = True) -> None:
+        """Compile the padded buckets for larger batches (packed weights only), on a daemon thread
+        or here; each bucket serves steps as soon as it is compiled."""
+        if not (self.ready and self.packed) or self._bucket_thread is not None:
+            return
+        self._bucket_thread = threading.Thread(target=self._compile_buckets, name="compile-decode-buckets",
+                                               daemon=True)
+        self._bucket_thread.start()
+        if not background:
+            self.wait_for_buckets()
+
+    def wait_for_buckets(self, timeout_s: float | None = None) -> None:
+        if self._bucket_thread is not None:
+            self._bucket_thread.join(timeout_s)
+
+    def _compile_buckets(self) -> None:
+        for batch in PACKED_DECODE_BUCKETS:
+            try:
+                self.buckets[batch] = self._compile_pieces(batch, lm_head=False)
+            except Exception as exc:  # as at load: this bucket's batches stay eager
+                log.warning("compiled decode bucket %d unavailable, its batches stay eager: %s", batch, exc)
+                return
+
+    def pieces_for(self, batch: int) -> tuple[int, DecodePieces] | None:
+        """The pieces a decode of `batch` sequences runs on and the batch size they take (>= batch,
+        the rest padding); None: eager."""
+        pieces = self.pieces.get(batch)
+        if pieces is not None:
+            return batch, pieces
+        fits = [size for size in tuple(self.buckets) if size >= batch]
+        if not fits:
+            return None
+        size = min(fits)
+        return size, self.buckets[size]
+
     @property
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.pieces))
@@ -209,8 +262,9 @@ class CompiledDecode:
         """How the pieces multiply by the weight `name` (qkv, o, gate_up, down or lm_head)."""
         return _packed_matmul(self.out_features[name]) if self.packed else _gemv
 
-    def _compile_pieces(self, batch: int) -> DecodePieces:
-        """Compile every piece now, on inputs of the shapes decode will use (the weights are real)."""
+    def _compile_pieces(self, batch: int, lm_head: bool = True) -> DecodePieces:
+        """Compile every piece now, on inputs of the shapes decode will use (the weights are real);
+        without lm_head, the model's own LM head takes the final-normed rows."""
         hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
@@ -228,7 +282,8 @@ class CompiledDecode:
                 gate_up_silu=_compile(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)),
                 down_then_norm=_compile(lambda *t: _project_then_norm(*t, eps, mm("down")),
                                         (h, act, layer.down, norm)),
-                lm_head_logits=_compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head)))
+                lm_head_logits=_compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head)) if lm_head
+                else None)
 
 
 def _small_batch_kernel_takes(layers: list[DecodeLayer], lm_head: torch.Tensor) -> bool:

@@ -211,16 +211,16 @@ class LlamaModel:
         kv.k_slots[li].index_copy_(0, meta.slot_mapping, k)
         kv.v_slots[li].index_copy_(0, meta.slot_mapping, v)
 
-    def _compiled_pieces_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> DecodePieces | None:
-        """The compiled pieces for this step if it is a decode of a batch size they were built for
-        (every token a decode wanting its logits), else None."""
+    def _compiled_pieces_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, DecodePieces] | None:
+        """The compiled pieces for this step and the batch size they take, if it is a decode (every
+        token a decode wanting its logits) that they hold, else None."""
         if self.compiled_decode is None or meta.prefills or meta.decode_token_index is None \
                 or meta.lora is not None:
             return None
         batch = input_ids.shape[0]
         if meta.logits_index.shape[0] != batch:
             return None
-        return self.compiled_decode.pieces.get(batch)
+        return self.compiled_decode.pieces_for(batch)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
@@ -229,9 +229,9 @@ class LlamaModel:
 
         With resume, continue an aborted forward of the same batch from where it stopped.
         """
-        pieces = self._compiled_pieces_for(input_ids, meta) if resume is None else None
-        if pieces is not None:
-            return self._forward_compiled_decode(pieces, input_ids, meta, kv, safepoint)
+        compiled = self._compiled_pieces_for(input_ids, meta) if resume is None else None
+        if compiled is not None:
+            return self._forward_compiled_decode(compiled[1], input_ids, meta, kv, safepoint, padded_to=compiled[0])
         cfg = self.config
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
@@ -293,14 +293,21 @@ class LlamaModel:
         return torch.cat(parts, dim=1).float()
 
     def _forward_compiled_decode(self, fast: DecodePieces, input_ids: torch.Tensor, meta: AttentionMetadata,
-                                 kv: KVBlockPool, safepoint: Safepoint | None) -> torch.Tensor:
-        """forward for a decode of a few sequences: the same layers, safepoints and KV writes,
-        with the fixed-shape stretches compiled (backfill/engine/compiled_decode.py)."""
+                                 kv: KVBlockPool, safepoint: Safepoint | None,
+                                 padded_to: int | None = None) -> torch.Tensor:
+        """forward for a decode batch: the same layers, safepoints and KV writes, with the
+        fixed-shape stretches compiled (backfill/engine/compiled_decode.py). padded_to: the pieces'
+        batch size, where it is larger than the step's (a bucket): the pieces run on zero rows past
+        the batch, which attention, the KV writes and the logits leave out."""
         cfg, weights = self.config, self.compiled_decode.layers
         batch = input_ids.shape[0]
+        pad = (padded_to or batch) - batch
+        positions = F.pad(meta.positions, (0, pad)) if pad else meta.positions
         h = self.embed.index_select(0, input_ids)
-        cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
+        if pad:
+            h = F.pad(h, (0, 0, 0, pad))
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         kernel = self.paged_decode_attention
         if kernel is None and batch == 1:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
@@ -310,6 +317,8 @@ class LlamaModel:
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
             q, k, v = fast.qkv_rope(x, plain.qkv, cos, sin)
+            if pad:
+                q, k, v = q[:batch], k[:batch], v[:batch]
             self._write_kv(li, k, v, meta, kv)
             if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
                 attn = kernel(q.contiguous(), kv.k[li], kv.v[li], meta.decode_block_tables,
@@ -318,6 +327,8 @@ class LlamaModel:
                 attn = self._single_decode_attention(q, li, blocks, context, kv)
             else:
                 attn = self._decode_attention(q, li, meta, kv).reshape(batch, -1)
+            if pad:
+                attn = F.pad(attn, (0, 0, 0, pad))
             # One safepoint fewer than the eager path (none between attention and the MLP): the o
             # and gate/up projections of a few sequences are a fraction of a millisecond.
             h, x = fast.o_then_norm(h, attn, plain.o, layer["mlp_norm"])
@@ -328,6 +339,9 @@ class LlamaModel:
             h, x = fast.down_then_norm(h, act, plain.down, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
+        if fast.lm_head_logits is None:  # a bucket: the eager LM head (oneDNN), on the real rows
+            x = x[:batch]
+            return torch.cat([head(x) for head in self.lm_head_slices], dim=1).float()
         return fast.lm_head_logits(x, self.compiled_decode.lm_head)
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,

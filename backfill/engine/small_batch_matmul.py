@@ -9,6 +9,9 @@ sums across lanes are needed; that reads faster than oneDNN with pre-packed weig
 one to eight rows. Above all it runs inside the compiled pieces, so a decode step of up to eight sequences runs in
 compiled code (scripts/small_batch_matmul.py, scripts/small_batch_decode.py; docs/benchmarks.md).
 fp32 weights take the same layout, one input feature at a time, with fused multiply-adds.
+More than eight rows take eight at a time against a tile of the weight held in cache, so the weight
+is still read from memory once; there the kernel is compute-bound, at about oneDNN's rate, and
+serves the padded decode buckets of compiled_decode.py.
 
 It registers `torch.ops.backfill.packed_matmul`, an operator that inductor calls from the
 compiled decode pieces like any other. It is built only where the CPU has AVX-512 BF16; elsewhere

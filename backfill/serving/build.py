@@ -59,6 +59,9 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
                        compile_decode=cfg.compile_decode,
                        paged_attention_kernel=cfg.uses_paged_attention_kernel,
                        cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
+    if model.compiled_decode is not None:
+        # Larger decode batches get padded buckets, compiled behind the server's start.
+        model.compiled_decode.compile_buckets(background=True)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
                                 cfg.torch_dtype, device)
     graphs = None

@@ -40,7 +40,8 @@ class ServingConfig:
     device: str = knob("auto", "auto (cuda when present, else cpu), cpu or cuda[:N]", group="engine")
     kv_cache_gb: float = knob(1.0, "KV cache size, GiB", group="engine")
     # CPU: decode steps of a few sequences (up to 8 where the CPU has AVX-512 BF16, else 3) run
-    # through compiled layer pieces (engine/compiled_decode.py), a second copy of the weights.
+    # through compiled layer pieces (engine/compiled_decode.py), a second copy of the weights; with
+    # AVX-512 BF16, batches of 9 to 64 run in padded buckets compiled in the background after load.
     compile_decode: bool = knob(False, "CPU: compile decode steps of a few sequences with inductor "
                                 "(compiled at load; the matmul weights held twice)", group="engine")
     decode_attention: str = knob("auto", "auto: on CPU read the paged KV cache in place with a C++ kernel "

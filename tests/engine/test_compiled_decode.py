@@ -68,7 +68,7 @@ def test_compiled_path_runs_small_decode_batches_only(runners, monkeypatch):
     assert sizes == (PACKED_DECODE_BATCH_SIZES if model.compiled_decode.packed else DECODE_BATCH_SIZES)
     calls = []
     real = model._forward_compiled_decode
-    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
     n = max(sizes) + 1
     ids = [_prompt(9 + i, 1 + i) for i in range(n)]
     tables = [compiled.kv.allocate(3) for _ in ids]

@@ -90,6 +90,46 @@ void rows_against_weight(const typename K::Weight* weight, const typename K::Ste
   });
 }
 
+// Column blocks per pass for more than eight rows: their weight tile (3 x 16 outputs x K inputs,
+// 55 KB at K = 576) stays in L1/L2 while every eight-row chunk of x passes over it.
+constexpr int kTiledColumns = 3;
+
+template <typename K, int M>
+void chunk_against_tile(const typename K::Weight* weight, const typename K::Step* x_steps, float* out,
+                        int64_t first, int64_t last, int64_t steps, int64_t out_features) {
+  if (last - first == kTiledColumns) {
+    column_blocks<K, M, kTiledColumns>(weight, x_steps, out, first, steps, out_features);
+  } else {
+    for (int64_t b = first; b < last; ++b) column_blocks<K, M, 1>(weight, x_steps, out, b, steps, out_features);
+  }
+}
+
+// More than eight rows: each thread takes a range of column groups and runs every eight-row chunk
+// of x against one group's weight tile before the next, so the weight is read from memory once
+// (rows outside, weight inside would read it once per chunk: at 64 rows, eight times).
+template <typename K>
+void many_rows(const typename K::Weight* weight, const typename K::Step* x_steps, float* out, int64_t rows,
+               int64_t out_features, int64_t steps) {
+  using ChunkFn = void (*)(const typename K::Weight*, const typename K::Step*, float*, int64_t, int64_t, int64_t,
+                           int64_t);
+  constexpr ChunkFn kChunkFns[kMaxRows] = {chunk_against_tile<K, 1>, chunk_against_tile<K, 2>,
+                                           chunk_against_tile<K, 3>, chunk_against_tile<K, 4>,
+                                           chunk_against_tile<K, 5>, chunk_against_tile<K, 6>,
+                                           chunk_against_tile<K, 7>, chunk_against_tile<K, 8>};
+  const int64_t blocks = (out_features + kLanes - 1) / kLanes;
+  const int64_t groups = (blocks + kTiledColumns - 1) / kTiledColumns;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kTiledColumns, last = std::min(blocks, first + kTiledColumns);
+      for (int64_t row = 0; row < rows; row += kMaxRows) {
+        const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
+        kChunkFns[count - 1](weight, x_steps + row * steps, out + row * out_features, first, last, steps,
+                             out_features);
+      }
+    }
+  });
+}
+
 template <typename K>
 void all_rows(const typename K::Weight* weight, const typename K::Step* x_steps, float* out, int64_t rows,
               int64_t out_features, int64_t steps) {
@@ -98,11 +138,12 @@ void all_rows(const typename K::Weight* weight, const typename K::Step* x_steps,
                                          rows_against_weight<K, 3>, rows_against_weight<K, 4>,
                                          rows_against_weight<K, 5>, rows_against_weight<K, 6>,
                                          rows_against_weight<K, 7>, rows_against_weight<K, 8>};
-  // Rows beyond eight take further passes over the weight.
-  for (int64_t row = 0; row < rows; row += kMaxRows) {
-    const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
-    kRowsFns[count - 1](weight, x_steps + row * steps, out + row * out_features, out_features, steps);
+  if (rows == 0) return;
+  if (rows > kMaxRows) {
+    many_rows<K>(weight, x_steps, out, rows, out_features, steps);
+    return;
   }
+  kRowsFns[rows - 1](weight, x_steps, out, out_features, steps);
 }
 
 // x [M, K] and a weight packed by pack_for_small_batches (small_batch_matmul.py): [ceil(N/16), K * 16],
