@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# oneDNN's bf16 brgemm (AVX-512) streams a packed weight about 7% slower for one row and 20% slower
-# for two than for three to six (scripts/decode_row_padding.py; docs/finetune.md): a decode step of one
-# or two sequences multiplies its rows padded to three, so every batch of one to six runs one kernel regime.
+# oneDNN's bf16 brgemm (AVX-512) streams a packed weight more slowly for one or two rows than for
+# three to six (scripts/decode_row_padding.py; docs/finetune.md): a decode step of one or two
+# sequences multiplies its rows padded to three, so every batch of one to six runs one kernel regime.
 MIN_PACKED_BF16_ROWS = 3
 
 
@@ -109,7 +109,7 @@ class Linear:
             return self(x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
             rows = x.shape[0]
-            if rows < self.min_rows:  # a view of the first rows of the padded product
+            if rows < self.min_rows and x.dim() == 2:  # a view of the first rows of the padded product
                 x = torch.nn.functional.pad(x, (0, 0, 0, self.min_rows - rows))
                 return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
@@ -120,7 +120,7 @@ class Linear:
         if x.dtype != self.compute_dtype:
             return self.add_to(residual.to(self.compute_dtype), x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
-            if x.shape[0] < self.min_rows:
+            if x.shape[0] < self.min_rows and x.dim() == 2:
                 return residual + self(x)
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
         return torch.addmm(residual, x, self.weight)
