@@ -19,6 +19,17 @@ from dataclasses import dataclass
 import torch
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN's bf16 brgemm (AVX-512) streams a packed weight more slowly for one or two rows than for
+# three to six (scripts/decode_row_padding.py; docs/finetune.md): a decode step of one or two
+# sequences multiplies its rows padded to three, so every batch of one to six runs one kernel regime.
+MIN_PACKED_BF16_ROWS = 3
+
+
+def packed_matmul_rows(rows: int, packed: bool, compute_dtype: torch.dtype) -> int:
+    """The rows a weight matmul of `rows` input rows runs at (padded where that is faster)."""
+    if packed and compute_dtype == torch.bfloat16:
+        return max(rows, MIN_PACKED_BF16_ROWS)
+    return rows
 
 
 def cpu_has_bf16_matmul() -> bool:
@@ -79,12 +90,13 @@ def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
 class Linear:
     """y = x @ W.T (+ residual) for a weight given as [out, in], like nn.Linear's."""
 
-    __slots__ = ("weight", "packed", "compute_dtype", "out_features", "in_features")
+    __slots__ = ("weight", "packed", "compute_dtype", "out_features", "in_features", "min_rows")
 
     def __init__(self, weight: torch.Tensor, packed: bool, compute_dtype: torch.dtype | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = packed
         self.compute_dtype = compute_dtype or weight.dtype
+        self.min_rows = packed_matmul_rows(1, packed, self.compute_dtype)
         weight = weight.to(self.compute_dtype)
         if packed:
             # The batch size only hints oneDNN's choice of block layout; any batch runs on it.
@@ -96,6 +108,10 @@ class Linear:
         if x.dtype != self.compute_dtype:
             return self(x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
+            rows = x.shape[0]
+            if rows < self.min_rows and x.dim() == 2:  # a view of the first rows of the padded product
+                x = torch.nn.functional.pad(x, (0, 0, 0, self.min_rows - rows))
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return torch.mm(x, self.weight)
 
@@ -104,6 +120,8 @@ class Linear:
         if x.dtype != self.compute_dtype:
             return self.add_to(residual.to(self.compute_dtype), x.to(self.compute_dtype)).to(x.dtype)
         if self.packed:
+            if x.shape[0] < self.min_rows and x.dim() == 2:
+                return residual + self(x)
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
         return torch.addmm(residual, x, self.weight)
 

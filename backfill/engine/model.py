@@ -202,6 +202,15 @@ class LlamaModel:
         return compiled if compiled.ready else None
 
     @property
+    def decode_run_batches(self) -> tuple[int, ...]:
+        """The batch sizes an eager decode's weight matmuls run at: a batch below the smallest runs
+        at it (Linear pads its rows, engine/linear.py). The compiled pieces pad nothing."""
+        if self.compiled_decode is not None:
+            return ()
+        rows = self.lm_head_slices[0].min_rows
+        return (rows,) if rows > 1 else ()
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes one decode step reads from the weights: every matmul's (in its compute dtype) and the norms'."""
         tensors = [t for layer in self.layers for t in layer.values()] + self.lm_head_slices + [self.final_norm]

@@ -112,6 +112,17 @@ class ModelRunner:
         return self.model.config
 
     @property
+    def decode_run_batches(self) -> tuple[int, ...]:
+        """The batch sizes this runner's decode steps run their weight matmuls at (ascending): a
+        decode of b sequences runs at the smallest that holds b, above them at b (HARLI's stage 1
+        is evaluated there). The CUDA-graph buckets where graphs replay decode, else the model's."""
+        if self.decode_graphs is not None:
+            from backfill.engine.cuda_graphs import BATCH_BUCKETS
+
+            return BATCH_BUCKETS
+        return self.model.decode_run_batches
+
+    @property
     def safepoint_layout(self) -> SafepointLayout:
         return SafepointLayout(self.config.num_layers, max(LAYER_STRETCH_SHARES))
 

@@ -186,8 +186,11 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
     result = profile_finetune(runner, loaded.tokenizer, repeats=args.repeats, model_name=loaded.config.name,
                               config=config, log=lambda m: print(m, flush=True))
     lat = result.latency
+    run = "run(bs)" if lat.run_batches else "bs"
     for f in lat.solo:
-        print(f"stage 1, share {f.share:.2f}: Lat_dec = bs*{f.b0:.3f} + {f.c0:.3f} + bs*{f.k0 * 1e3:.4f}e-3*seqlen ms")
+        print(f"stage 1, share {f.share:.2f}: Lat_dec = {run}*{f.b0:.3f} + {f.c0:.3f} + bs*{f.k0 * 1e3:.4f}e-3*seqlen ms")
+    if lat.run_batches:
+        print(f"  run(bs): the batch the engine's weight matmuls run at, the smallest of {lat.run_batches} that holds bs")
     kinds = " + ".join(f"share_{k}*{v:.3f}" for k, v in lat.k1_kind.items())
     print(f"stage 2: Lat_colo = (share_infer*{lat.b1:.3f} + {kinds}) * Lat_dec(share_infer); "
           f"kind-average k1 {lat.k1:.3f}")
@@ -202,6 +205,8 @@ def cmd_finetune_profile(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({
             "latency": json.loads(path.read_text()), "solo_points": result.solo_points,
             "colo_points": result.colo_points, "held_out": result.held_out, "decode_ms": result.decode_ms,
-            "unit_ms": result.unit_ms, "colo_samples": result.colo_samples, "threads": __import__("torch").get_num_threads()}, indent=1))
+            "unit_ms": result.unit_ms, "colo_samples": result.colo_samples,
+            "solo_samples": result.solo_samples, "remeasured": result.remeasured, "rejected": result.rejected,
+            "threads": __import__("torch").get_num_threads()}, indent=1))
         print(f"wrote {args.json}")
     return 0

@@ -11,15 +11,23 @@ with it, the wrong way; on a GPU the SM share is likewise set before the step ru
 is (bs, seqlen, the kinds of its n units): the job's piece sequence is deterministic, so the
 profiler walks through it and measures, at each position, a point whose kinds come next (a unit
 of a kind no pending point needs is run untimed; a step whose remaining kinds none needs is
-dropped), until every point has its intervals; a point is its interval of median length with
-that interval's own finetuning time per kind. Solo points are measured in the same walk, a few
-intervals at a time, so both stages see the same load. Held-out points (other batch sizes, contexts and
-kind sequences, mixes included) measure the error on co-located intervals the fit never saw.
+dropped), until every point has its intervals. Solo points are measured in the same walk, two
+intervals at a time, so both stages see the same load.
+
+Robust to outside load (a process that delays a wake-up or takes a core for a while): a point's
+repeats are interleaved with every other point's (a burst hits a few repeats of many points, not
+all of one); repeats further from the point's median than OUTLIER_MADS robust deviations are
+rejected; a point whose kept repeats still disagree by more than its stage's stated spread is
+measured again (up to REMEASURE_ROUNDS more rounds, pooled). A point is then its kept interval of
+median length, with that interval's own finetuning time per kind. Held-out points (other batch
+sizes, contexts and kind sequences, mixes included) measure the error on co-located intervals the
+fit never saw.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -38,7 +46,13 @@ SHARES = (1.0, 0.8, 0.6, 0.4)      # stage-1 compute shares (time slices)
 BATCHES = (1, 2, 4)                # three batch sizes suffice (HARLI §5.1)
 SEQLENS = (32, 256, 512)
 WARMUP_INTERVALS = 2               # untimed decode steps before each visit of a solo point, of its shape
-PASSES = 3                         # visits a solo point's intervals are spread over
+PASSES = 6                         # visits a solo point's intervals are spread over (two intervals each)
+OUTLIER_MADS = 3.0                 # a repeat further than this many robust deviations (1.4826 MAD) is rejected
+OUTLIER_FLOOR = 0.02               # ... and never one within 2% of the point's median
+# A point is measured again when its kept repeats' robust deviation exceeds this share of their
+# median: a solo step repeats itself closely; a co-located interval's units differ step to step.
+SOLO_SPREAD, COLO_SPREAD = 0.03, 0.08
+REMEASURE_ROUNDS = 2
 F, H, B, U = "forward", "head", "backward", "update"
 # Stage 2: the kinds of the units in an interval. Layer pieces come 30 in a row, head slices two
 # per micro-batch and the update once a step, so the rarer ones get fewer intervals (RARE_REPEATS).
@@ -58,6 +72,9 @@ class ProfileResult:
     decode_ms: float               # a lone decode step at bs 1, seqlen 32 (for sizing units)
     unit_ms: dict[str, float]      # median duration of each kind of finetuning piece
     colo_samples: dict[str, list[float]]  # every interval (ms) measured for each stage-2 grid point
+    solo_samples: dict[str, list[float]]  # every interval (ms) of each solo point, "share,bs,seqlen"
+    remeasured: list[str]          # the points measured again for their spread, in the same keys
+    rejected: int                  # repeats rejected as outliers, over all points
 
 
 def synthetic_training_file(path: Path, tokenizer, num: int = 32, words: int = 60, seed: int = 0) -> Path:
@@ -165,6 +182,51 @@ def _median(samples: list[tuple]) -> tuple:
     return sorted(samples, key=lambda x: x[0])[len(samples) // 2]
 
 
+def robust_repeats(samples: list[tuple]) -> list[tuple]:
+    """A point's repeats (tuples, interval ms first) less outliers: those further from the median
+    than OUTLIER_MADS robust deviations (1.4826 x the median absolute deviation) and OUTLIER_FLOOR
+    of the median. A delayed wake-up or a burst of outside load lengthens a few repeats only."""
+    if len(samples) < 3:
+        return list(samples)
+    ms = [x[0] for x in samples]
+    median = statistics.median(ms)
+    deviation = 1.4826 * statistics.median(abs(m - median) for m in ms)
+    limit = max(OUTLIER_MADS * deviation, OUTLIER_FLOOR * median)
+    return [x for x in samples if abs(x[0] - median) <= limit]
+
+
+def relative_spread(samples: list[tuple]) -> float:
+    """The robust deviation (1.4826 MAD) of the repeats' intervals over their median."""
+    if len(samples) < 2:
+        return math.inf
+    ms = [x[0] for x in samples]
+    median = statistics.median(ms)
+    return 1.4826 * statistics.median(abs(m - median) for m in ms) / median
+
+
+def point_of(samples: list[tuple]) -> tuple:
+    """A point from its repeats: the kept repeat of median interval."""
+    return _median(robust_repeats(samples))
+
+
+def measure_robustly(walk: "_Walk", specs: list[tuple], repeats: list[int]) -> tuple[list[list[tuple]], list[int]]:
+    """Every spec's repeats, and the indices of those measured again: after the walk, a spec whose
+    kept repeats spread more than its stage's limit gets its repeats once more (pooled), up to
+    REMEASURE_ROUNDS times."""
+    measured = walk.measure(specs, repeats)
+    again_all: list[int] = []
+    for _ in range(REMEASURE_ROUNDS):
+        again = [i for i, m in enumerate(measured) if m and relative_spread(robust_repeats(m)) >
+                 (COLO_SPREAD if specs[i][3] else SOLO_SPREAD)]
+        if not again:
+            break
+        extra = walk.measure([specs[i] for i in again], [repeats[i] for i in again])
+        for i, m in zip(again, extra):
+            measured[i] += m
+        again_all += [i for i in again if i not in again_all]
+    return measured, again_all
+
+
 def _points(specs: list[tuple[int, int, float, tuple[str, ...]]], measured: list[list[tuple]],
             latency: HarliLatencyModel) -> list[tuple]:
     """Each co-located spec's interval of median length with its units' time per kind, and the
@@ -172,7 +234,7 @@ def _points(specs: list[tuple[int, int, float, tuple[str, ...]]], measured: list
     out = []
     for (bs, seq, _, _), samples in zip(specs, measured):
         if samples:
-            ms, ft_ms, mix = _median(samples)
+            ms, ft_ms, mix = point_of(samples)
             solo = latency.solo_ms(bs, seq, 1.0)
             if not solo > 0:
                 raise LatencyProfileError(f"stage 1 predicts a decode step of {solo:.3f} ms at batch {bs}, context "
@@ -201,22 +263,29 @@ def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model
         grid = [(bs, seq, 1.0, kinds) for bs in BATCHES for seq in SEQLENS for kinds in KIND_SEQUENCES]
         held_specs = [(bs, seq, 1.0, kinds) for bs, seq, kinds in HELD_OUT]
         specs = solo_specs + grid + held_specs
-        measured = _Walk(runner, job).measure(specs, _repeats(specs, repeats))
-        log(f"measured {sum(map(len, measured))} intervals ({time.perf_counter() - started:.0f} s)")
+        measured, again = measure_robustly(_Walk(runner, job), specs, _repeats(specs, repeats))
+        rejected = sum(len(m) - len(robust_repeats(m)) for m in measured)
+        log(f"measured {sum(map(len, measured))} intervals ({time.perf_counter() - started:.0f} s; "
+            f"{len(again)} points measured again for their spread, {rejected} outlying repeats rejected)")
         m_solo, m_grid, m_held = (measured[:len(solo_specs)], measured[len(solo_specs):-len(held_specs)],
                                   measured[-len(held_specs):])
-        solo = [(share, bs, seq, _median(m)[0]) for (bs, seq, share, _), m in zip(solo_specs, m_solo)]
-        latency = HarliLatencyModel(HarliLatencyModel.fit_solo(solo), model_name=model_name,
-                                    device=runner.device.type)
+        solo = [(share, bs, seq, point_of(m)[0]) for (bs, seq, share, _), m in zip(solo_specs, m_solo)]
+        # Stage 1 at the batch the engine runs each decode at (its padded rows or graph bucket).
+        run_batches = runner.decode_run_batches
+        latency = HarliLatencyModel(HarliLatencyModel.fit_solo(solo, run_batches), model_name=model_name,
+                                    device=runner.device.type, run_batches=run_batches)
         colo = _points(grid, m_grid, latency)
         held = _points(held_specs, m_held, latency)
         colo_samples = {f"{bs},{seq},{'+'.join(kinds)}": [round(x[0], 2) for x in m]
                         for (bs, seq, _, kinds), m in zip(grid, m_grid)}
+        solo_samples = {f"{share},{bs},{seq}": [round(x[0], 2) for x in m]
+                        for (bs, seq, share, _), m in zip(solo_specs, m_solo)}
+        remeasured = [f"{share},{bs},{seq},{'+'.join(kinds)}" for bs, seq, share, kinds in (specs[i] for i in again)]
         unit_ms = {k: statistics.median(v) for k, v in job.piece_ms.items() if v}
         latency.fit_colo(colo, kind_weights=step_time_by_kind(job, unit_ms))
-        share_only = HarliLatencyModel(latency.solo)  # HARLI's single k1, fitted on the same points
+        share_only = HarliLatencyModel(latency.solo, run_batches=run_batches)  # HARLI's single k1, same points
         share_only.fit_colo([p[:5] for p in colo])
-        decode_ms = _median(_Walk(runner, job).measure([(1, 32, 1.0, ())], [repeats])[0])[0]
+        decode_ms = point_of(_Walk(runner, job).measure([(1, 32, 1.0, ())], [repeats])[0])[0]
     # Each stage is judged by its own prediction (HARLI §8.4): stage 1 on the solo points, stage 2
     # on the co-located ones; the grid is both together.
     # "kind_average" is this model without the kinds (what a caller that does not pass them gets);
@@ -231,7 +300,8 @@ def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model
                       "colo_share_only": share_only.relative_errors(colo),
                       "held_out_share_only": share_only.relative_errors(held)}
     latency.unit_ms = unit_ms
-    return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms, colo_samples)
+    return ProfileResult(latency, solo, colo, held, decode_ms, unit_ms, colo_samples, solo_samples, remeasured,
+                         rejected)
 
 
 def step_time_by_kind(job: FinetuneJob, unit_ms: dict[str, float]) -> dict[str, float]:

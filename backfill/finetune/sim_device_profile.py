@@ -4,7 +4,8 @@ the simulator's ground truth.
 Stage 1 (§5.1, §8.8): decode at each SM share 0.1 ... 1.0, batch sizes 4, 16, 64 and contexts up
 to 512, one Eq. 2 fit per share. Stage 2 (§5.2.1): decode co-located with finetuning on the
 splits the policy chooses among (share_infer + share_ft = 1), one Eq. 3 fit (b1, k1) over them.
-Each point is the median of a few noisy steps, as a profiler on a real device would take; the
+Stage 1 is fitted and evaluated at the CUDA-graph bucket each batch is replayed at, as the engine
+runs it. Each point is the median of a few noisy steps, as a profiler on a real device would take; the
 errors are reported on the grid and on held-out points the fit never saw (random batch sizes
 1-64, contexts 16-512 and splits).
 """
@@ -46,12 +47,15 @@ class NoisyDevice:
 
 def profile_device(device: SimulatedDevice, seed: int = 0) -> HarliLatencyModel:
     """Stage 1 and 2 fitted on noisy measurements of `device`; errors in `.errors`."""
+    from backfill.engine.cuda_graphs import BATCH_BUCKETS  # the buckets the measured steps were replayed at
+
     probe = NoisyDevice(device, np.random.default_rng(seed))
     shares = (*share_grid(), 1.0)
     solo = [(s, bs, ctx, probe.measure(device.decode_ms(bs, ctx, s))) for s in shares for bs in BATCHES
             for ctx in CONTEXTS]
-    model = HarliLatencyModel(HarliLatencyModel.fit_solo(solo), model_name="llama3-8b-shape",
-                              device="simulated-h200-sm")
+    # Stage 1 at the CUDA-graph bucket a decode is replayed at, as the engine runs it (ModelRunner.decode_run_batches).
+    model = HarliLatencyModel(HarliLatencyModel.fit_solo(solo, BATCH_BUCKETS), model_name="llama3-8b-shape",
+                              device="simulated-h200-sm", run_batches=BATCH_BUCKETS)
     colo = [(bs, ctx, round(1 - f, 6), f, probe.measure(device.decode_ms(bs, ctx, round(1 - f, 6), f)))
             for f in share_grid() for bs in BATCHES for ctx in COLO_CONTEXTS]
     model.fit_colo(colo)

@@ -11,6 +11,11 @@ On CPU that effect depends on the kind of unit before the step (an LM-head slice
 whole output embedding, a layer piece one layer's weights), so stage 2 keeps HARLI's form with one
 k1 per unit kind, `(share_infer*b1 + sum_kind share_kind*k1_kind) * stage1`, where share_kind is
 the share of the interval that units of that kind take.
+Stage 1 is evaluated at the batch the engine's weight matmuls actually run (`run_batches`: the
+CUDA-graph buckets, or the rows a CPU pads a small batch to; the engine says which, see
+ModelRunner.decode_run_batches): `run(bs)*b0 + c0 + bs*k0*seqlen`. HARLI's form holds inside each
+such regime; a step of 17 sequences replayed as a 32-sequence graph costs what 32 cost in its
+weight term, while attention still reads 17 contexts (§5.1 sees the same padding steps).
 The device form (SM partitions via CUDA green contexts) uses the same policy with SM shares;
 it needs a GPU and is not built yet.
 
@@ -32,7 +37,10 @@ from backfill.errors import LatencyProfileError, PolicyInputError
 
 # The kinds of finetuning piece a scheduling unit is made of (backfill/finetune/job.py).
 UNIT_KINDS = ("forward", "head", "backward", "update")
-PROFILE_FORMAT = 2  # 2: stage 2 with one k1 per unit kind (k1_kind); files without it are format 1
+# 2: stage 2 with one k1 per unit kind (k1_kind); 3: stage 1 at the engine's run batch (run_batches).
+# Files without a format field are format 1.
+PROFILE_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 
 # A co-located point: (bs, seqlen, share_infer, share_ft, ms) or, with the finetuning time of each
 # unit kind in the interval, (bs, seqlen, share_infer, share_ft, ms, {kind: ms}).
@@ -40,15 +48,24 @@ PROFILE_FORMAT = 2  # 2: stage 2 with one k1 per unit kind (k1_kind); files with
 
 @dataclass(frozen=True)
 class SoloFit:
-    """Stage 1 at one compute share: Lat_dec = bs*b0 + c0 + bs*k0*seqlen (ms)."""
+    """Stage 1 at one compute share: Lat_dec = run*b0 + c0 + bs*k0*seqlen (ms), where run is the
+    batch the engine's weight matmuls run at (the batch itself where it pads nothing)."""
 
     share: float
     b0: float
     c0: float
     k0: float
 
-    def ms(self, batch: float, seqlen: float) -> float:
-        return batch * self.b0 + self.c0 + batch * self.k0 * seqlen
+    def ms(self, batch: float, seqlen: float, run_batch: float | None = None) -> float:
+        run = batch if run_batch is None else run_batch
+        return run * self.b0 + self.c0 + batch * self.k0 * seqlen
+
+
+def run_batch(batch: float, run_batches: tuple[int, ...]) -> float:
+    """The batch a decode of `batch` sequences runs its weight matmuls at: the smallest of
+    run_batches that holds it (a CUDA-graph bucket, a CPU's padded rows), else the batch itself
+    (the engine runs a batch above every bucket as it is: cuda_graphs.batch_bucket)."""
+    return next((float(r) for r in run_batches if r >= batch), float(batch))
 
 
 @dataclass
@@ -63,11 +80,14 @@ class HarliLatencyModel:
     # Stage 2's k1 per unit kind; k1 is their average weighted by each kind's time in a training
     # step, used when the kinds are not known (and for every kind by a format-1 profile).
     k1_kind: dict = field(default_factory=dict)
+    # The batch sizes the engine runs a decode's weight matmuls at (ascending); () pads nothing.
+    run_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.solo = tuple(sorted(self.solo, key=lambda f: f.share))
         if not self.solo:
             raise PolicyInputError("a HARLI latency model needs at least one solo fit")
+        self.run_batches = _checked_run_batches(self.run_batches)
 
     @property
     def per_kind(self) -> bool:
@@ -78,14 +98,14 @@ class HarliLatencyModel:
         """Stage 1; between two profiled shares, interpolated in 1 / share (time slices scale so)."""
         if not 0 < share_infer <= 1:
             raise PolicyInputError(f"share_infer must be in (0, 1], got {share_infer}")
-        fits = self.solo
+        fits, run = self.solo, run_batch(batch, self.run_batches)
         if share_infer <= fits[0].share:
-            return fits[0].ms(batch, seqlen) * fits[0].share / share_infer
+            return fits[0].ms(batch, seqlen, run) * fits[0].share / share_infer
         for lo, hi in zip(fits, fits[1:]):
             if share_infer <= hi.share:
                 w = (1 / share_infer - 1 / hi.share) / (1 / lo.share - 1 / hi.share)
-                return w * lo.ms(batch, seqlen) + (1 - w) * hi.ms(batch, seqlen)
-        return fits[-1].ms(batch, seqlen)
+                return w * lo.ms(batch, seqlen, run) + (1 - w) * hi.ms(batch, seqlen, run)
+        return fits[-1].ms(batch, seqlen, run)
 
     def colo_ms(self, batch: float, seqlen: float, share_infer: float, share_ft: float, *,
                 ft_mix: Mapping[str, float] | None = None) -> float:
@@ -105,12 +125,15 @@ class HarliLatencyModel:
     # --- fitting ----------------------------------------------------------------------------------
 
     @staticmethod
-    def fit_solo(points: list[tuple[float, float, float, float]]) -> tuple[SoloFit, ...]:
-        """Least squares per share over (share, bs, seqlen, ms) points."""
+    def fit_solo(points: list[tuple[float, float, float, float]],
+                 run_batches: tuple[int, ...] = ()) -> tuple[SoloFit, ...]:
+        """Least squares per share over (share, bs, seqlen, ms) points, each point's weight term
+        at the batch the engine runs it at (run_batches, as the model evaluates it)."""
+        run_batches = _checked_run_batches(run_batches)
         fits = []
         for share in sorted({p[0] for p in points}):
             rows = [p for p in points if p[0] == share]
-            a = np.array([[bs, 1.0, bs * seq] for _, bs, seq, _ in rows])
+            a = np.array([[run_batch(bs, run_batches), 1.0, bs * seq] for _, bs, seq, _ in rows])
             y = np.array([ms for *_, ms in rows])
             (b0, c0, k0), *_ = np.linalg.lstsq(a, y, rcond=None)
             fits.append(SoloFit(share, float(b0), float(c0), float(k0)))
@@ -174,29 +197,38 @@ class HarliLatencyModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"format": PROFILE_FORMAT, "solo": [asdict(f) for f in self.solo], "b1": self.b1, "k1": self.k1,
                 "k1_kind": self.k1_kind, "model_name": self.model_name, "device": self.device,
-                "errors": self.errors, "unit_ms": self.unit_ms}
+                "errors": self.errors, "unit_ms": self.unit_ms, "run_batches": list(self.run_batches)}
         path.write_text(json.dumps(data, indent=1))
         return path
 
     @classmethod
     def load(cls, path: Path) -> "HarliLatencyModel":
         """A saved profile. A format-1 file (no k1 per unit kind) loads with its single k1 used for
-        every kind; an unreadable one, or one of an unknown format, raises LatencyProfileError."""
+        every kind, a format-1 or -2 file (fitted at the batch itself) with no run batches; an
+        unreadable one, or one of an unknown format, raises LatencyProfileError."""
         rerun = "re-run `backfill finetune profile`"
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise LatencyProfileError(f"HARLI profile {path} is unreadable ({exc}); {rerun}") from exc
         version = data.get("format", 1) if isinstance(data, dict) else None
-        if version not in (1, PROFILE_FORMAT):
-            raise LatencyProfileError(f"HARLI profile {path} has format {version!r}, this backfill reads 1 and "
-                                      f"{PROFILE_FORMAT}; {rerun}")
+        if version not in READABLE_FORMATS:
+            raise LatencyProfileError(f"HARLI profile {path} has format {version!r}, this backfill reads "
+                                      f"{', '.join(map(str, READABLE_FORMATS))}; {rerun}")
         try:
             return cls(tuple(SoloFit(**f) for f in data["solo"]), float(data["b1"]), float(data["k1"]),
                        data.get("model_name", ""), data.get("device", "cpu"), data.get("errors", {}),
-                       data.get("unit_ms", {}), {str(k): float(v) for k, v in data.get("k1_kind", {}).items()})
+                       data.get("unit_ms", {}), {str(k): float(v) for k, v in data.get("k1_kind", {}).items()},
+                       tuple(int(b) for b in data.get("run_batches", ())))
         except (KeyError, TypeError, ValueError, AttributeError, PolicyInputError) as exc:
             raise LatencyProfileError(f"HARLI profile {path} is malformed ({exc!r}); {rerun}") from exc
+
+
+def _checked_run_batches(run_batches) -> tuple[int, ...]:
+    out = tuple(int(b) for b in run_batches)
+    if any(b < 1 for b in out) or list(out) != sorted(set(out)):
+        raise PolicyInputError(f"run_batches must be ascending positive batch sizes, got {run_batches!r}")
+    return out
 
 
 def _kind_order(kind: str) -> tuple[int, str]:

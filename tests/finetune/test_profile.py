@@ -28,6 +28,7 @@ def profiled():
     patch.setattr(profile, "BATCHES", BATCHES)
     patch.setattr(profile, "SEQLENS", SEQLENS)
     patch.setattr(profile, "HELD_OUT", HELD_OUT)
+    patch.setattr(profile, "REMEASURE_ROUNDS", 1)  # a tiny model's steps are noisy: one round bounds the time
     config = ModelConfig.tiny(hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
                               max_position_embeddings=1024)
     runner = build_runner(config, random_model(config, 0),
@@ -54,7 +55,11 @@ def test_every_point_is_measured_with_the_kinds_it_names(profiled):
         ft_ms = s_ft * latency.solo_ms(bs, seq, 1.0) / (1 - s_ft)
         assert s_inf == pytest.approx(1 - s_ft) and 0 < sum(mix.values()) <= ft_ms * (1 + 1e-9)
         assert ms > ft_ms
-    assert len(profiled.colo_samples) == len(grid) and all(len(v) == 3 for v in profiled.colo_samples.values())
+    # every grid point has its repeats, and those measured again for their spread have them twice
+    again = set(profiled.remeasured)
+    for (bs, seq, kinds), samples in zip(grid, profiled.colo_samples.values()):
+        assert len(samples) == (6 if f"1.0,{bs},{seq},{'+'.join(kinds)}" in again else 3)
+    assert len(profiled.solo_samples) == len(profiled.solo_points) and profiled.rejected >= 0
 
 
 def test_stage_two_is_fitted_per_kind_and_errors_reported_per_stage(profiled, tmp_path):
@@ -81,3 +86,63 @@ def test_kind_weights_are_a_steps_time_by_kind(profiled):
 
     weights = step_time_by_kind(Job(), {"forward": 1.0, "head": 10.0, "backward": 3.0, "update": 5.0})
     assert weights == {"forward": 4.0, "head": 20.0, "backward": 12.0, "update": 5.0}
+
+
+# --- robust points (pure: constructed repeats, no runner) ------------------------------------------
+
+def _repeats(ms: float, n: int = 11, jitter: float = 0.01) -> list[tuple]:
+    """n repeats of an interval of `ms`, spread evenly within +-jitter (as the walk returns them)."""
+    return [(ms * (1 + jitter * (2 * i / (n - 1) - 1)), 0.0, {}) for i in range(n)]
+
+
+def _solo_ms(bs: int, seq: int) -> float:
+    return 1.2 * bs + 18.0 + 0.003 * bs * seq
+
+
+def test_an_outlying_repeat_does_not_move_the_fit():
+    shapes = [(bs, seq) for bs in (1, 2, 4) for seq in (32, 256, 512)]
+    clean = {k: _repeats(_solo_ms(*k)) for k in shapes}
+    disturbed = dict(clean)
+    # a delayed wake-up: one repeat of one point 30% long, as in a disturbed solo point
+    disturbed[(4, 512)] = clean[(4, 512)][:-1] + [(_solo_ms(4, 512) * 1.3, 0.0, {})]
+    fit = {name: HarliLatencyModel(HarliLatencyModel.fit_solo(
+        [(1.0, bs, seq, profile.point_of(reps)[0]) for (bs, seq), reps in data.items()]))
+        for name, data in (("clean", clean), ("disturbed", disturbed))}
+    assert len(profile.robust_repeats(disturbed[(4, 512)])) == 10  # the outlier is rejected
+    for bs, seq in shapes + [(3, 128), (2, 384)]:
+        assert fit["disturbed"].solo_ms(bs, seq, 1.0) == pytest.approx(fit["clean"].solo_ms(bs, seq, 1.0), rel=2e-3)
+    # a mean of the repeats would have moved that point by about 3%
+    mean = sum(r[0] for r in disturbed[(4, 512)]) / 11
+    assert mean / _solo_ms(4, 512) - 1 > 0.025
+
+
+def test_close_repeats_are_all_kept_and_spread_is_relative():
+    reps = _repeats(20.0, jitter=0.015)
+    assert profile.robust_repeats(reps) == reps  # within the 2% floor: nothing rejected
+    assert profile.relative_spread(reps) == pytest.approx(1.4826 * 0.009, rel=0.01)  # MAD of the even spread: 0.9%
+    assert profile.relative_spread(reps[:1]) == float("inf")
+
+
+class _ScriptedWalk:
+    """Answers each measure() with the next scripted repeats for each spec asked."""
+
+    def __init__(self, rounds):
+        self.rounds, self.asked = list(rounds), []
+
+    def measure(self, specs, repeats):
+        self.asked.append(list(specs))
+        answer = self.rounds.pop(0)
+        return [list(answer[spec]) for spec in specs]
+
+
+def test_a_point_whose_repeats_disagree_is_measured_again_and_pooled():
+    tight, wide = (1, 32, 1.0, ()), (2, 32, 0.6, ())
+    colo = (1, 32, 1.0, ("forward",))
+    wide_reps = [(30.0 * f, 0.0, {}) for f in (0.9, 0.95, 1.0, 1.05, 1.1)]  # 7% robust spread, over SOLO_SPREAD
+    colo_reps = [(40.0 * f, 4.0, {"forward": 4.0}) for f in (0.95, 1.0, 1.05, 0.97, 1.03)]  # under COLO_SPREAD
+    walk = _ScriptedWalk([{tight: _repeats(20.0), wide: wide_reps, colo: colo_reps},
+                          {wide: _repeats(30.0, n=5)}, {wide: _repeats(30.0, n=5)}])
+    measured, again = profile.measure_robustly(walk, [tight, wide, colo], [11, 5, 5])
+    assert again == [1] and walk.asked[1] == [wide]
+    assert len(measured[0]) == 11 and len(measured[2]) == 5 and len(measured[1]) > 5
+    assert profile.relative_spread(profile.robust_repeats(measured[1])) <= profile.SOLO_SPREAD

@@ -183,12 +183,26 @@ def test_a_format_1_profile_loads_with_its_single_k1(tmp_path):
     assert not old.per_kind and old.k1 == 1.2
     assert old.colo_ms(1, 0, 0.5, 0.5, ft_mix={"head": 1.0}) == pytest.approx(old.colo_ms(1, 0, 0.5, 0.5))
     loaded = HarliLatencyModel.load(PER_KIND.save(tmp_path / "new.json"))
-    assert loaded.k1_kind == KINDS and json.loads((tmp_path / "new.json").read_text())["format"] == 2
+    assert loaded.k1_kind == KINDS and json.loads((tmp_path / "new.json").read_text())["format"] == 3
+
+
+def test_a_format_2_profile_loads_fitted_at_the_batch_itself(tmp_path):
+    """The profiles saved before stage 1 knew the engine's run batches (docs' older JSON) still load."""
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"format": 2, "solo": [{"share": 1.0, "b0": 2.0, "c0": 10.0, "k0": 0.001}],
+                                "b1": 1.0, "k1": 1.2, "k1_kind": {"head": 1.3}}))
+    old = HarliLatencyModel.load(path)
+    assert old.run_batches == () and old.solo_ms(1, 0, 1.0) == pytest.approx(12.0)
+    padded = HarliLatencyModel(old.solo, run_batches=(3,))
+    loaded = HarliLatencyModel.load(padded.save(tmp_path / "v3.json"))
+    assert loaded.run_batches == (3,) and loaded.solo_ms(1, 0, 1.0) == pytest.approx(16.0)  # 3 rows run
 
 
 @pytest.mark.parametrize("content, match", [
     ("{not json", "unreadable"),
-    (json.dumps({"format": 3, "solo": [], "b1": 1, "k1": 1}), "format 3"),
+    (json.dumps({"format": 4, "solo": [], "b1": 1, "k1": 1}), "format 4"),
+    (json.dumps({"format": 3, "solo": [{"share": 1.0, "b0": 1, "c0": 1, "k0": 0}], "b1": 1, "k1": 1,
+                 "run_batches": [4, 2]}), "malformed"),
     (json.dumps({"solo": [{"share": 1.0}], "b1": 1.0, "k1": 1.0}), "malformed"),
     (json.dumps({"solo": [], "b1": 1.0, "k1": 1.0}), "malformed"),
     (json.dumps([1, 2]), "format None"),
@@ -199,3 +213,44 @@ def test_bad_profiles_raise_a_typed_error_that_says_to_reprofile(tmp_path, conte
     with pytest.raises(LatencyProfileError, match=match) as err:
         HarliLatencyModel.load(path)
     assert "backfill finetune profile" in str(err.value)
+
+
+# --- stage 1 at the batch the engine runs (padded rows, CUDA-graph buckets) -----------------------
+
+def _two_regime_ms(bs: int, seq: float, rows: int = 3) -> float:
+    """A step whose weight matmuls run at least `rows` rows (the CPU engine pads one or two to
+    three) at 1.5 ms a row over 12 ms, while attention reads each real sequence's context."""
+    return max(bs, rows) * 1.5 + 12.0 + bs * 0.004 * seq
+
+
+def test_a_two_regime_step_is_fitted_within_one_percent_at_the_engines_run_batch():
+    solo = [(1.0, bs, seq, _two_regime_ms(bs, seq)) for bs in (1, 2, 4) for seq in (32, 256, 512)]
+    padded = HarliLatencyModel(HarliLatencyModel.fit_solo(solo, (3,)), run_batches=(3,))
+    plain = HarliLatencyModel(HarliLatencyModel.fit_solo(solo))
+    for bs in range(1, 9):
+        for seq in (16, 100, 384, 600):
+            want = _two_regime_ms(bs, seq)
+            assert padded.solo_ms(bs, seq, 1.0) == pytest.approx(want, rel=0.01)
+    # HARLI's form at the batch itself cannot draw the bend: bs 1 and 2 cost the same weight reads.
+    assert max(abs(plain.solo_ms(bs, 32, 1.0) / _two_regime_ms(bs, 32) - 1) for bs in (1, 2, 3, 4)) > 0.02
+
+
+def test_cuda_graph_buckets_price_a_batch_at_its_bucket():
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+
+    def step(bs, seq):  # flat inside a bucket, as a replayed graph is
+        return 6.5 + 0.03 * next(b for b in buckets if b >= bs) + 0.00027 * bs * seq
+
+    solo = [(1.0, bs, seq, step(bs, seq)) for bs in (4, 16, 64) for seq in (64, 512)]
+    model = HarliLatencyModel(HarliLatencyModel.fit_solo(solo, buckets), run_batches=buckets)
+    assert model.solo_ms(33, 64, 1.0) == pytest.approx(step(33, 64), rel=0.01)
+    assert model.solo_ms(17, 500, 1.0) == pytest.approx(step(17, 500), rel=0.01)
+    assert model.solo_ms(80, 64, 1.0) == pytest.approx(6.5 + 0.03 * 80 + 0.00027 * 80 * 64, rel=0.01)  # above: as is
+
+
+def test_run_batches_must_be_ascending_and_positive():
+    for bad in ((4, 2), (0, 3), (2, 2)):
+        with pytest.raises(PolicyInputError, match="run_batches"):
+            HarliLatencyModel(MODEL.solo, run_batches=bad)
+        with pytest.raises(PolicyInputError, match="run_batches"):
+            HarliLatencyModel.fit_solo([(1.0, 1, 32, 10.0)], bad)
