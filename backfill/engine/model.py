@@ -204,9 +204,10 @@ class LlamaModel:
     @property
     def decode_run_batches(self) -> tuple[int, ...]:
         """The batch sizes an eager decode's weight matmuls run at: a batch below the smallest runs
-        at it (Linear pads its rows, engine/linear.py). The compiled pieces pad nothing."""
+        at it (Linear pads its rows, engine/linear.py). The compiled pieces pad nothing up to eight
+        sequences; above, a batch runs in its padded bucket once that bucket is compiled."""
         if self.compiled_decode is not None:
-            return ()
+            return tuple(sorted(self.compiled_decode.buckets))
         rows = self.lm_head_slices[0].min_rows
         return (rows,) if rows > 1 else ()
 
