@@ -85,7 +85,8 @@ MODEL_DIR=$OUT/model
 
 # coserve plans with a step-latency profile, measured for minutes on first use; where none is
 # cached for these flags, the one docs/results holds for this machine kind seeds the cache.
-"$PY" - <<'PYEOF' || exit 1
+SEED_PROFILE="$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" "$PY" - <<'PYEOF' || exit 1
+import os
 import shutil
 from backfill.engine.weights import load_model
 from backfill.serving.build import default_profile_path
@@ -95,8 +96,8 @@ cfg = ServingConfig(dtype="bfloat16", compile_decode=True)   # ENGINE_FLAGS
 path = default_profile_path(load_model(cfg.model).config.name, cfg)
 if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy("docs/results/profile-cpu-zen5-bf16-cd-p5.json", path)
-    print(f"seeded {path} from docs/results/profile-cpu-zen5-bf16-cd-p5.json")
+    shutil.copy(os.environ["SEED_PROFILE"], path)
+    print(f"seeded {path} from {os.environ['SEED_PROFILE']}")
 PYEOF
 
 if [[ " $PARTS " == *" backfill "* ]]; then
