@@ -16,54 +16,75 @@ import collections
 import json
 import time
 
-from backfill.bench.concurrency_burst import run_bursts, BurstShape
+from backfill.bench.concurrency_burst import BurstShape, run_bursts
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.engine import compiled_decode as cd
 from backfill.serving.build import build_engine
 from backfill.serving.config import ServingConfig
-p = argparse.ArgumentParser()
-p.add_argument("--levels", nargs="+", type=int, default=[32, 64])
-p.add_argument("--bursts", type=int, default=2)
-p.add_argument("--out-tokens", type=int, default=64)
-p.add_argument("--order", nargs="+", default=["old", "new"])
-p.add_argument("--json")
-a = p.parse_args()
-real_compile_buckets = cd.CompiledDecode.compile_buckets
-out = {"order": a.order, "runs": []}
-def summarize(steps, lvl):
+
+
+def step_breakdown(steps, level: int) -> dict:
+    """Steps and forward seconds of decode-only steps (at most `level` tokens) and of the rest."""
     agg = collections.defaultdict(lambda: [0, 0.0])
     for s in steps:
-        tok = s.online_tokens + s.offline_tokens
-        key = "decode" if tok <= lvl else "prefill+decode"
-        agg[key][0] += 1; agg[key][1] += s.forward_ms
+        key = "decode" if s.online_tokens + s.offline_tokens <= level else "prefill+decode"
+        agg[key][0] += 1
+        agg[key][1] += s.forward_ms
     return {k: {"steps": c, "forward_s": round(f / 1e3, 3)} for k, (c, f) in agg.items()}
-for mode in a.order:
-    cd.CompiledDecode.compile_buckets = real_compile_buckets if mode == "new" else (lambda self, background=True: None)
-    t0 = time.perf_counter()
-    engine = build_engine(ServingConfig(dtype="bfloat16", compile_decode=True))
-    built = time.perf_counter() - t0
+
+
+def run_part(mode: str, args) -> dict:
+    """One engine with the buckets ("new") or without ("old"), its bursts at every level."""
+    real_compile_buckets = cd.CompiledDecode.compile_buckets
+    if mode == "old":
+        cd.CompiledDecode.compile_buckets = lambda self, background=True: None
+    try:
+        started = time.perf_counter()
+        engine = build_engine(ServingConfig(dtype="bfloat16", compile_decode=True))
+    finally:
+        cd.CompiledDecode.compile_buckets = real_compile_buckets
+    built = time.perf_counter() - started
     decode = engine.scheduler.runner.model.compiled_decode
-    t1 = time.perf_counter(); decode.wait_for_buckets(); waited = time.perf_counter() - t1
+    started = time.perf_counter()
+    decode.wait_for_buckets()
+    waited = time.perf_counter() - started
     print(f"[{mode}] build {built:.1f}s, buckets {sorted(decode.buckets)} ready {waited:.1f}s later", flush=True)
     stats = engine.scheduler.stats
-    async def go():
+
+    async def go() -> list[dict]:
         await engine.start()
         try:
-            res = []
-            for i, lvl in enumerate(a.levels):
-                n0 = len(stats.step_log)
-                r = await run_bursts(InProcessTarget(engine), engine.tokenizer, (lvl,),
-                                     BurstShape(output_tokens=a.out_tokens, bursts=a.bursts,
-                                                warmup_requests=max(a.levels) if i == 0 else 0),
-                                     log=lambda m: print(f"[{mode}] {m}", flush=True))
-                steps = list(stats.step_log)[n0:]
-                s = summarize(steps[-len(steps) // 1:], lvl)
-                print(f"[{mode}]   {s}", flush=True)
-                res.append({"level": lvl, **r[0].__dict__, "step_breakdown": s})
-            return res
+            levels = []
+            for i, level in enumerate(args.levels):
+                first_step = len(stats.step_log)
+                shape = BurstShape(output_tokens=args.out_tokens, bursts=args.bursts,
+                                   warmup_requests=max(args.levels) if i == 0 else 0)
+                result = await run_bursts(InProcessTarget(engine), engine.tokenizer, (level,), shape,
+                                          log=lambda m: print(f"[{mode}] {m}", flush=True))
+                breakdown = step_breakdown(list(stats.step_log)[first_step:], level)
+                print(f"[{mode}]   {breakdown}", flush=True)
+                levels.append({"level": level, **result[0].__dict__, "step_breakdown": breakdown})
+            return levels
         finally:
             await engine.stop()
-    out["runs"].append({"mode": mode, "build_s": built, "buckets_wait_s": waited, "levels": asyncio.run(go())})
-    del engine
-if a.json:
-    json.dump(out, open(a.json, "w"), indent=1)
+
+    return {"mode": mode, "build_s": built, "buckets_wait_s": waited, "levels": asyncio.run(go())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--levels", nargs="+", type=int, default=[32, 64])
+    p.add_argument("--bursts", type=int, default=2)
+    p.add_argument("--out-tokens", type=int, default=64)
+    p.add_argument("--order", nargs="+", choices=["old", "new"], default=["old", "new"])
+    p.add_argument("--json")
+    args = p.parse_args()
+    out = {"order": args.order, "runs": [run_part(mode, args) for mode in args.order]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -316,4 +316,4 @@ class DecodeGraphs:
             x = s.normed  # the last layer normed its output with the final norm
         else:
             x = F.rms_norm(s.hidden, (cfg.hidden_size,), m.final_norm, cfg.rms_norm_eps)
-        s.logits.copy_(torch.cat([part(x) for part in m.lm_head_slices], dim=1))
+        s.logits.copy_(m.lm_head_logits(x))

@@ -211,6 +211,10 @@ class LlamaModel:
         rows = self.lm_head_slices[0].min_rows
         return (rows,) if rows > 1 else ()
 
+    def lm_head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed rows through every LM-head slice at once (no safepoint between)."""
+        return torch.cat([head(x) for head in self.lm_head_slices], dim=1)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes one decode step reads from the weights: every matmul's (in its compute dtype) and the norms'."""
@@ -350,8 +354,7 @@ class LlamaModel:
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
         if fast.lm_head_logits is None:  # a bucket: the eager LM head (oneDNN), on the real rows
-            x = x[:batch]
-            return torch.cat([head(x) for head in self.lm_head_slices], dim=1).float()
+            return self.lm_head_logits(x[:batch]).float()
         return fast.lm_head_logits(x, self.compiled_decode.lm_head)
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,

@@ -188,9 +188,7 @@ def robust_repeats(samples: list[tuple]) -> list[tuple]:
     of the median. A delayed wake-up or a burst of outside load lengthens a few repeats only."""
     if len(samples) < 3:
         return list(samples)
-    ms = [x[0] for x in samples]
-    median = statistics.median(ms)
-    deviation = 1.4826 * statistics.median(abs(m - median) for m in ms)
+    median, deviation = _median_and_deviation(samples)
     limit = max(OUTLIER_MADS * deviation, OUTLIER_FLOOR * median)
     return [x for x in samples if abs(x[0] - median) <= limit]
 
@@ -199,9 +197,16 @@ def relative_spread(samples: list[tuple]) -> float:
     """The robust deviation (1.4826 MAD) of the repeats' intervals over their median."""
     if len(samples) < 2:
         return math.inf
+    median, deviation = _median_and_deviation(samples)
+    return deviation / median
+
+
+def _median_and_deviation(samples: list[tuple]) -> tuple[float, float]:
+    """The median of the repeats' intervals and their robust deviation (1.4826 x the median
+    absolute deviation, the standard deviation's estimate for normal noise)."""
     ms = [x[0] for x in samples]
     median = statistics.median(ms)
-    return 1.4826 * statistics.median(abs(m - median) for m in ms) / median
+    return median, 1.4826 * statistics.median(abs(m - median) for m in ms)
 
 
 def point_of(samples: list[tuple]) -> tuple:

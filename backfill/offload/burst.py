@@ -356,8 +356,8 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         summary = summarize(records, max(p.duration_s for p in rounds), _burst(scenario))
         rates = [p.engine["producer_tokens_per_s"] for p in rounds if p.engine["producer_tokens_per_s"]]
         summary["producer_tokens_per_s"] = float(np.median(rates)) if rates else None
-        losses = [1 - p.engine["producer_tokens_per_s"] / p.producer_alone_tokens_per_s for p in rounds
-                  if p.engine["producer_tokens_per_s"] and p.producer_alone_tokens_per_s]
+        losses = _present([producer_meter.loss(p.engine["producer_tokens_per_s"], p.producer_alone_tokens_per_s)
+                           for p in rounds])
         summary["producer_loss_vs_alone_by_round"] = losses
         summary["producer_loss_vs_alone"] = float(np.median(losses)) if losses else None
         summary["engine"] = [p.engine for p in rounds]
@@ -368,17 +368,15 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         modes[mode] = summary
     out = {"scenario": asdict(scenario), "modes": modes}
     lent_rounds, host_rounds = parts.get("cfs-lent", []), parts.get("cfs-host", [])
-    lending = [1 - a.engine["producer_tokens_per_s"] / b.engine["producer_tokens_per_s"]
-               for a, b in zip(lent_rounds, host_rounds)
-               if a.engine["producer_tokens_per_s"] and b.engine["producer_tokens_per_s"]]
+    lending = _present([producer_meter.loss(a.engine["producer_tokens_per_s"], b.engine["producer_tokens_per_s"])
+                        for a, b in zip(lent_rounds, host_rounds)])
     if lending:
         # Paired within each round (the modes ran minutes apart at most), then the median.
         out["producer_lending_loss_by_round"] = lending
         out["producer_lending_loss"] = float(np.median(lending))
     # The same, each mode first taken relative to the producer alone either side of it, so a
     # machine that drifts between the two modes (other work arriving or leaving) cancels out.
-    relative = [producer_meter.loss(_relative(a), _relative(b)) for a, b in zip(lent_rounds, host_rounds)]
-    relative = [x for x in relative if x is not None]
+    relative = _present([producer_meter.loss(_relative(a), _relative(b)) for a, b in zip(lent_rounds, host_rounds)])
     if relative:
         out["producer_lending_loss_vs_alone_by_round"] = relative
         out["producer_lending_loss_vs_alone"] = float(np.median(relative))
@@ -389,6 +387,11 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
                 modes[mode]["p99_tpot_vs_fcfs"] = modes[mode]["tpot_ms"]["p99"] / modes["fcfs"]["tpot_ms"]["p99"]
                 modes[mode]["p50_e2e_vs_fcfs"] = modes[mode]["e2e_ms"]["p50"] / modes["fcfs"]["e2e_ms"]["p50"]
     return out
+
+
+def _present(losses: list[float | None]) -> list[float]:
+    """The rounds' losses where both rates were measured."""
+    return [x for x in losses if x is not None]
 
 
 def _relative(part: ModeRound) -> float | None:
