@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backfill.errors import WorkloadError
+from backfill.validation import check_positive
 
 Seed = int | np.random.Generator
 
@@ -45,20 +46,20 @@ def as_rng(seed: Seed) -> np.random.Generator:
 
 def gamma_shape(cv: float) -> float:
     """Gamma shape k for a coefficient of variation cv (vLLM's burstiness is this k)."""
-    _positive("cv", cv)
+    check_positive(WorkloadError, "cv", cv)
     return 1.0 / (cv * cv)
 
 
 def cv_from_burstiness(burstiness: float) -> float:
     """The cv equivalent of vLLM's `--burstiness` (gamma shape): cv = 1/sqrt(burstiness)."""
-    _positive("burstiness", burstiness)
+    check_positive(WorkloadError, "burstiness", burstiness)
     return 1.0 / math.sqrt(burstiness)
 
 
 def gamma_arrivals(rate_per_s: float, cv: float, seed: Seed, *, duration_s: float | None = None,
                    count: int | None = None) -> np.ndarray:
     """Arrivals of a gamma renewal process: all in [0, duration_s), or exactly `count` of them."""
-    _positive("rate_per_s", rate_per_s)
+    check_positive(WorkloadError, "rate_per_s", rate_per_s)
     return _unit_renewal(cv, as_rng(seed), _horizon(duration_s, count, rate_per_s)) / rate_per_s
 
 
@@ -71,7 +72,7 @@ def poisson_arrivals(rate_per_s: float, seed: Seed, *, duration_s: float | None 
 def uniform_arrivals(rate_per_s: float, *, duration_s: float | None = None, count: int | None = None,
                      offset_s: float = 0.0) -> np.ndarray:
     """Evenly spaced arrivals every 1/rate seconds starting at offset_s (DISB's uniform clients, REEF §6.2)."""
-    _positive("rate_per_s", rate_per_s)
+    check_positive(WorkloadError, "rate_per_s", rate_per_s)
     if not math.isfinite(offset_s) or offset_s < 0:
         raise WorkloadError(f"offset_s must be a finite number >= 0, got {offset_s!r}")
     _check_horizon(duration_s, count)
@@ -90,7 +91,7 @@ def piecewise_arrivals(segments: Sequence[tuple[float, float]], duration_s: floa
     and each rate holds until the next start (the last one until duration_s). Rates may be 0.
     """
     starts, rates = _check_segments(segments)
-    _positive("duration_s", duration_s)
+    check_positive(WorkloadError, "duration_s", duration_s)
     ends = np.append(starts[1:], max(duration_s, starts[-1]))
     ends = np.minimum(ends, duration_s)
     spans = np.maximum(ends - starts, 0.0)
@@ -117,10 +118,10 @@ def on_off_arrivals(rate_on_per_s: float, on_s: float, off_s: float, duration_s:
 
     The run starts with an ON phase.
     """
-    _positive("rate_on_per_s", rate_on_per_s)
-    _positive("on_s", on_s)
-    _positive("off_s", off_s)
-    _positive("duration_s", duration_s)
+    check_positive(WorkloadError, "rate_on_per_s", rate_on_per_s)
+    check_positive(WorkloadError, "on_s", on_s)
+    check_positive(WorkloadError, "off_s", off_s)
+    check_positive(WorkloadError, "duration_s", duration_s)
     if not math.isfinite(rate_off_per_s) or rate_off_per_s < 0:
         raise WorkloadError(f"rate_off_per_s must be a finite number >= 0, got {rate_off_per_s!r}")
     segments: list[tuple[float, float]] = []
@@ -160,7 +161,7 @@ def _check_horizon(duration_s: float | None, count: int | None) -> None:
     if count is not None and (not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 0):
         raise WorkloadError(f"count must be a non-negative integer, got {count!r}")
     if duration_s is not None:
-        _positive("duration_s", duration_s)
+        check_positive(WorkloadError, "duration_s", duration_s)
 
 
 def _check_segments(segments: Sequence[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -178,12 +179,6 @@ def _check_segments(segments: Sequence[tuple[float, float]]) -> tuple[np.ndarray
     if not np.all(np.isfinite(rates)) or np.any(rates < 0):
         raise WorkloadError("segment rates must be finite and >= 0")
     return starts, rates
-
-
-def _positive(name: str, value: float) -> None:
-    if not isinstance(value, (int, float, np.number)) or isinstance(value, bool) or not math.isfinite(value) \
-            or value <= 0:
-        raise WorkloadError(f"{name} must be a positive finite number, got {value!r}")
 
 
 _ARRIVAL_USAGE = ("expected poisson:RATE, gamma:RATE:CV, uniform:RATE, onoff:RATE_ON:ON_S:OFF_S[:RATE_OFF] "
@@ -258,14 +253,14 @@ def parse_arrival_spec(text: str) -> ArrivalSpec:
                 raise WorkloadError(f"@CV applies to onoff and steps; give gamma:RATE:CV for {kind}")
             if kind == "onoff":
                 spec = ArrivalSpec("onoff", args[0], cv, args[1], args[2], args[3] if len(args) == 4 else 0.0)
-                _positive("on_s", spec.on_s)
-                _positive("off_s", spec.off_s)
+                check_positive(WorkloadError, "on_s", spec.on_s)
+                check_positive(WorkloadError, "off_s", spec.off_s)
                 if spec.rate_off_per_s < 0:
                     raise WorkloadError("the OFF rate must be >= 0")
             else:
                 spec = ArrivalSpec(kind, args[0], args[1] if kind == "gamma" else cv)
-            _positive("rate_per_s", spec.rate_per_s)
-        _positive("cv", spec.cv)
+            check_positive(WorkloadError, "rate_per_s", spec.rate_per_s)
+        check_positive(WorkloadError, "cv", spec.cv)
         return spec
     except WorkloadError as exc:
         raise WorkloadError(f"{exc} (in arrival spec {text!r}); {_ARRIVAL_USAGE}") from None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backfill.errors import WorkloadError
+from backfill.validation import check_int, is_finite_number
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class FixedLength:
     tokens: int
 
     def __post_init__(self) -> None:
-        _check_int("fixed length", self.tokens)
+        check_int(WorkloadError, "fixed length", self.tokens, 1)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return np.full(n, self.tokens, dtype=np.int64)
@@ -41,8 +42,8 @@ class UniformLength:
     hi: int
 
     def __post_init__(self) -> None:
-        _check_int("uniform lo", self.lo)
-        _check_int("uniform hi", self.hi)
+        check_int(WorkloadError, "uniform lo", self.lo, 1)
+        check_int(WorkloadError, "uniform hi", self.hi, 1)
         if self.hi < self.lo:
             raise WorkloadError(f"uniform needs lo <= hi, got {self.lo} > {self.hi}")
 
@@ -60,12 +61,12 @@ class LognormalLength:
     max_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not _finite(self.median) or self.median < 1:
+        if not is_finite_number(self.median) or self.median < 1:
             raise WorkloadError(f"lognormal median must be a number >= 1, got {self.median!r}")
-        if not _finite(self.sigma) or self.sigma < 0:
+        if not is_finite_number(self.sigma) or self.sigma < 0:
             raise WorkloadError(f"lognormal sigma must be a finite number >= 0, got {self.sigma!r}")
         if self.max_tokens is not None:
-            _check_int("lognormal max", self.max_tokens)
+            check_int(WorkloadError, "lognormal max", self.max_tokens, 1)
             if self.max_tokens < self.median:
                 raise WorkloadError(f"lognormal max {self.max_tokens} is below the median {self.median}")
 
@@ -88,9 +89,9 @@ class ZipfLength:
     max_tokens: int
 
     def __post_init__(self) -> None:
-        if not _finite(self.a) or self.a <= 0:
+        if not is_finite_number(self.a) or self.a <= 0:
             raise WorkloadError(f"zipf exponent must be a positive number, got {self.a!r}")
-        _check_int("zipf max", self.max_tokens)
+        check_int(WorkloadError, "zipf max", self.max_tokens, 1)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         # Bounded support by inverse CDF, so any a > 0 works (numpy's zipf needs a > 1 and is unbounded).
@@ -141,12 +142,3 @@ def _int(text: str) -> int:
     if not value.is_integer():
         raise WorkloadError(f"token counts must be whole numbers, got {text!r}")
     return int(value)
-
-
-def _check_int(name: str, value: object) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise WorkloadError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -7,10 +7,10 @@ reader sees what the result rests on. Kept free of numpy at import so `--help` s
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from backfill.errors import SimDeviceError
+from backfill.validation import check_int, check_positive
 from backfill.options import knob
 
 
@@ -46,7 +46,7 @@ class SmDeviceConfig:
 
     def __post_init__(self) -> None:
         for name in ("peak_tflops", "peak_hbm_tbps", "read_tbps"):
-            _positive(name, getattr(self, name))
+            check_positive(SimDeviceError, name, getattr(self, name))
         if self.read_tbps > self.peak_hbm_tbps:
             raise SimDeviceError(f"read_tbps {self.read_tbps} exceeds peak_hbm_tbps {self.peak_hbm_tbps}")
         for name in ("saturation_share", "compute_efficiency", "ft_efficiency"):
@@ -58,8 +58,7 @@ class SmDeviceConfig:
         if not isinstance(self.noise_cv, (int, float)) or not 0 <= self.noise_cv < 1:
             raise SimDeviceError(f"noise_cv must be in [0, 1), got {self.noise_cv!r}")
         for name in ("ft_batch", "ft_seq_len", "ft_rank"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SimDeviceError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            check_int(SimDeviceError, name, getattr(self, name), 1)
 
 
 @dataclass(frozen=True)
@@ -72,19 +71,13 @@ class SmSimScenario:
     headroom: float = knob(0.05, "harli plans against the target less this share (prediction error, P99)")
 
     def __post_init__(self) -> None:
-        _positive("duration_s", self.duration_s)
+        check_positive(SimDeviceError, "duration_s", self.duration_s)
         if not 0 < self.online_load <= 1:
             raise SimDeviceError(f"online_load must be in (0, 1], got {self.online_load!r}")
-        if not isinstance(self.rounds, int) or self.rounds < 1:
-            raise SimDeviceError(f"rounds must be a positive integer, got {self.rounds!r}")
+        check_int(SimDeviceError, "rounds", self.rounds, 1)
         if not self.tpot_target_x_solo >= 1:
             raise SimDeviceError(f"tpot_target_x_solo must be >= 1, got {self.tpot_target_x_solo!r}")
         if not 0 < self.static_share_infer < 1:
             raise SimDeviceError(f"static_share_infer must be in (0, 1), got {self.static_share_infer!r}")
         if not 0 <= self.headroom < 1:
             raise SimDeviceError(f"headroom must be in [0, 1), got {self.headroom!r}")
-
-
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise SimDeviceError(f"{name} must be a positive number, got {value!r}")

@@ -17,7 +17,6 @@ name or port, a model file that does not exist) raises NodeConfigError naming it
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,22 +24,12 @@ from typing import Any
 
 from backfill.errors import BackfillError, NodeConfigError
 from backfill.options import Option, build, knob, options_of
+from backfill.validation import check_int, check_positive
 
 GATES = ("lifecycle", "timeslice")
 NODE_POLICIES = ("coserve", "priority", "fcfs", "online-only")
 BUILTIN_MODELS = ("default", "tiny")
 TOP_LEVEL = ("node", "models")
-
-
-def _int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise NodeConfigError(f"{name} must be an integer {bound}, got {value!r}")
-
-
-def _positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise NodeConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,14 +48,14 @@ class NodeSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise NodeConfigError("node.host must be a non-empty string")
-        _int("node.metrics_port", self.metrics_port, 0, 65535)
-        _int("node.num_handles", self.num_handles, 1)
-        _int("node.blocks_per_handle", self.blocks_per_handle, 1)
-        _int("node.block_size", self.block_size, 1)
+        check_int(NodeConfigError, "node.metrics_port", self.metrics_port, 0, 65535)
+        check_int(NodeConfigError, "node.num_handles", self.num_handles, 1)
+        check_int(NodeConfigError, "node.blocks_per_handle", self.blocks_per_handle, 1)
+        check_int(NodeConfigError, "node.block_size", self.block_size, 1)
         if self.gate not in GATES:
             raise NodeConfigError(f"node.gate must be one of {', '.join(GATES)}, got {self.gate!r}")
-        _positive("node.sample_interval_s", self.sample_interval_s)
-        _positive("node.window_s", self.window_s)
+        check_positive(NodeConfigError, "node.sample_interval_s", self.sample_interval_s)
+        check_positive(NodeConfigError, "node.window_s", self.window_s)
 
     @property
     def num_blocks(self) -> int:
@@ -92,16 +81,16 @@ class ModelEntry:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise NodeConfigError("a model needs a non-empty name")
-        _int(f"models[{self.name}].port", self.port, 1, 65535)
+        check_int(NodeConfigError, f"models[{self.name}].port", self.port, 1, 65535)
         if self.policy not in NODE_POLICIES:
             raise NodeConfigError(f"models[{self.name}].policy must be one of {', '.join(NODE_POLICIES)}, "
                                   f"got {self.policy!r}")
         if self.decode_attention not in ("auto", "sdpa"):
             raise NodeConfigError(f"models[{self.name}].decode_attention must be auto or sdpa")
-        _int(f"models[{self.name}].threads", self.threads, 1)
-        _int(f"models[{self.name}].max_model_len", self.max_model_len, 2)
-        _int(f"models[{self.name}].max_offline_in_flight", self.max_offline_in_flight, 1)
-        _int(f"models[{self.name}].max_online_queue", self.max_online_queue, 1)
+        check_int(NodeConfigError, f"models[{self.name}].threads", self.threads, 1)
+        check_int(NodeConfigError, f"models[{self.name}].max_model_len", self.max_model_len, 2)
+        check_int(NodeConfigError, f"models[{self.name}].max_offline_in_flight", self.max_offline_in_flight, 1)
+        check_int(NodeConfigError, f"models[{self.name}].max_online_queue", self.max_online_queue, 1)
         if not isinstance(self.model, str) or not self.model:
             raise NodeConfigError(f"models[{self.name}].model must be a non-empty string")
         if self.model not in BUILTIN_MODELS and not self.model.startswith("random:") \
@@ -132,7 +121,6 @@ class NodeConfig:
             if m.name == name:
                 return m
         raise NodeConfigError(f"no model named {name!r} on this node")
-
 
 
 def _typed(where: str, opts: tuple[Option, ...], table: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from backfill.errors import ServerConfigError
 from backfill.options import Option, add_arguments, build, knob, options_of
 from backfill.serving.config import ServingConfig
+from backfill.validation import check_int, check_non_negative, check_positive
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TINY_KV_CACHE_GB = 0.0625   # the tiny test model needs a few MiB of KV, not the real model's 1 GiB
@@ -62,17 +63,17 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ServerConfigError("host must be a non-empty string")
-        _check_int("port", self.port, 1, 65535)
-        _check_int("max_online_queue", self.max_online_queue, 1)
-        _check_int("max_offline_in_flight", self.max_offline_in_flight, 1)
-        _check_number("max_body_mb", self.max_body_mb, positive=True)
+        check_int(ServerConfigError, "port", self.port, 1, 65535)
+        check_int(ServerConfigError, "max_online_queue", self.max_online_queue, 1)
+        check_int(ServerConfigError, "max_offline_in_flight", self.max_offline_in_flight, 1)
+        check_positive(ServerConfigError, "max_body_mb", self.max_body_mb)
         if not isinstance(self.admission_ttft_share, (int, float)) or isinstance(self.admission_ttft_share, bool) \
                 or math.isnan(self.admission_ttft_share) or self.admission_ttft_share <= 0:
             raise ServerConfigError(f"admission_ttft_share must be a positive number or inf, got "
                                     f"{self.admission_ttft_share!r}")
-        _check_number("drain_timeout_s", self.drain_timeout_s, positive=False)
-        _check_number("header_timeout_s", self.header_timeout_s, positive=True)
-        _check_number("body_timeout_s", self.body_timeout_s, positive=True)
+        check_non_negative(ServerConfigError, "drain_timeout_s", self.drain_timeout_s)
+        check_positive(ServerConfigError, "header_timeout_s", self.header_timeout_s)
+        check_positive(ServerConfigError, "body_timeout_s", self.body_timeout_s)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ServerConfigError("api_key must be a non-empty string")
         if self.served_model_name is not None and not self.served_model_name:
@@ -83,19 +84,6 @@ class ServerConfig:
     @property
     def db_path(self) -> Path:
         return Path(self.db).expanduser() if self.db else default_db_path(self.port)
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise ServerConfigError(f"{name} must be an integer {bound}, got {value!r}")
-
-
-def _check_number(name: str, value: object, positive: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ServerConfigError(f"{name} must be a {'positive' if positive else 'non-negative'} number, "
-                                f"got {value!r}")
 
 
 def serve_options() -> tuple[Option, ...]:
