@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from backfill.bench.server_overhead import _free_port, _wait_healthy
+from backfill.bench.server_process import served
 
 TOPICS = ("the history of tea", "how bridges carry load", "why the sky is blue", "the rules of chess",
           "how vaccines work", "the water cycle", "what a compiler does", "the life of bees")
@@ -137,26 +132,12 @@ def run_overload_bench(*, dtype: str = "bfloat16", kv_cache_gb: float = 0.5, ttf
                        calm_s: float = 20.0, sustainable_rps: float | None = None, max_tokens: int = 32,
                        calibrate_s: float = 20.0, calibrate_clients: int = 4, seed: int = 0,
                        extra_server_args: tuple[str, ...] = (), json_path: str | Path | None = None) -> dict:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
-               "--policy", "coserve", "--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb),
-               "--ttft-slo-ms", str(ttft_slo_ms), "--tpot-slo-ms", str(tpot_slo_ms),
-               "--db", str(Path(tmp) / "server.db"), "--max-online-queue", "100000", "--log-level", "warning",
-               *extra_server_args]
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            _wait_healthy(url, proc, timeout_s=900.0)
-            result = asyncio.run(_drive(url, ttft_slo_ms, multiplier, burst_s, calm_s, sustainable_rps, max_tokens,
-                                        calibrate_s, calibrate_clients, seed))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    server_args = ["--policy", "coserve", "--dtype", dtype, "--kv-cache-gb", str(kv_cache_gb),
+                   "--ttft-slo-ms", str(ttft_slo_ms), "--tpot-slo-ms", str(tpot_slo_ms),
+                   "--max-online-queue", "100000", "--log-level", "warning", *extra_server_args]
+    with served(server_args, health_timeout_s=900.0) as url:
+        result = asyncio.run(_drive(url, ttft_slo_ms, multiplier, burst_s, calm_s, sustainable_rps, max_tokens,
+                                    calibrate_s, calibrate_clients, seed))
     result.update(dtype=dtype, kv_cache_gb=kv_cache_gb, tpot_slo_ms=tpot_slo_ms, max_tokens=max_tokens,
                   server_args=list(extra_server_args))
     burst, after = result["phases"]["burst"], result["phases"]["after"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, Summary, compute_metrics
 from backfill.bench.prompts import PromptSource
+from backfill.bench.server_process import free_port
 from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
 from backfill.offload import producer_meter
@@ -107,12 +107,6 @@ class ModeRound:
     windows: dict = field(default_factory=dict)        # {"mode": [...], "alone": [...]}: Window.compact rows
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Processes:
     """The coordinator and producer processes of a run, always stopped at its end."""
 
@@ -131,7 +125,7 @@ class Processes:
         import httpx
 
         env = dict(os.environ)
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.procs.append(subprocess.Popen([sys.executable, "-m", "backfill.offload.coordinator", "--port", str(port),
                                             "--db", os.path.join(self.tmp.name, "coordinator.sqlite")], env=env))

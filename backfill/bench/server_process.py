@@ -1,0 +1,70 @@
+"""`backfill serve` in a child process, for benchmarks that measure it over HTTP.
+
+The server binds a free port on 127.0.0.1, is used only once /health answers, and is always
+stopped on the way out: SIGTERM first (its graceful drain), SIGKILL when the drain takes too long.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from backfill.errors import BackfillError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BackfillError(f"server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise BackfillError(f"server at {url} not healthy after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen, drain_timeout_s: float = 60.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=drain_timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def served(server_args: list[str], health_timeout_s: float = 180.0) -> Iterator[str]:
+    """Run `python -m backfill.server` with server_args (not --host, --port or --db: they are
+    chosen here, the database in a temporary folder) and yield its base URL while it runs."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
+               "--db", str(Path(tmp) / "server.db"), *server_args]
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_healthy(url, proc, health_timeout_s)
+            yield url
+        finally:
+            stop(proc)
