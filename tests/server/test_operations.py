@@ -3,6 +3,7 @@ and the metrics cover tokens, end-to-end latency and the offline backlog."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import socket
 import threading
@@ -26,12 +27,17 @@ def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float
         data += chunk
 
 
-@pytest.fixture(scope="module")
-def server_process(tmp_path_factory):
+# Both HTTP parsers carry the header deadline (server/http_timeouts.py); httptools where installed.
+PARSERS = ["h11", pytest.param("httptools", marks=pytest.mark.skipif(
+    importlib.util.find_spec("httptools") is None, reason="httptools is not installed"))]
+
+
+@pytest.fixture(scope="module", params=PARSERS)
+def server_process(tmp_path_factory, request):
     from server_helpers import ServerProcess
 
     proc = ServerProcess(tmp_path_factory.mktemp("ops") / "s.db", None, "--header-timeout-s", "1",
-                         "--body-timeout-s", "1", "--log-level", "info")
+                         "--body-timeout-s", "1", "--log-level", "info", "--http-parser", request.param)
     try:
         yield proc.wait_ready(timeout_s=240)   # generous: CI machines can be slow to import torch
     finally:
@@ -56,6 +62,36 @@ def test_trickled_headers_do_not_reset_the_deadline(server_process):
         except OSError:
             pass                  # closed under us: what should happen
         assert time.monotonic() - started < 10 or sock.recv(10) == b""
+
+
+def test_an_idle_keep_alive_connection_gets_the_header_deadline_again(server_process):
+    with socket.create_connection(("127.0.0.1", server_process.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, took_s = read_until_closed(sock, limit_s=15)
+    # The response, then the close at the 1 s header deadline, before uvicorn's 5 s keep-alive.
+    assert data.startswith(b"HTTP/1.1 200") and took_s < 4
+
+
+def test_unknown_or_missing_parser_and_loop_are_config_errors(monkeypatch):
+    from backfill.errors import ServerConfigError
+    from backfill.server.config import ServerConfig
+    from backfill.server import http_timeouts
+
+    with pytest.raises(ServerConfigError, match="http_parser"):
+        ServerConfig(http_parser="picohttp")
+    with pytest.raises(ServerConfigError, match="event_loop"):
+        ServerConfig(event_loop="trio")
+    with pytest.raises(ServerConfigError, match="http_parser"):
+        http_timeouts.resolve_http_parser("picohttp")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real_find_spec(name, *a))
+    assert http_timeouts.resolve_event_loop("auto") == "asyncio"
+    assert http_timeouts.resolve_http_parser("auto") == "h11"
+    with pytest.raises(ServerConfigError, match="uvloop package is not installed"):
+        http_timeouts.resolve_event_loop("uvloop")
+    with pytest.raises(ServerConfigError, match="httptools package is not installed"):
+        http_timeouts.header_timeout_protocol(1.0, "httptools")
 
 
 def test_short_body_gets_408_and_the_connection_closes(server_process):
