@@ -191,6 +191,7 @@ def load_and_profile(serving: ServingConfig):
     def build():
         loaded = load_model(serving.model)
         runner = build_runner(loaded.config, loaded.weights, serving)
+        runner.wait_until_warm()   # the measured runs start warm, as a server reports ready only then
         return loaded, runner, load_or_profile(runner, serving, loaded.config.name)
 
     return run_on_torch_thread(build)
