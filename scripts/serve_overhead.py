@@ -297,6 +297,7 @@ def main() -> int:
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    args.out = args.out.resolve()   # the baseline part's client runs in the baseline checkout
     if args.medians_of:
         rows = medians(args.medians_of)
         args.out.mkdir(parents=True, exist_ok=True)
