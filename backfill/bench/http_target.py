@@ -125,7 +125,8 @@ class HttpTarget:
                 try:
                     obj = json.loads(data)
                 except json.JSONDecodeError:
-                    raise TargetError(f"malformed SSE data from {self.base_url}: {data[:200].decode(errors='replace')!r}") from None
+                    shown = data[:200].decode(errors="replace")
+                    raise TargetError(f"malformed SSE data from {self.base_url}: {shown!r}") from None
                 if "error" in obj:
                     raise TargetError(f"server error from {self.base_url}: {obj['error']}")
                 if obj.get("usage"):
