@@ -107,10 +107,30 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
         if scenario.rounds > 1:
             raise InvalidRequestError("--rounds interleaves in-process modes; with --url there is one mode")
+        if args.phase != "both" and not args.baseline_file:
+            raise InvalidRequestError(f"--phase {args.phase} needs --baseline-file (written by the online-only phase, "
+                                      "read by the coserved one)")
+        if args.phase == "coserved":   # a missing or malformed file fails before the model loads
+            from dataclasses import asdict
+
+            from backfill.bench.http_baseline import read_baseline
+
+            read_baseline(args.baseline_file, asdict(scenario))
 
         loaded, _, latency = load_and_profile(serving)
         model = args.served_model or loaded.config.name
-        if args.online_baseline:
+        phase_args = dict(label=args.label, api_key=args.api_key, out_dir=args.out, offline_mark=args.offline_mark)
+        if args.phase == "online-only":
+            from backfill.bench.coserve_bench import run_http_online_only
+
+            results = run_http_online_only(args.url, model, scenario, loaded.tokenizer, latency,
+                                           baseline_file=args.baseline_file, **phase_args)
+        elif args.phase == "coserved":
+            from backfill.bench.coserve_bench import run_http_coserved
+
+            results = run_http_coserved(args.url, model, scenario, loaded.tokenizer, latency,
+                                        baseline_file=args.baseline_file, **phase_args)
+        elif args.online_baseline:
             results = run_http_with_baseline(args.url, model, scenario, loaded.tokenizer, latency, label=args.label,
                                              api_key=args.api_key, out_dir=args.out, offline_mark=args.offline_mark)
         else:
@@ -311,6 +331,11 @@ def _fill_bench_coserve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="with --url, first run the same trace without the offline backlog against the "
                         "same server (ratios to it)")
+    p.add_argument("--phase", choices=["both", "online-only", "coserved"], default="both",
+                   help="with --url: both phases in turn (default), or one: online-only writes --baseline-file, "
+                        "coserved reads it (its P99s are the SLOs; restart the server with them in between)")
+    p.add_argument("--baseline-file", default=None,
+                   help="with --phase: the online-only run's records and P99s (JSON)")
     p.add_argument("--out", default="runs/coserve", help="report folder (JSON, Markdown, PNG)")
     _add_frontier_args(p)
     p.set_defaults(func=cmd_bench_coserve)

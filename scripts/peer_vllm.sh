@@ -4,7 +4,9 @@
 #      1/8/32/64 (python -m backfill.bench.concurrency_burst): tok/s and mean TTFT;
 #   2. co-serving: `backfill bench coserve --url` (online load 0.3 plus the offline backlog, after
 #      the same trace alone against the same server); vLLM runs --scheduling-policy priority and
-#      gets offline requests with "priority": 1 (and service_tier flex, which backfill reads);
+#      gets offline requests with "priority": 1 (and service_tier flex, which backfill reads).
+#      backfill runs strict mode as in-process: the online-only phase first, then the server is
+#      restarted with --ttft-slo-ms/--tpot-slo-ms = that phase's P99s for the co-served phase;
 #   3. backfill in-process on the same workloads: the bursts and `bench coserve` online-only +
 #      coserve, the references for the server's overhead and for co-serving over HTTP.
 # Writes OUTDIR/report.json and OUTDIR/report.md (scripts/peer_report.py), logs beside them.
@@ -65,15 +67,32 @@ wait_healthy() {  # URL LOG TIMEOUT_S
 
 # The client's coserve run derives the online rate from the latency profile; both servers get
 # the same trace because the client always uses the same profile (measured once if absent).
-client_runs() {  # NAME URL MODEL OFFLINE_MARK
-    local name=$1 url=$2 model=$3 mark=$4
-    echo "== $name: bursts at concurrency $LEVELS"
-    "$PY" -m backfill.bench.concurrency_burst --url "$url" --served-model "$model" --concurrency $LEVELS \
-        --bursts "$BURSTS" --label "$name" --json "$OUT/burst-$name.json" $ENGINE_FLAGS || return 1
-    [[ $COSERVE == 1 ]] || return 0
-    echo "== $name: coserve over HTTP ($DURATION_S s online-only, then $DURATION_S s with the backlog)"
-    "$BF" bench coserve --url "$url" --served-model "$model" --label "$name" --offline-mark "$mark" \
-        --duration "$DURATION_S" --out "$OUT/coserve-$name" --json "$OUT/coserve-$name.json" $ENGINE_FLAGS
+bursts() {  # NAME URL MODEL
+    echo "== $1: bursts at concurrency $LEVELS"
+    "$PY" -m backfill.bench.concurrency_burst --url "$2" --served-model "$3" --concurrency $LEVELS \
+        --bursts "$BURSTS" --label "$1" --json "$OUT/burst-$1.json" $ENGINE_FLAGS
+}
+coserve() {  # NAME URL MODEL OFFLINE_MARK PHASE
+    local report=$OUT/coserve-$1
+    [[ $5 == both ]] || report+=-$5
+    echo "== $1: coserve over HTTP, phase $5 ($DURATION_S s of trace each)"
+    "$BF" bench coserve --url "$2" --served-model "$3" --label "$1" --offline-mark "$4" --phase "$5" \
+        --baseline-file "$OUT/coserve-$1-online-only.json" --duration "$DURATION_S" --out "$report" \
+        --json "$OUT/coserve-$1.json" $ENGINE_FLAGS
+}
+served_model() { curl -s "$1/v1/models" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])'; }
+
+# vLLM queues every request it gets; so that both servers run the same bursts, backfill admits
+# every request too (no queue cap, no TTFT admission), as a throughput comparison needs.
+start_backfill() {  # LOG_SUFFIX [serve flags...]; sets URL
+    local log=$OUT/backfill-serve$1.log
+    shift
+    PORT=$(free_port)
+    URL=http://127.0.0.1:$PORT
+    setsid "$BF" serve --host 127.0.0.1 --port "$PORT" $ENGINE_FLAGS --db "$OUT/backfill-serve.db" --fresh-db \
+        --max-online-queue 100000 --admission-ttft-share inf --log-level warning "$@" > "$log" 2>&1 &
+    SERVER_PID=$!
+    wait_healthy "$URL" "$log" 600   # /health is 200 once compiled decode's buckets are built
 }
 
 if [[ -x $ROOT/.venv/bin/backfill ]]; then :; else echo "run scripts/setup.sh first" >&2; exit 2; fi
@@ -101,15 +120,17 @@ if not path.exists():
 PYEOF
 
 if [[ " $PARTS " == *" backfill "* ]]; then
-    PORT=$(free_port)
-    URL=http://127.0.0.1:$PORT
-    # vLLM queues every request it gets; so that both servers run the same bursts, backfill admits
-    # every request too (no queue cap, no TTFT admission), as a throughput comparison needs.
-    setsid "$BF" serve --host 127.0.0.1 --port "$PORT" $ENGINE_FLAGS --db "$OUT/backfill-serve.db" \
-        --fresh-db --max-online-queue 100000 --admission-ttft-share inf --log-level warning > "$OUT/backfill-serve.log" 2>&1 &
-    SERVER_PID=$!
-    wait_healthy "$URL" "$OUT/backfill-serve.log" 600 && client_runs backfill "$URL" \
-        "$(curl -s "$URL/v1/models" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" both
+    if start_backfill "" && MODEL=$(served_model "$URL") && bursts backfill "$URL" "$MODEL" && [[ $COSERVE == 1 ]] \
+        && coserve backfill "$URL" "$MODEL" both online-only; then
+        stop_server
+        # Strict mode, as in-process: the policy's SLOs are online-only's own P99s (the server's
+        # defaults, 1000 / 100 ms, would let co-serving steps grow far past online-only's).
+        read -r TTFT_SLO TPOT_SLO < <("$PY" -c 'import json, sys; d = json.load(open(sys.argv[1]))
+print(d["p99_ttft_ms"], d["p99_tpot_ms"])' "$OUT/coserve-backfill-online-only.json")
+        echo "== backfill: restarting with --ttft-slo-ms $TTFT_SLO --tpot-slo-ms $TPOT_SLO"
+        start_backfill -strict --ttft-slo-ms "$TTFT_SLO" --tpot-slo-ms "$TPOT_SLO" \
+            && coserve backfill "$URL" "$MODEL" both coserved
+    fi
     stop_server
 fi
 
@@ -131,7 +152,9 @@ if [[ " $PARTS " == *" vllm "* ]]; then
             --dtype bfloat16 --max-model-len 2048 --scheduling-policy priority \
             > "$OUT/vllm-serve.log" 2>&1 &
         SERVER_PID=$!
-        wait_healthy "$URL" "$OUT/vllm-serve.log" 900 && client_runs vllm "$URL" vllm-model priority
+        # vLLM keeps its one server: both phases in one invocation (it has no SLO to set).
+        wait_healthy "$URL" "$OUT/vllm-serve.log" 900 && bursts vllm "$URL" vllm-model && [[ $COSERVE == 1 ]] \
+            && coserve vllm "$URL" vllm-model priority both
         stop_server
     else
         echo "vLLM does not import: see $OUT/vllm-install.log" >&2

@@ -12,7 +12,9 @@ OUTDIR/burst-in-process.json and OUTDIR/overhead.json (per level: tok/s and P50 
 the overhead in percent, the CPU the load generator and the server used), and prints the table.
 --py-spy LEVEL records the server with py-spy (`--gil --threads`, raw) during that level's bursts.
 --baseline-root DIR first runs the same bursts against the server of another checkout (its
-figures are rows "serve-baseline"), so a change and its base are measured in the same run.
+figures are rows "serve-baseline"), so a change and its base are measured in the same run; the
+load generator of that part runs from that checkout too, and --baseline-python names the
+interpreter of both (e.g. a venv without aiohttp, uvloop and httptools, as the base was run).
 --parts in-process in-process-side-load: the engine in-process alone and with a process beside
 it that uses --side-load-ms of CPU in every 10 ms (what the HTTP load generator uses per token
 at 1 stream), writing OUTDIR/side-load.json: the cost of that CPU alone, with no HTTP.
@@ -86,18 +88,19 @@ def stop(server: subprocess.Popen) -> None:
             server.wait()
 
 
-def burst_args(args: argparse.Namespace, json_path: Path) -> list[str]:
-    return [sys.executable, "-m", "backfill.bench.concurrency_burst", "--concurrency", *map(str, args.concurrency),
+def burst_args(args: argparse.Namespace, json_path: Path, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "backfill.bench.concurrency_burst", "--concurrency", *map(str, args.concurrency),
             "--bursts", str(args.bursts), "--json", str(json_path), *ENGINE_FLAGS]
 
 
-def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve") -> None:
-    """Bursts against a server run from the checkout at root (the client is always this one)."""
+def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve",
+              python: str = sys.executable, settle_s: float = 0.0) -> None:
+    """Bursts against a server run from the checkout at root, by a client from the same checkout."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(out / f"{name}.log", "w")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/torch-ext-{root.name}")
-    server = subprocess.Popen([sys.executable, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
+    server = subprocess.Popen([python, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
                                *ENGINE_FLAGS, "--db", str(out / f"{name}.db"), "--fresh-db",
                                # The engine in-process admits every request: so does the server here,
                                # or bursts past the TTFT prediction get 429 and the workloads differ.
@@ -107,9 +110,11 @@ def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str 
     spy = None
     try:
         wait_healthy(url, server, 600)
-        client = subprocess.Popen([*burst_args(args, out / f"burst-{name}.json"), "--url", url,
+        # A server whose /health does not wait for the background compile gets the time it takes.
+        time.sleep(settle_s)
+        client = subprocess.Popen([*burst_args(args, out / f"burst-{name}.json", python), "--url", url,
                                    "--server-pid", str(server.pid), "--label", name],
-                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                  cwd=root, stdout=subprocess.PIPE, text=True)
         for line in client.stdout:
             print(f"  {name}: {line}", end="", flush=True)
             if args.py_spy and spy is None and line.split(":")[0].split() == ["concurrency", _previous(args, args.py_spy)]:
@@ -185,7 +190,11 @@ def compare(out: Path, name: str = "serve") -> dict:
                      "server_cores": _cores(s.get("server_cpu_s"), s["wall_s"]),
                      "server_loop_cores": _cores(s.get("server_loop_cpu_s"), s["wall_s"]),
                      "in_process_cores": _cores(i.get("cpu_s"), i["wall_s"]),
-                     "in_process_loop_cores": _cores(i.get("loop_cpu_s"), i["wall_s"])})
+                     "in_process_loop_cores": _cores(i.get("loop_cpu_s"), i["wall_s"]),
+                     # CPU per output token: what the load generator and the server's loop cost, whatever the speed.
+                     "client_ms_per_token": _per_token(s.get("cpu_s"), s["output_tokens"]),
+                     "server_loop_ms_per_token": _per_token(s.get("server_loop_cpu_s"), s["output_tokens"]),
+                     "in_process_loop_ms_per_token": _per_token(i.get("loop_cpu_s"), i["output_tokens"])})
     return rows
 
 
@@ -193,17 +202,25 @@ def _cores(cpu_s: float | None, wall_s: float) -> float | None:
     return cpu_s / wall_s if cpu_s is not None and wall_s > 0 else None
 
 
+def _per_token(cpu_s: float | None, tokens: int) -> float | None:
+    return 1e3 * cpu_s / tokens if cpu_s is not None and tokens > 0 else None
+
+
 def print_table(rows: list[dict]) -> None:
     print("| server | concurrency | serve tok/s | in-process tok/s | throughput overhead | P50 TPOT ms serve / in-process "
-          "| TPOT overhead | cores: client / server (its loop) / in-process (its loop) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| TPOT overhead | cores: client / server (its loop) / in-process (its loop) "
+          "| CPU ms/token: client / server loop / in-process loop |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         f = lambda c: f"{c:.2f}" if c is not None else "-"   # noqa: E731
         cores = (f"{f(r['client_cores'])} / {f(r['server_cores'])} ({f(r['server_loop_cores'])}) / "
                  f"{f(r['in_process_cores'])} ({f(r['in_process_loop_cores'])})")
+        g = lambda c: f"{c:.3f}" if c is not None else "-"   # noqa: E731
+        per_token = " / ".join(g(r.get(k)) for k in ("client_ms_per_token", "server_loop_ms_per_token",
+                                                      "in_process_loop_ms_per_token"))
         print(f"| {r['server']} | {r['concurrency']} | {r['serve_tok_s']:.1f} | {r['in_process_tok_s']:.1f} | "
               f"{r['throughput_overhead_pct']:.1f}% | {r['serve_p50_tpot_ms']:.1f} / {r['in_process_p50_tpot_ms']:.1f} | "
-              f"{r['tpot_overhead_pct']:.1f}% | {cores} |")
+              f"{r['tpot_overhead_pct']:.1f}% | {cores} | {per_token} |")
 
 
 # Where the event loop's samples go, by the first of these found in a sample's stack.
@@ -270,11 +287,17 @@ def main() -> int:
                         help="profile the server with py-spy during this level's bursts")
     parser.add_argument("--baseline-root", type=Path, default=None,
                         help="also run the server of this checkout (e.g. `git archive` of the base commit), first")
+    parser.add_argument("--baseline-python", default=sys.executable,
+                        help="the interpreter of the serve-baseline part (server and load generator)")
+    parser.add_argument("--baseline-settle-s", type=float, default=25.0,
+                        help="wait this long after the baseline server is healthy (a /health that does not "
+                             "wait for compiled decode's background compile)")
     parser.add_argument("--side-load-ms", type=float, default=0.55,
                         help="in-process-side-load: CPU ms in every 10 ms of a process beside the engine")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    args.out = args.out.resolve()   # the baseline part's client runs in the baseline checkout
     if args.medians_of:
         rows = medians(args.medians_of)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +318,8 @@ def main() -> int:
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()}
     for part in args.parts:
         if part == "serve-baseline":
-            run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline")
+            run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline", args.baseline_python,
+                      args.baseline_settle_s)
         elif part == "serve":
             run_serve(args, args.out)
         elif part == "in-process-side-load":
@@ -318,6 +342,7 @@ def main() -> int:
                                          "loadavg": os.getloadavg()},
            "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
            "commit": commit.strip(), "baseline_root": str(args.baseline_root) if args.baseline_root else None,
+           "baseline_python": args.baseline_python if args.baseline_root else None,
            "parts": args.parts, "engine_flags": ENGINE_FLAGS, "bursts": args.bursts,
            "rows": [*(compare(args.out, "serve-baseline") if (args.out / "burst-serve-baseline.json").exists() else []),
                     *compare(args.out)]}

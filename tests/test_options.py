@@ -74,7 +74,7 @@ SHAPE_FLAGS = {"random_weights", "shape"}
 
 
 @pytest.mark.parametrize("command, extra", [
-    (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "offline_mark", "online_baseline",
+    (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "offline_mark", "online_baseline", "phase", "baseline_file",
                             "out", "json", "loads", "slos"}),
     (("sim", "coserve"), {"modes", "profile", "machine", "step_overhead_ms", "noise_cv", "out", "json", "loads",
                           "slos"}),

@@ -24,7 +24,10 @@ batching (--warmup-s, 30 s by default) puts the first run in the state of the ot
 are discarded.
 
 With --url, the same workload is sent to an OpenAI-compatible server instead (one mode,
-named by --label), measured the same way.
+named by --label), measured the same way: the trace alone, then with the backlog. --phase
+online-only / coserved runs one of the two, the first writing --baseline-file and the second
+reading it, so that the server can be restarted between them with SLOs from the first
+(bench/http_baseline.py).
 """
 
 from __future__ import annotations
@@ -191,6 +194,7 @@ def load_and_profile(serving: ServingConfig):
     def build():
         loaded = load_model(serving.model)
         runner = build_runner(loaded.config, loaded.weights, serving)
+        runner.wait_until_warm()   # the measured runs start warm, as a server reports ready only then
         return loaded, runner, load_or_profile(runner, serving, loaded.config.name)
 
     return run_on_torch_thread(build)
@@ -294,6 +298,40 @@ def run_http_with_baseline(url: str, model: str, scenario: CoserveScenario, toke
     slo = SLO(scenario.ttft_slo_ms or alone.metrics.online.ttft_ms.p99 or 1e6,
               scenario.tpot_slo_ms or alone.metrics.online.tpot_ms.p99 or 1e6)
     both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, slo=slo, **common)
+    results = {base_label: alone, label: both}
+    write_report(results, out_dir, baseline=base_label)
+    return results
+
+
+def run_http_online_only(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel, *,
+                         baseline_file: str | Path, label: str = "http", api_key: str | None = None,
+                         out_dir: str | Path = "runs/coserve-http", offline_mark: str = "both",
+                         progress: bool = True) -> dict[str, ModeResult]:
+    """Phase one of run_http_with_baseline alone: the trace without the backlog, written to
+    baseline_file (bench/http_baseline.py), whose P99s a strict server is then started with."""
+    from backfill.bench.http_baseline import write_baseline
+
+    base_label = f"{label} {BASELINE}"
+    alone = run_http_bench(url, model, scenario, tokenizer, latency, label=base_label, api_key=api_key,
+                           out_dir=out_dir, with_offline=False, offline_mark=offline_mark, progress=progress)
+    path = write_baseline(baseline_file, base_label, alone, asdict(scenario), alone.metrics.duration_s)
+    online = alone.metrics.online
+    print(f"wrote {path}: P99 TTFT {online.ttft_ms.p99:.1f} ms, P99 TPOT {online.tpot_ms.p99:.2f} ms")
+    return {base_label: alone}
+
+
+def run_http_coserved(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel, *,
+                      baseline_file: str | Path, label: str = "http", api_key: str | None = None,
+                      out_dir: str | Path = "runs/coserve-http", offline_mark: str = "both",
+                      progress: bool = True) -> dict[str, ModeResult]:
+    """Phase two: the trace with the offline backlog, its SLO attainment and ratios against the
+    online-only run in baseline_file (which must have run the same scenario)."""
+    from backfill.bench.http_baseline import read_baseline
+
+    base_label, alone, doc = read_baseline(baseline_file, asdict(scenario))   # before minutes of load
+    slo = SLO(scenario.ttft_slo_ms or doc["p99_ttft_ms"], scenario.tpot_slo_ms or doc["p99_tpot_ms"])
+    both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, api_key=api_key, slo=slo,
+                          offline_mark=offline_mark, progress=progress, write=False)
     results = {base_label: alone, label: both}
     write_report(results, out_dir, baseline=base_label)
     return results

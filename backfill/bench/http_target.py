@@ -13,6 +13,10 @@ later under `--scheduling-policy priority`), or both; a server ignores the field
 
 sample_stats() reads gauges from the server's Prometheus /metrics (queue lengths, KV-cache use);
 a server without /metrics yields {}.
+
+The client is aiohttp, as in vLLM's own serving benchmark: the load generator shares the machine
+with the server under test, and aiohttp's C-accelerated HTTP parser costs it less CPU per token
+than a pure-Python client (docs/peers.md measures both).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from backfill.bench.target import StreamChunk
@@ -34,6 +38,9 @@ from backfill.serving.api import RequestClass
 OFFLINE_MARKS = ("flex", "priority", "both")
 # vLLM's priority scheduling serves lower values first; online requests keep its default 0.
 OFFLINE_PRIORITY = 1
+
+# A stream line longer than this raises in aiohttp's reader; SSE lines are far shorter.
+READ_BUFFER_BYTES = 2**20
 
 # Gauges worth plotting next to throughput; matched as substrings of the metric name.
 STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_", "preempt")
@@ -59,17 +66,19 @@ class HttpTarget:
         self.extra_body = dict(extra_body or {})
         self.offline_mark = offline_mark
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._timeout = httpx.Timeout(timeout_s, connect=30.0)
-        self._client: httpx.AsyncClient | None = None
+        self._max_connections = max_connections
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=30.0)
+        self._client: aiohttp.ClientSession | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._metrics_available = True
 
-    def _http(self) -> httpx.AsyncClient:
-        # A client's pooled connections belong to one event loop; a new run (asyncio.run) gets a new client.
+    def _http(self) -> aiohttp.ClientSession:
+        # A session's pooled connections belong to one event loop; a new run (asyncio.run) gets a new one.
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop or self._client.is_closed:
-            self._client = httpx.AsyncClient(limits=self._limits, timeout=self._timeout, headers=self._headers)
+        if self._client is None or self._client_loop is not loop or self._client.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
+            self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
+                                                 read_bufsize=READ_BUFFER_BYTES)
             self._client_loop = loop
         return self._client
 
@@ -93,7 +102,7 @@ class HttpTarget:
         try:
             async for chunk in stream:
                 yield chunk
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise TargetError(f"{type(exc).__name__} talking to {self.base_url}: {exc}") from exc
         finally:
             await stream.aclose()  # closes the HTTP response too when the caller stops early
@@ -102,22 +111,22 @@ class HttpTarget:
         pending: StreamChunk | None = None
         counted = 0
         usage: dict | None = None
-        async with self._http().stream("POST", f"{self.base_url}/v1/completions",
-                                       json=self.payload(request)) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", errors="replace")
-                raise TargetError(f"HTTP {resp.status_code} from {self.base_url}: {body[:500]}")
-            async for line in resp.aiter_lines():
+        async with self._http().post(f"{self.base_url}/v1/completions", json=self.payload(request)) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode("utf-8", errors="replace")
+                raise TargetError(f"HTTP {resp.status} from {self.base_url}: {body[:500]}")
+            async for raw in resp.content:   # one SSE line at a time
                 now = time.monotonic()
-                if not line.startswith("data:"):
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                data = raw[len(b"data:"):].strip()
+                if data == b"[DONE]":
                     break
                 try:
                     obj = json.loads(data)
                 except json.JSONDecodeError:
-                    raise TargetError(f"malformed SSE data from {self.base_url}: {data[:200]!r}") from None
+                    shown = data[:200].decode(errors="replace")
+                    raise TargetError(f"malformed SSE data from {self.base_url}: {shown!r}") from None
                 if "error" in obj:
                     raise TargetError(f"server error from {self.base_url}: {obj['error']}")
                 if obj.get("usage"):
@@ -142,17 +151,18 @@ class HttpTarget:
         if not self._metrics_available:
             return {}
         try:
-            resp = await self._http().get(f"{self.base_url}/metrics", timeout=5.0)
-        except httpx.HTTPError:
+            async with self._http().get(f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                if resp.status != 200:
+                    self._metrics_available = False
+                    return {}
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return {}
-        if resp.status_code != 200:
-            self._metrics_available = False
-            return {}
-        return parse_gauges(resp.text)
+        return parse_gauges(text)
 
     async def aclose(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     async def __aenter__(self) -> "HttpTarget":

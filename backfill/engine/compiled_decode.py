@@ -230,6 +230,11 @@ class CompiledDecode:
         if not background:
             self.wait_for_buckets()
 
+    @property
+    def compiling_buckets(self) -> bool:
+        """True while the background thread still compiles buckets (they share the cores with steps)."""
+        return self._bucket_thread is not None and self._bucket_thread.is_alive()
+
     def wait_for_buckets(self, timeout_s: float | None = None) -> None:
         if self._bucket_thread is not None:
             self._bucket_thread.join(timeout_s)

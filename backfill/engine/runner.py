@@ -112,6 +112,18 @@ class ModelRunner:
         return self.model.config
 
     @property
+    def warming_up(self) -> bool:
+        """True while compiled decode's padded buckets still compile in the background."""
+        compiled = self.model.compiled_decode
+        return compiled is not None and compiled.compiling_buckets
+
+    def wait_until_warm(self, timeout_s: float | None = None) -> None:
+        """Block until the background compile ends: a measurement then starts as a server that
+        reports ready (/health) does."""
+        if self.model.compiled_decode is not None:
+            self.model.compiled_decode.wait_for_buckets(timeout_s)
+
+    @property
     def decode_run_batches(self) -> tuple[int, ...]:
         """The batch sizes this runner's decode steps run their weight matmuls at (ascending): a
         decode of b sequences runs at the smallest that holds b, above them at b (HARLI's stage 1

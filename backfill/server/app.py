@@ -184,9 +184,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         store_health = await asyncio.to_thread(store.health)
         store_health["unwritable_batch_lines"] = len(worker.unwritable)
         ok = engine.running and not state.draining and store_health["status"] != "error"
-        return JSONResponse({"status": "ok" if ok else "unavailable", "engine": "running" if engine.running
-                             else "stopped", "draining": state.draining, "store": store_health},
-                            status_code=200 if ok else 503)
+        # Ready, as vLLM reports it, only after warm-up: requests are served meanwhile, but the
+        # background compile shares the cores with every step until it ends.
+        warming = ok and engine.warming_up
+        status = "warming_up" if warming else "ok" if ok else "unavailable"
+        return JSONResponse({"status": status, "engine": "running" if engine.running else "stopped",
+                             "draining": state.draining, "store": store_health},
+                            status_code=200 if ok and not warming else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

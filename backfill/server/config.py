@@ -19,6 +19,9 @@ from backfill.serving.config import ServingConfig
 from backfill.validation import check_int, check_non_negative, check_positive
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# auto: the faster one where it is installed (uvicorn[standard]'s httptools, uvloop), else the fallback.
+HTTP_PARSERS = ("auto", "httptools", "h11")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 TINY_KV_CACHE_GB = 0.0625   # the tiny test model needs a few MiB of KV, not the real model's 1 GiB
 
 
@@ -58,6 +61,10 @@ class ServerConfig:
                                    "long, s", group="server")
     body_timeout_s: float = knob(30.0, "answer 408 when a request body stalls this long between reads, s",
                                  group="server")
+    http_parser: str = knob("auto", "HTTP/1.1 parser: httptools (C) or h11 (pure Python); auto: httptools where "
+                            "installed", group="server", choices=HTTP_PARSERS)
+    event_loop: str = knob("auto", "event loop: uvloop or asyncio's own; auto: uvloop where installed",
+                           group="server", choices=EVENT_LOOPS)
     serving: ServingConfig | None = None   # the engine config (config_from_args fills it)
 
     def __post_init__(self) -> None:
@@ -78,6 +85,10 @@ class ServerConfig:
             raise ServerConfigError("api_key must be a non-empty string")
         if self.served_model_name is not None and not self.served_model_name:
             raise ServerConfigError("served_model_name must be a non-empty string")
+        for name, value, allowed in (("http_parser", self.http_parser, HTTP_PARSERS),
+                                     ("event_loop", self.event_loop, EVENT_LOOPS)):
+            if value not in allowed:
+                raise ServerConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.log_level not in LOG_LEVELS:
             raise ServerConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

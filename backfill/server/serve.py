@@ -44,21 +44,23 @@ def run_server(args: argparse.Namespace) -> int:
 
 def serve(config: ServerConfig) -> int:
     from backfill.server.app import create_app
-    from backfill.server.http_timeouts import header_timeout_protocol
+    from backfill.server.http_timeouts import header_timeout_protocol, resolve_event_loop
     from backfill.server.store import Store
     from backfill.serving.build import build_engine, build_tiny_engine
 
     logging.basicConfig(level=logging.INFO if config.log_level in ("info", "debug", "trace") else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loop = resolve_event_loop(config.event_loop)   # a missing uvloop fails before the model loads
+    http = header_timeout_protocol(config.header_timeout_s, config.http_parser)
     store = Store(config.db_path, fresh=config.fresh_db)
     try:
         engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
         app = create_app(engine, config, store)
-        log.info("serving %s on http://%s:%d (database %s)", config.served_model_name or engine.model_name,
-                 config.host, config.port, config.db_path)
+        log.info("serving %s on http://%s:%d (database %s; %s, %s loop)", config.served_model_name or engine.model_name,
+                 config.host, config.port, config.db_path, http.__name__, loop)
         uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                         timeout_graceful_shutdown=config.drain_timeout_s, lifespan="on",
-                                        access_log=False, http=header_timeout_protocol(config.header_timeout_s))
+                                        access_log=False, http=http, loop=loop)
         server = DrainingServer(uvicorn_config, on_exit=app.state.backfill.begin_drain)
         try:
             server.run()

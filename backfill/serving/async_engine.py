@@ -69,6 +69,11 @@ class AsyncEngine:
     def running(self) -> bool:
         return self._loop_future is not None and not self._loop_future.done()
 
+    @property
+    def warming_up(self) -> bool:
+        """The runner still compiles in the background (engine/compiled_decode.py's buckets)."""
+        return bool(getattr(self.scheduler.runner, "warming_up", False))
+
     async def start(self) -> None:
         if self.running:
             return

@@ -67,7 +67,7 @@ def test_http_error_raises_target_error(server):
 
 
 def test_connection_refused_is_a_target_error():
-    with pytest.raises(TargetError, match="ConnectError"):
+    with pytest.raises(TargetError, match="Connect"):
         asyncio.run(_collect(HttpTarget(f"http://127.0.0.1:{free_port()}", "m"), _req()))
 
 
@@ -91,3 +91,54 @@ def test_bad_arguments():
         HttpTarget("http://x", "m", max_connections=0)
     with pytest.raises(WorkloadError, match="offline_mark"):
         HttpTarget("http://x", "m", offline_mark="low")
+
+
+@pytest.fixture(scope="module")
+def backfill_server(tmp_path_factory):
+    """`python -m backfill.server --tiny` on 127.0.0.1: the real server, its HTTP stack and /metrics."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    port = free_port()
+    root = Path(__file__).resolve().parents[2]
+    db = tmp_path_factory.mktemp("serve") / "s.db"
+    proc = subprocess.Popen([sys.executable, "-m", "backfill.server", "--tiny", "--port", str(port), "--db", str(db),
+                             "--log-level", "warning"], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_against_backfill_serve_counts_every_token_and_reads_its_gauges(backfill_server):
+    async def go():
+        async with HttpTarget(backfill_server, "tiny-random", prompt_as="token_ids") as target:
+            online = [c async for c in target.generate(BenchRequest("r0", 0.0, "online", (5, 6, 7), "", 6))]
+            offline = [c async for c in target.generate(BenchRequest("r1", None, "offline", (8, 9), "", 4))]
+            return online, offline, await target.sample_stats()
+    online, offline, stats = asyncio.run(go())
+    assert sum(c.num_tokens for c in online) == 6 and online[-1].prompt_tokens == 3
+    assert sum(c.num_tokens for c in offline) == 4 and offline[-1].prompt_tokens == 2
+    assert stats and all(isinstance(v, float) for v in stats.values())
+
+
+def test_against_backfill_serve_a_bad_request_is_a_target_error(backfill_server):
+    too_long = BenchRequest("r2", 0.0, "online", (5,), "", 10**6)   # past the context length: 400
+    with pytest.raises(TargetError, match="HTTP 400"):
+        asyncio.run(_collect(HttpTarget(backfill_server, "tiny-random", prompt_as="token_ids"), too_long))

@@ -3,6 +3,7 @@ and the metrics cover tokens, end-to-end latency and the offline backlog."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import socket
 import threading
@@ -26,12 +27,17 @@ def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float
         data += chunk
 
 
-@pytest.fixture(scope="module")
-def server_process(tmp_path_factory):
+# Both HTTP parsers carry the header deadline (server/http_timeouts.py); httptools where installed.
+PARSERS = ["h11", pytest.param("httptools", marks=pytest.mark.skipif(
+    importlib.util.find_spec("httptools") is None, reason="httptools is not installed"))]
+
+
+@pytest.fixture(scope="module", params=PARSERS)
+def server_process(tmp_path_factory, request):
     from server_helpers import ServerProcess
 
     proc = ServerProcess(tmp_path_factory.mktemp("ops") / "s.db", None, "--header-timeout-s", "1",
-                         "--body-timeout-s", "1", "--log-level", "info")
+                         "--body-timeout-s", "1", "--log-level", "info", "--http-parser", request.param)
     try:
         yield proc.wait_ready(timeout_s=240)   # generous: CI machines can be slow to import torch
     finally:
@@ -56,6 +62,36 @@ def test_trickled_headers_do_not_reset_the_deadline(server_process):
         except OSError:
             pass                  # closed under us: what should happen
         assert time.monotonic() - started < 10 or sock.recv(10) == b""
+
+
+def test_an_idle_keep_alive_connection_gets_the_header_deadline_again(server_process):
+    with socket.create_connection(("127.0.0.1", server_process.port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, took_s = read_until_closed(sock, limit_s=15)
+    # The response, then the close at the 1 s header deadline, before uvicorn's 5 s keep-alive.
+    assert data.startswith(b"HTTP/1.1 200") and took_s < 4
+
+
+def test_unknown_or_missing_parser_and_loop_are_config_errors(monkeypatch):
+    from backfill.errors import ServerConfigError
+    from backfill.server.config import ServerConfig
+    from backfill.server import http_timeouts
+
+    with pytest.raises(ServerConfigError, match="http_parser"):
+        ServerConfig(http_parser="picohttp")
+    with pytest.raises(ServerConfigError, match="event_loop"):
+        ServerConfig(event_loop="trio")
+    with pytest.raises(ServerConfigError, match="http_parser"):
+        http_timeouts.resolve_http_parser("picohttp")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real_find_spec(name, *a))
+    assert http_timeouts.resolve_event_loop("auto") == "asyncio"
+    assert http_timeouts.resolve_http_parser("auto") == "h11"
+    with pytest.raises(ServerConfigError, match="uvloop package is not installed"):
+        http_timeouts.resolve_event_loop("uvloop")
+    with pytest.raises(ServerConfigError, match="httptools package is not installed"):
+        http_timeouts.header_timeout_protocol(1.0, "httptools")
 
 
 def test_short_body_gets_408_and_the_connection_closes(server_process):
@@ -108,3 +144,27 @@ def test_metrics_tokens_latency_and_backlog(tmp_path):
         assert 'backfill_e2e_request_latency_seconds_count{class="offline"} 2.0' in text
         assert 'backfill_batches{status="completed"} 1.0' in text
         assert "backfill_batch_lines_waiting 0.0" in text
+
+
+def test_health_says_warming_up_while_decode_buckets_compile(tmp_path):
+    from backfill.engine.compiled_decode import CompiledDecode
+
+    with live_server(tmp_path) as server:
+        model = server.state.engine.scheduler.runner.model
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        # A compile thread still running, as compile_buckets(background=True) leaves one after load.
+        done = threading.Event()
+        compiled = CompiledDecode.__new__(CompiledDecode)
+        compiled._bucket_thread = threading.Thread(target=done.wait, daemon=True)
+        compiled._bucket_thread.start()
+        model.compiled_decode = compiled
+        try:
+            response = httpx.get(f"{server.url}/health")
+            assert response.status_code == 503 and response.json()["status"] == "warming_up"
+            # Requests are served meanwhile: only readiness waits for the warm-up.
+            assert httpx.get(f"{server.url}/v1/models").status_code == 200
+        finally:
+            done.set()
+            compiled._bucket_thread.join(5)
+            model.compiled_decode = None
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
