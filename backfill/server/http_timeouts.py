@@ -48,21 +48,10 @@ class _HeaderDeadline:
                              self.header_timeout_s)
             self.transport.close()
 
-
-class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
-    """h11: the peer's state is IDLE until a request's headers are complete."""
-
-    def _awaiting_headers(self) -> bool:
-        return self.conn.their_state is h11.IDLE
-
+    # Cooperative overrides: the mixin comes first in each protocol's bases, so super() is uvicorn's.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if not self._awaiting_headers():   # the headers of the current request are complete
-            self._disarm_header_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -72,6 +61,18 @@ class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
+
+
+class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
+    """h11: the peer's state is IDLE until a request's headers are complete."""
+
+    def _awaiting_headers(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if not self._awaiting_headers():   # the headers of the current request are complete
+            self._disarm_header_timer()
 
 
 def _httptools_protocol() -> type:
@@ -84,22 +85,9 @@ def _httptools_protocol() -> type:
         def _awaiting_headers(self) -> bool:
             return (self.cycle is None or self.cycle.response_complete) and not self.pipeline
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_timer()
-
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self._awaiting_headers():
-                self._arm_header_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_timer()
-            super().connection_lost(exc)
 
     return HttpToolsHeaderTimeoutProtocol
 
