@@ -354,6 +354,8 @@ def main() -> int:
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    # A run stopped by SIGTERM (e.g. `timeout`) still stops its server: it runs in its own session.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out = args.out.resolve()   # the baseline part's client runs in the baseline checkout
     if args.medians_of:
         rows = medians(args.medians_of)

@@ -191,12 +191,14 @@ def run_loop(coro, client_loop: str = "auto"):
     """Run the bursts on uvloop where it is installed (auto) or asked for: the load generator's
     event loop costs CPU on the cores the engine steps on, and uvloop's costs less a token."""
     if client_loop not in CLIENT_LOOPS:
+        coro.close()   # never run: close it, or it warns that it was never awaited
         raise WorkloadError(f"client_loop must be one of {', '.join(CLIENT_LOOPS)}, got {client_loop!r}")
     if client_loop != "asyncio":
         try:
             import uvloop
         except ImportError:
             if client_loop == "uvloop":
+                coro.close()
                 raise WorkloadError("client_loop 'uvloop' asked for, but uvloop is not installed") from None
         else:
             return uvloop.run(coro), "uvloop"
