@@ -4,6 +4,15 @@ engine in-process, one after the other in one run, with the ratios side by side.
     flock /tmp/bench.lock nice -n -5 python scripts/serve_overhead.py runs/overhead
     python scripts/serve_overhead.py runs/overhead --parts serve --py-spy 64   # profile the server
     python scripts/serve_overhead.py runs/all --medians-of runs/a runs/b runs/c  # medians of runs
+    flock /tmp/bench.lock nice -n -5 python scripts/serve_overhead.py runs/paired --interleave 8  # paired
+
+--interleave PAIRS (paired mode) starts the server, then one client process that holds the engine
+in-process too (`python -m backfill.bench.paired_bursts`) and, per level, alternates single
+bursts between the two in ABBA order with --settle-s of idle before each; OUTDIR/paired.json has
+per level the median of the per-pair ratios (tok/s and P50 TPOT, server over in-process) with an
+order-statistic 95% interval, and the CPU ms per token of the load generator's loop, the
+server's loop and the in-process loop. --aa runs both arms on the engine in-process (no server):
+the design's own ratio for two equal arms. --client-loop picks the client's event loop.
 
 Starts `python -m backfill.server` (`backfill serve`) (bf16, compiled decode, the default policy) on a free 127.0.0.1
 port, runs `python -m backfill.bench.concurrency_burst --url ... --server-pid ...`, stops the
@@ -93,11 +102,10 @@ def burst_args(args: argparse.Namespace, json_path: Path, python: str = sys.exec
             "--bursts", str(args.bursts), "--json", str(json_path), *ENGINE_FLAGS]
 
 
-def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve",
-              python: str = sys.executable, settle_s: float = 0.0) -> None:
-    """Bursts against a server run from the checkout at root, by a client from the same checkout."""
+def start_server(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve",
+                 python: str = sys.executable) -> tuple[str, subprocess.Popen]:
+    """`backfill serve` (ENGINE_FLAGS) from the checkout at root on a free port; stop() it after."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = open(out / f"{name}.log", "w")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=f"/tmp/torch-ext-{root.name}")
     server = subprocess.Popen([python, "-m", "backfill.server", "--host", "127.0.0.1", "--port", str(port),
@@ -107,6 +115,47 @@ def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str 
                                "--max-online-queue", "100000", "--admission-ttft-share", "inf",
                                "--log-level", "warning", *args.serve_args],
                               cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return f"http://127.0.0.1:{port}", server
+
+
+def run_interleaved(args: argparse.Namespace, out: Path) -> None:
+    """One client process holds the engine in-process and drives the server: per level, --interleave
+    pairs of one burst each, in ABBA order (backfill.bench.paired_bursts). --aa: both arms in-process."""
+    url, server = (None, None) if args.aa else start_server(args, out)
+    try:
+        if server is not None:
+            wait_healthy(url, server, 600)
+        cmd = [sys.executable, "-m", "backfill.bench.paired_bursts", "--concurrency", *map(str, args.concurrency),
+               "--pairs", str(args.interleave), "--settle-s", str(args.settle_s), "--client-loop", args.client_loop,
+               "--json", str(out / "paired.json"), *ENGINE_FLAGS]
+        cmd += ["--arms", "in-process", "in-process"] if args.aa else ["--url", url, "--server-pid", str(server.pid)]
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            raise SystemExit("the paired bursts failed")
+    finally:
+        if server is not None:
+            stop(server)
+
+
+def print_paired(rows: list[dict], arms: dict) -> None:
+    a, b = arms["a"], arms["b"]
+    print(f"| streams | pairs | tok/s {a} / {b} | tok/s ratio [interval] | throughput overhead "
+          f"| P50 TPOT ms {a} / {b} | TPOT ratio [interval] | TPOT overhead "
+          f"| CPU ms/token: client loop / server loop / in-process loop |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    g = lambda c: f"{c:.3f}" if c is not None else "-"   # noqa: E731
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['pairs']} | {r['a_tok_s']:.1f} / {r['b_tok_s']:.1f} | "
+              f"{r['tok_s_ratio']:.3f} [{r['tok_s_ratio_low']:.3f}, {r['tok_s_ratio_high']:.3f}] | "
+              f"{r['throughput_overhead_pct']:.1f}% | {r['a_p50_tpot_ms']:.1f} / {r['b_p50_tpot_ms']:.1f} | "
+              f"{r['tpot_ratio']:.3f} [{r['tpot_ratio_low']:.3f}, {r['tpot_ratio_high']:.3f}] | "
+              f"{r['tpot_overhead_pct']:.1f}% | {g(r['a_loop_ms_per_token'])} / {g(r['a_server_loop_ms_per_token'])} "
+              f"/ {g(r['b_loop_ms_per_token'])} |")
+
+
+def run_serve(args: argparse.Namespace, out: Path, root: Path = ROOT, name: str = "serve",
+              python: str = sys.executable, settle_s: float = 0.0) -> None:
+    """Bursts against a server run from the checkout at root, by a client from the same checkout."""
+    url, server = start_server(args, out, root, name, python)
     spy = None
     try:
         wait_healthy(url, server, 600)
@@ -294,9 +343,19 @@ def main() -> int:
                              "wait for compiled decode's background compile)")
     parser.add_argument("--side-load-ms", type=float, default=0.55,
                         help="in-process-side-load: CPU ms in every 10 ms of a process beside the engine")
+    parser.add_argument("--interleave", type=int, default=0, metavar="PAIRS",
+                        help="paired mode: one process drives the server and holds the engine in-process, "
+                             "PAIRS ABBA-ordered pairs of one burst each per level (writes OUT/paired.json)")
+    parser.add_argument("--settle-s", type=float, default=1.0, help="paired mode: idle before each burst")
+    parser.add_argument("--client-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                        help="paired mode: the load generator's event loop (auto: uvloop where installed)")
+    parser.add_argument("--aa", action="store_true",
+                        help="paired mode: both arms on the engine in-process, no server (the design's own A/A)")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="extra `backfill serve` flags (last on the line)")
     args = parser.parse_args()
+    # A run stopped by SIGTERM (e.g. `timeout`) still stops its server: it runs in its own session.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out = args.out.resolve()   # the baseline part's client runs in the baseline checkout
     if args.medians_of:
         rows = medians(args.medians_of)
@@ -309,6 +368,8 @@ def main() -> int:
         args.parts = [*(["serve-baseline"] if args.baseline_root else []), "serve", "in-process"]
     if "serve-baseline" in args.parts and args.baseline_root is None:
         parser.error("serve-baseline needs --baseline-root")
+    if args.interleave < 0 or (args.aa and not args.interleave):
+        parser.error("--interleave takes a positive number of pairs; --aa needs it")
     if args.py_spy is not None and args.py_spy not in args.concurrency:
         parser.error("--py-spy must name one of the --concurrency levels")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -316,6 +377,19 @@ def main() -> int:
     # A kernel cache per checkout: checkouts sharing one rebuild each other's kernels.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"/tmp/torch-ext-{ROOT.name}")
     started = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg()}
+    if args.interleave:
+        run_interleaved(args, args.out)
+        paired = json.loads((args.out / "paired.json").read_text())
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        doc = {"started": started, "ended": {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                             "loadavg": os.getloadavg()},
+               "machine": f"{_cpu_model()}, {os.cpu_count()} cores", "python": platform.python_version(),
+               "commit": commit.stdout.strip(), "engine_flags": ENGINE_FLAGS, **paired}
+        (args.out / "paired.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"load average {started['loadavg'][0]:.2f} at the start, {doc['ended']['loadavg'][0]:.2f} at the end; "
+              f"client loop {doc['client_loop']}")
+        print_paired(doc["levels"], doc["arms"])
+        return 0
     for part in args.parts:
         if part == "serve-baseline":
             run_serve(args, args.out, args.baseline_root.resolve(), "serve-baseline", args.baseline_python,
