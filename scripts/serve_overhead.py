@@ -36,15 +36,14 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))   # this checkout's backfill, as the `-m` subprocesses (cwd ROOT) get
+from backfill.bench.server_process import free_port, stop, wait_healthy  # noqa: E402
 ENGINE_FLAGS = ["--dtype", "bfloat16", "--compile-decode"]
 SEED_PROFILE = "docs/results/profile-cpu-zen5-bf16-cd-p6.json"
 
@@ -64,37 +63,6 @@ def seed_profile() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / SEED_PROFILE, path)
         print(f"seeded {path} from {SEED_PROFILE}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server was not healthy within {timeout_s:g} s")
-
-
-def stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 def burst_args(args: argparse.Namespace, json_path: Path, python: str = sys.executable) -> list[str]:

@@ -43,14 +43,26 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> 
 
 
 def stop(proc: subprocess.Popen, drain_timeout_s: float = 60.0) -> None:
+    """SIGTERM (the graceful drain), then SIGKILL; to its whole process group when the server was
+    started in a session of its own (start_new_session), so nothing it started outlives it."""
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    _signal(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=drain_timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _signal(proc, signal.SIGKILL)
         proc.wait()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except ProcessLookupError:   # it ended meanwhile
+        pass
 
 
 @contextmanager
