@@ -293,11 +293,23 @@ def run_http_with_baseline(url: str, model: str, scenario: CoserveScenario, toke
     same server: ratios to the server's own online-only latency exist for any server. The second
     run's SLO attainment is counted against the first run's P99s, as in-process modes are."""
     base_label = f"{label} {BASELINE}"
-    common = dict(api_key=api_key, offline_mark=offline_mark, progress=progress, write=False)
-    alone = run_http_bench(url, model, scenario, tokenizer, latency, label=base_label, with_offline=False, **common)
-    slo = SLO(scenario.ttft_slo_ms or alone.metrics.online.ttft_ms.p99 or 1e6,
-              scenario.tpot_slo_ms or alone.metrics.online.tpot_ms.p99 or 1e6)
-    both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, slo=slo, **common)
+    alone = run_http_bench(url, model, scenario, tokenizer, latency, label=base_label, api_key=api_key,
+                           with_offline=False, offline_mark=offline_mark, progress=progress, write=False)
+    online = alone.metrics.online
+    return _coserved_against(url, model, scenario, tokenizer, latency, base_label, alone, online.ttft_ms.p99,
+                             online.tpot_ms.p99, label=label, api_key=api_key, out_dir=out_dir,
+                             offline_mark=offline_mark, progress=progress)
+
+
+def _coserved_against(url: str, model: str, scenario: CoserveScenario, tokenizer, latency: LatencyModel,
+                      base_label: str, alone: ModeResult, p99_ttft_ms: float | None, p99_tpot_ms: float | None, *,
+                      label: str, api_key: str | None, out_dir: str | Path, offline_mark: str,
+                      progress: bool) -> dict[str, ModeResult]:
+    """The trace with the offline backlog, its SLO attainment counted against the online-only run's
+    P99s (unless the scenario states SLOs), as in-process modes are; the report has both runs."""
+    slo = SLO(scenario.ttft_slo_ms or p99_ttft_ms or 1e6, scenario.tpot_slo_ms or p99_tpot_ms or 1e6)
+    both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, api_key=api_key, slo=slo,
+                          offline_mark=offline_mark, progress=progress, write=False)
     results = {base_label: alone, label: both}
     write_report(results, out_dir, baseline=base_label)
     return results
@@ -329,12 +341,9 @@ def run_http_coserved(url: str, model: str, scenario: CoserveScenario, tokenizer
     from backfill.bench.http_baseline import read_baseline
 
     base_label, alone, doc = read_baseline(baseline_file, asdict(scenario))   # before minutes of load
-    slo = SLO(scenario.ttft_slo_ms or doc["p99_ttft_ms"], scenario.tpot_slo_ms or doc["p99_tpot_ms"])
-    both = run_http_bench(url, model, scenario, tokenizer, latency, label=label, api_key=api_key, slo=slo,
-                          offline_mark=offline_mark, progress=progress, write=False)
-    results = {base_label: alone, label: both}
-    write_report(results, out_dir, baseline=base_label)
-    return results
+    return _coserved_against(url, model, scenario, tokenizer, latency, base_label, alone, doc["p99_ttft_ms"],
+                             doc["p99_tpot_ms"], label=label, api_key=api_key, out_dir=out_dir,
+                             offline_mark=offline_mark, progress=progress)
 
 
 def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
