@@ -2,7 +2,7 @@
 metrics with vLLM `bench serve` conventions, and reports.
 
 Names are imported lazily (PEP 562) so `backfill bench engine` does not pay for matplotlib
-and aiohttp; `from backfill.bench import run_workload` works as usual.
+and the HTTP client; `from backfill.bench import run_workload` works as usual.
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
     warmup = max(levels) if shape.warmup_requests is None else shape.warmup_requests
     if warmup:
         await run_workload(target, burst_workload(prompts, replace(shape, output_tokens=shape.warmup_tokens), warmup,
-                                                  index), progress=False, start_delay_s=0.0)
+                                                  index),
+                           progress=False, sample_interval_s=None, start_delay_s=0.0)
     results = []
     for concurrency in levels:
         bursts = []
@@ -136,7 +137,7 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
         for _ in range(shape.bursts):
             index += 1
             run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
-                                     start_delay_s=0.0)
+                                     sample_interval_s=None, start_delay_s=0.0)
             bursts.append(run.records)
         result = level_result(concurrency, bursts, time.process_time() - cpu0,
                               process_cpu_s(server_pid) - server0 if server0 is not None else None,

@@ -37,12 +37,14 @@ class RunResult:
 
 
 async def run_workload(target: Target, workload: Workload, *, progress: bool = True,
-                       sample_interval_s: float = 1.0, drain_offline: bool = False,
+                       sample_interval_s: float | None = 1.0, drain_offline: bool = False,
                        start_delay_s: float = 0.05) -> RunResult:
-    """Drive `workload` against `target`; times in the records are seconds since t0."""
+    """Drive `workload` against `target`; times in the records are seconds since t0. The target's
+    gauges are sampled every sample_interval_s where it has them (None: never; reading a server's
+    /metrics costs CPU on both sides, which a run measuring the server's own cost must not add)."""
     if not isinstance(target, Target):
         raise WorkloadError(f"{type(target).__name__} is not a benchmark Target (it needs generate())")
-    if sample_interval_s <= 0 or start_delay_s < 0:
+    if (sample_interval_s is not None and sample_interval_s <= 0) or start_delay_s < 0:
         raise WorkloadError("sample_interval_s must be > 0 and start_delay_s >= 0")
     run = _Run(target, workload, progress, drain_offline)
     return await run.go(sample_interval_s, start_delay_s)
@@ -67,12 +69,12 @@ class _Run:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def go(self, sample_interval_s: float, start_delay_s: float) -> RunResult:
+    async def go(self, sample_interval_s: float | None, start_delay_s: float) -> RunResult:
         self.t0 = time.monotonic() + start_delay_s
         started_unix_s = time.time() + start_delay_s
         backlogs = [asyncio.create_task(self._backlog(b)) for b in self.workload.offline_backlogs]
         sampler = (asyncio.create_task(self._sample(sample_interval_s))
-                   if isinstance(self.target, StatsSource) else None)
+                   if sample_interval_s is not None and isinstance(self.target, StatsSource) else None)
         try:
             await self._open_loop()
             if self.workload.duration_s is not None:

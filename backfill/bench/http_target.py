@@ -14,9 +14,9 @@ later under `--scheduling-policy priority`), or both; a server ignores the field
 sample_stats() reads gauges from the server's Prometheus /metrics (queue lengths, KV-cache use);
 a server without /metrics yields {}.
 
-The client is aiohttp, as in vLLM's own serving benchmark: the load generator shares the machine
-with the server under test, and aiohttp's C-accelerated HTTP parser costs it less CPU per token
-than a pure-Python client (docs/peers.md measures both).
+The client is bench/sse_client.py's: the load generator shares the machine with the server under
+test, and parsing the stream in the protocol with httptools costs it less CPU a token than
+aiohttp's line reader or a pure-Python client (docs/peers.md measures them).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from backfill.bench.sse_client import StreamClient
 from backfill.bench.target import StreamChunk
 from backfill.bench.workload import BenchRequest
 from backfill.errors import TargetError, WorkloadError
@@ -38,9 +38,6 @@ from backfill.serving.api import RequestClass
 OFFLINE_MARKS = ("flex", "priority", "both")
 # vLLM's priority scheduling serves lower values first; online requests keep its default 0.
 OFFLINE_PRIORITY = 1
-
-# A stream line longer than this raises in aiohttp's reader; SSE lines are far shorter.
-READ_BUFFER_BYTES = 2**20
 
 # Gauges worth plotting next to throughput; matched as substrings of the metric name.
 STAT_PATTERNS = ("running", "waiting", "swapped", "queue", "cache_usage", "kv_", "preempt")
@@ -65,22 +62,9 @@ class HttpTarget:
         self.temperature = temperature
         self.extra_body = dict(extra_body or {})
         self.offline_mark = offline_mark
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._max_connections = max_connections
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=30.0)
-        self._client: aiohttp.ClientSession | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = StreamClient(self.base_url, headers, max_connections=max_connections, timeout_s=timeout_s)
         self._metrics_available = True
-
-    def _http(self) -> aiohttp.ClientSession:
-        # A session's pooled connections belong to one event loop; a new run (asyncio.run) gets a new one.
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop or self._client.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
-            self._client = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers,
-                                                 read_bufsize=READ_BUFFER_BYTES)
-            self._client_loop = loop
-        return self._client
 
     def payload(self, request: BenchRequest) -> dict:
         body = {"model": self.model,
@@ -102,8 +86,6 @@ class HttpTarget:
         try:
             async for chunk in stream:
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise TargetError(f"{type(exc).__name__} talking to {self.base_url}: {exc}") from exc
         finally:
             await stream.aclose()  # closes the HTTP response too when the caller stops early
 
@@ -111,17 +93,11 @@ class HttpTarget:
         pending: StreamChunk | None = None
         counted = 0
         usage: dict | None = None
-        async with self._http().post(f"{self.base_url}/v1/completions", json=self.payload(request)) as resp:
-            if resp.status != 200:
-                body = (await resp.read()).decode("utf-8", errors="replace")
-                raise TargetError(f"HTTP {resp.status} from {self.base_url}: {body[:500]}")
-            async for raw in resp.content:   # one SSE line at a time
-                now = time.monotonic()
-                if not raw.startswith(b"data:"):
-                    continue
-                data = raw[len(b"data:"):].strip()
+        events = self._client.events("/v1/completions", json.dumps(self.payload(request)).encode())
+        try:
+            async for when, data in events:
                 if data == b"[DONE]":
-                    break
+                    continue   # the response ends right after it; reading to its end keeps the connection
                 try:
                     obj = json.loads(data)
                 except json.JSONDecodeError:
@@ -135,8 +111,10 @@ class HttpTarget:
                 if n:
                     if pending is not None:
                         yield pending
-                    pending = StreamChunk(now, n)
+                    pending = StreamChunk(when, n)
                     counted += n
+        finally:
+            await events.aclose()
         extra = 0
         prompt_tokens = None
         if usage is not None:
@@ -151,19 +129,16 @@ class HttpTarget:
         if not self._metrics_available:
             return {}
         try:
-            async with self._http().get(f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
-                if resp.status != 200:
-                    self._metrics_available = False
-                    return {}
-                text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+            status, body = await self._client.get("/metrics")
+        except (TargetError, asyncio.TimeoutError):
             return {}
-        return parse_gauges(text)
+        if status != 200:
+            self._metrics_available = False
+            return {}
+        return parse_gauges(body.decode("utf-8", errors="replace"))
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._client.aclose()
 
     async def __aenter__(self) -> "HttpTarget":
         return self

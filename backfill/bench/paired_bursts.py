@@ -141,7 +141,7 @@ async def _burst(target: Target, prompts: PromptSource, shape: BurstShape, concu
     cpu0, loop0 = time.process_time(), process_cpu_s(me, loop_thread)
     server0 = (process_cpu_s(server_pid), process_cpu_s(server_pid, server_pid)) if server_pid else None
     run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
-                             start_delay_s=0.0)
+                             sample_interval_s=None, start_delay_s=0.0)
     server = ((process_cpu_s(server_pid) - server0[0], process_cpu_s(server_pid, server_pid) - server0[1])
               if server0 else (None, None))
     return level_result(concurrency, [run.records], time.process_time() - cpu0, server[0],
@@ -163,7 +163,8 @@ async def run_paired(a: Target, b: Target, tokenizer, levels: Sequence[int] = DE
     warmup = max(levels) if shape.warmup_requests is None else shape.warmup_requests
     for target in (a, b) if warmup else ():
         await run_workload(target, burst_workload(prompts, replace(shape, output_tokens=shape.warmup_tokens), warmup,
-                                                  index), progress=False, start_delay_s=0.0)
+                                                  index),
+                           progress=False, sample_interval_s=None, start_delay_s=0.0)
     arms = {"a": (a, a_server_pid), "b": (b, None)}
     out = []
     for concurrency in levels:

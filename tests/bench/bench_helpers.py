@@ -79,6 +79,7 @@ class FakeOpenAIServer:
         self.max_running = 0
         self.bodies: list[dict] = []
         self.disconnects = 0
+        self.metrics_reads = 0
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -94,6 +95,7 @@ class FakeOpenAIServer:
 
         @app.get("/metrics")
         async def metrics():
+            self.metrics_reads += 1
             return PlainTextResponse("# HELP fake:num_requests_running Streams in flight.\n"
                                      "# TYPE fake:num_requests_running gauge\n"
                                      f'fake:num_requests_running{{model_name="m"}} {self.running}\n'

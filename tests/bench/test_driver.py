@@ -77,6 +77,16 @@ def test_open_loop_online_with_closed_loop_backlog(server):
     assert m.send_lag_ms.count == 8
 
 
+def test_no_sampling_reads_no_metrics(server):
+    # A run measuring the server's own cost must not make it render /metrics meanwhile.
+    reads = server.metrics_reads
+    result = asyncio.run(_run(server, Workload(_online(3, 0.02, 30)), sample_interval_s=None))
+    assert all(r.ok for r in result.records) and result.samples == []
+    assert server.metrics_reads == reads
+    with pytest.raises(WorkloadError, match="sample_interval_s"):
+        asyncio.run(_run(server, Workload(_online(1, 0.0, 1)), sample_interval_s=0.0))
+
+
 def test_drain_offline_lets_running_offline_requests_finish(server):
     wl = Workload(_online(2, 0.02, 3), (_backlog(3, 2, 30),))
     result = asyncio.run(_run(server, wl, drain_offline=True))
