@@ -104,9 +104,17 @@ class AsyncEngine:
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Queue request and return its event stream. Raises a typed error at once on bad input."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.open(request, queue)
+        return self._stream(request.request_id, queue)
+
+    def open(self, request: GenerationRequest, queue: asyncio.Queue[TokenEvent]) -> None:
+        """Queue request with its events put on queue (several requests may share one; an event
+        names its request); close(request_id, finished) once done. Raises a typed error at once
+        on bad input. The server reads its streams' queues directly: every async layer between
+        the engine and the socket costs the event loop CPU per token, beside the engine's step."""
         if not self.running:
             raise EngineStoppedError("engine is not running")
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request.request_id] = queue
         try:
             self.scheduler.add(request)
@@ -114,7 +122,12 @@ class AsyncEngine:
             self._queues.pop(request.request_id, None)
             raise
         self._wake.set()
-        return self._stream(request.request_id, queue)
+
+    def close(self, request_id: str, finished: bool) -> None:
+        """Stop delivering request_id's events; unless it finished, cancel it (frees its blocks)."""
+        self._queues.pop(request_id, None)
+        if not finished:
+            self.cancel(request_id)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
         finished = False
@@ -124,9 +137,7 @@ class AsyncEngine:
                 finished = event.finished
                 yield event
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # the consumer went away: free the request's blocks
-                self.cancel(request_id)
+            self.close(request_id, finished)   # not finished: the consumer went away
 
     def cancel(self, request_id: str) -> None:
         self.scheduler.cancel(request_id)
