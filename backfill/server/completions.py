@@ -6,7 +6,6 @@ byte what the same body would get from POST /v1/chat/completions (bar ids and ti
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -25,6 +24,7 @@ from backfill.server.tool_calls import (ToolCallStream, call_text, forced_gramma
                                         template_defines_tools, tool_schema, tools_system_prompt)
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.event_queue import EventQueue
 
 Kind = Literal["chat", "text"]
 # Like vLLM, temperatures this small mean greedy: dividing logits by e.g. 1e-300 overflows to inf.
@@ -338,7 +338,7 @@ class Generation:
         self.request = prepared.request
         self._engine = service.engine
         self._metrics = service.metrics
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queue: EventQueue[TokenEvent] = EventQueue()
         self._index = {request.request_id: index for index, request in enumerate(self.requests)}
         opened = 0
         try:
