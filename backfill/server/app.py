@@ -34,6 +34,7 @@ from backfill.server.fine_tuning_store import FineTuningStore
 from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
+from backfill.server.sse import DONE
 from backfill.server.store import Store
 from backfill.serving.api import RequestClass
 from backfill.serving.async_engine import AsyncEngine
@@ -162,8 +163,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
             await worker.stop(state.drain_deadline_s)
             await engine.stop()
 
-    app = FastAPI(title="backfill", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible co-serving of online and offline LLM requests")
+    app = ServingApp(title="backfill", version="0.1.0", lifespan=lifespan,
+                     description="OpenAI-compatible co-serving of online and offline LLM requests")
     app.state.backfill = state
     app.add_middleware(AccessLogMiddleware)
     install_error_handlers(app)
@@ -426,6 +427,21 @@ async def until_disconnected(receive: Receive, work: Awaitable[dict]) -> dict:
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
+# The scope key under which ServingApp leaves the ASGI server's send (the one no middleware wraps).
+SERVER_SEND = "backfill.server_send"
+
+
+class ServingApp(FastAPI):
+    """FastAPI that leaves the ASGI server's own send in each HTTP scope, for EventStreamResponse's
+    body chunks. No middleware here rewrites a response body (they add a header, record the
+    status), so past the start message the chunks need none of their send wrappers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 class EventStreamResponse(Response):
     """Server-sent events that stop (and run on_close) the moment the client disconnects.
 
@@ -446,9 +462,15 @@ class EventStreamResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # The body goes to the server's own send: the middlewares' wrappers only look at the
+            # start, and each would be one more coroutine per token on the event loop.
+            send_body = scope.get(SERVER_SEND, send)
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if chunk.endswith(DONE):   # the last events: sent with the end of the body, in one write
+                    await send_body({"type": "http.response.body", "body": chunk, "more_body": False})
+                    return
+                await send_body({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send_body({"type": "http.response.body", "body": b"", "more_body": False})
 
         streamer = asyncio.ensure_future(pump())
         watcher = asyncio.ensure_future(wait_disconnect(receive))

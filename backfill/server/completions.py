@@ -6,12 +6,11 @@ byte what the same body would get from POST /v1/chat/completions (bar ids and ti
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import AsyncGenerator, AsyncIterator, Callable, Literal, Sequence
+from typing import AsyncGenerator, Callable, Literal, Sequence
 
 from backfill.engine.grammar import GrammarCompiler, InvalidGrammarError
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
@@ -25,6 +24,7 @@ from backfill.server.tool_calls import (ToolCallStream, call_text, forced_gramma
                                         template_defines_tools, tool_schema, tools_system_prompt)
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.event_queue import EventQueue
 
 Kind = Literal["chat", "text"]
 # Like vLLM, temperatures this small mean greedy: dividing logits by e.g. 1e-300 overflows to inf.
@@ -262,7 +262,8 @@ class CompletionService:
         return response_body(prepared, outcome, self.token_text)
 
     async def stream_sse(self, prepared: Prepared, events: "Generation") -> AsyncGenerator[bytes, None]:
-        """Server-sent events: chunks (each names its choice index), an optional usage chunk, [DONE]."""
+        """Server-sent events: chunks (each names its choice index), an optional usage chunk, [DONE].
+        The events made at once by the stream's last engine event come as one item ending in DONE."""
         num_prompt = len(prepared.request.prompt_token_ids)
         num_choices = len(prepared.requests)
         chunk = ChunkTemplate(prepared).event
@@ -272,39 +273,43 @@ class CompletionService:
         unfinished = num_choices
         tool_streams = [ToolCallStream(set(prepared.tool_names)) for _ in range(num_choices)] \
             if prepared.tool_names else None
+        last: list[bytes] = []   # what the last engine event made, sent with DONE
         async for index, event in events:
             logprobs = self.logprobs_object(prepared.kind, event.logprobs) if event.logprobs else None
             if tool_streams is not None and not (event.finished and outcome_error(event.finish_reason)):
                 # Tool calls: the text becomes content and tool-call deltas as it is generated.
                 stream = tool_streams[index]
                 deltas = stream.push(event.text) + (stream.finish() if event.finished else [])
-                for delta in deltas[:-1] if event.finished else deltas:
-                    yield chunk(delta, None, index)
+                made = [chunk(delta, None, index) for delta in (deltas[:-1] if event.finished else deltas)]
                 if event.finished:
                     reason = _finish_reason(event.finish_reason, bool(stream.calls))
-                    yield chunk(deltas[-1] if deltas else "", reason, index, logprobs)
+                    made.append(chunk(deltas[-1] if deltas else "", reason, index, logprobs))
                     unfinished -= 1
                     if unfinished == 0:
                         if prepared.include_usage:
-                            yield sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                            made.append(sse(usage_chunk(prepared, num_prompt, events.num_output_tokens)))
+                        last = made
                         break
                 elif logprobs:
-                    yield chunk("", None, index, logprobs)
+                    made.append(chunk("", None, index, logprobs))
+                for item in made:
+                    yield item
                 continue
             if event.finished:
                 error = outcome_error(event.finish_reason)
                 if error is not None:
-                    yield sse(error.body())
+                    last = [sse(error.body())]
                     break
-                yield chunk(event.text, event.finish_reason.value, index, logprobs)
+                made = chunk(event.text, event.finish_reason.value, index, logprobs)
                 unfinished -= 1
                 if unfinished == 0:
-                    if prepared.include_usage:
-                        yield sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))
+                    last = [made, sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))] \
+                        if prepared.include_usage else [made]
                     break
+                yield made
             elif event.text or logprobs:
                 yield chunk(event.text, None, index, logprobs)
-        yield DONE
+        yield b"".join((*last, DONE))
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -322,24 +327,32 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 class Generation:
     """The engine requests of one API request (one per choice), observed for the metrics and the
-    access log; iterating yields (choice index, event); aclose() always (it cancels what is unfinished)."""
+    access log; iterating yields (choice index, event); aclose() always (it cancels what is unfinished).
+
+    Every choice's events arrive on one queue, which iterating reads directly: per token the
+    event loop resumes one coroutine here, not a generator per choice plus a merging one (the
+    loop's CPU per token runs on the cores the engine's step needs)."""
 
     def __init__(self, service: CompletionService, prepared: Prepared) -> None:
         self.requests = prepared.requests
         self.request = prepared.request
         self._engine = service.engine
         self._metrics = service.metrics
-        self._streams = []
+        self._queue: EventQueue[TokenEvent] = EventQueue()
+        self._index = {request.request_id: index for index, request in enumerate(self.requests)}
+        opened = 0
         try:
             for request in self.requests:
-                self._streams.append(service.engine.submit(request))
+                service.engine.open(request, self._queue)
+                opened += 1
         except BaseException:
-            for request in self.requests[:len(self._streams)]:
-                service.engine.cancel(request.request_id)
+            for request in self.requests[:opened]:
+                service.engine.close(request.request_id, finished=False)
             raise
         self._class = prepared.request.request_class.value
         self._metrics.in_flight.labels(self._class).inc()
         self._closed = False
+        self._unfinished = len(self.requests)
         self.finish_reasons: list[FinishReason | None] = [None] * len(self.requests)
         self.output_tokens: list[int] = [0] * len(self.requests)
         self.first_token_s: float | None = None
@@ -354,69 +367,42 @@ class Generation:
     def finish_reason(self) -> FinishReason | None:
         return self.finish_reasons[0]
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        return self._iterate()
+    def __aiter__(self) -> "Generation":
+        return self
 
-    async def _iterate(self) -> AsyncIterator[tuple[int, TokenEvent]]:
-        merged = self._streams[0] if len(self._streams) == 1 else _merge(self._streams)
-        async for item in merged:
-            index, event = (0, item) if len(self._streams) == 1 else item
-            if event.token_ids:
-                if self.first_token_s is None:
-                    self.first_token_s = event.time
-                    self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
-                if self.first_of[index] is None:
-                    self.first_of[index] = event.time
-                if event.scheduled_s is not None:
-                    self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
-                                                                          0.0))
-                self.last_token_s[index] = event.time
-                self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
-            if event.finished:
-                self.finish_reasons[index] = event.finish_reason
-            yield index, event
+    async def __anext__(self) -> tuple[int, TokenEvent]:
+        if self._unfinished == 0 or self._closed:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        index = self._index[event.request_id]
+        if event.token_ids:
+            if self.first_token_s is None:
+                self.first_token_s = event.time
+                self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
+            if self.first_of[index] is None:
+                self.first_of[index] = event.time
+            if event.scheduled_s is not None:
+                self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
+                                                                      0.0))
+            self.last_token_s[index] = event.time
+            self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
+        if event.finished:
+            self.finish_reasons[index] = event.finish_reason
+            self._unfinished -= 1
+        return index, event
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for stream in self._streams:
-            await stream.aclose()
         for index, request in enumerate(self.requests):
-            if self.finish_reasons[index] is None:
-                # The stream may never have started (so its own cleanup never ran): cancel explicitly.
-                self._engine.cancel(request.request_id)
+            # Unfinished (the stream may never have started): cancelled, its blocks freed.
+            self._engine.close(request.request_id, finished=self.finish_reasons[index] is not None)
             self._metrics.observe_finish(self._class, self.finish_reasons[index] or FinishReason.CANCELLED,
                                          self.first_of[index], self.last_token_s[index], self.output_tokens[index])
         self._metrics.in_flight.labels(self._class).dec()
         self._metrics.observe_request(self._class, len(self.request.prompt_token_ids),
                                       time.monotonic() - self.request.arrival_time)
-
-
-async def _merge(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[tuple[int, TokenEvent]]:
-    """Events of several streams as they come, tagged with their stream's index."""
-    queue: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[TokenEvent]) -> None:
-        try:
-            async for event in stream:
-                await queue.put((index, event))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, event = await queue.get()
-            if event is None:
-                remaining -= 1
-            else:
-                yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def collect(prepared: Prepared, generation: Generation) -> Outcome:

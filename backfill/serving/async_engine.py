@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from backfill.errors import EngineStoppedError
 from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
+from backfill.serving.event_queue import EventQueue
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread, start_on_torch_thread
 
@@ -31,7 +32,7 @@ class AsyncEngine:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._queues: dict[str, EventQueue[TokenEvent]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_future: Future | None = None
         self._wake = threading.Event()
@@ -104,9 +105,17 @@ class AsyncEngine:
 
     def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Queue request and return its event stream. Raises a typed error at once on bad input."""
+        queue: EventQueue[TokenEvent] = EventQueue()
+        self.open(request, queue)
+        return self._stream(request.request_id, queue)
+
+    def open(self, request: GenerationRequest, queue: EventQueue[TokenEvent]) -> None:
+        """Queue request with its events put on queue (several requests may share one; an event
+        names its request); close(request_id, finished) once done. Raises a typed error at once
+        on bad input. The server reads its streams' queues directly: every async layer between
+        the engine and the socket costs the event loop CPU per token, beside the engine's step."""
         if not self.running:
             raise EngineStoppedError("engine is not running")
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request.request_id] = queue
         try:
             self.scheduler.add(request)
@@ -114,9 +123,14 @@ class AsyncEngine:
             self._queues.pop(request.request_id, None)
             raise
         self._wake.set()
-        return self._stream(request.request_id, queue)
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    def close(self, request_id: str, finished: bool) -> None:
+        """Stop delivering request_id's events; unless it finished, cancel it (frees its blocks)."""
+        self._queues.pop(request_id, None)
+        if not finished:
+            self.cancel(request_id)
+
+    async def _stream(self, request_id: str, queue: EventQueue[TokenEvent]) -> AsyncIterator[TokenEvent]:
         finished = False
         try:
             while not finished:
@@ -124,9 +138,7 @@ class AsyncEngine:
                 finished = event.finished
                 yield event
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # the consumer went away: free the request's blocks
-                self.cancel(request_id)
+            self.close(request_id, finished)   # not finished: the consumer went away
 
     def cancel(self, request_id: str) -> None:
         self.scheduler.cancel(request_id)

@@ -4,17 +4,18 @@ and finish reason, and through the real app for plain text, logprobs, tool calls
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_helpers import live_server
+from server_helpers import close_app, live_server, make_app
 
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 from backfill.server.completions import Prepared, chunk_body, logprobs_object
-from backfill.server.sse import ChunkTemplate
+from backfill.server.sse import DONE, ChunkTemplate
 from backfill.serving.api import GenerationRequest, RequestClass
 
 # Detokenized text never holds lone surrogates (they cannot be encoded as UTF-8 at all).
@@ -144,3 +145,76 @@ def test_tool_call_deltas_through_the_app(server):
     calls = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls", ())]
     assert calls and calls[0]["function"]["name"] == "get_weather"
     assert chunks[-1]["choices"][0]["finish_reason"] in ("tool_calls", "length")
+
+
+class SeenByMiddleware:
+    """A middleware that records the messages passing through its send wrapper."""
+
+    def __init__(self, app, seen: list[dict]) -> None:
+        self.app, self.seen = app, seen
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def recording(message: dict) -> None:
+            self.seen.append(message)
+            await send(message)
+        await self.app(scope, receive, recording)
+
+
+async def asgi_stream(app, path: str, body: dict) -> list[dict]:
+    """POST a streamed request straight into the app: the messages it sends the server."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5555)}
+    received = asyncio.Event()
+    outer: list[dict] = []
+
+    async def receive() -> dict:
+        if not received.is_set():
+            received.set()
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()   # the client stays
+
+    async def send(message: dict) -> None:
+        outer.append(message)
+
+    await app(scope, receive, send)
+    return outer
+
+
+@pytest.mark.parametrize("path, body, last_events", [
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 6, "ignore_eos": True,
+                         "stream_options": {"include_usage": True}}, 3),   # last chunk, usage, [DONE]
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2,
+                              "ignore_eos": True}, 2),
+])
+def test_body_chunks_go_to_the_server_send_and_the_last_events_end_the_body(tmp_path, path, body, last_events):
+    seen: list[dict] = []
+
+    async def go() -> list[dict]:
+        app = make_app(tmp_path / "asgi.db")
+        app.add_middleware(SeenByMiddleware, seen=seen)
+        await app.state.backfill.engine.start()
+        try:
+            return await asgi_stream(app, path, body)
+        finally:
+            await app.state.backfill.engine.stop()
+            close_app(app)
+    messages = asyncio.run(go())
+    start, *bodies = messages
+    # Only the start passes the middlewares' send wrappers; the body goes to the server's own send.
+    assert [m["type"] for m in seen] == ["http.response.start"]
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    # The start went through the middlewares (the access log adds its header) ...
+    assert any(name == b"x-request-id" for name, _ in start["headers"])
+    # ... and every body message is whole events; the last ends the body with the final events and [DONE].
+    assert all(m["type"] == "http.response.body" and m["body"].endswith(b"\n\n") for m in bodies)
+    assert [m["more_body"] for m in bodies] == [True] * (len(bodies) - 1) + [False]
+    last = bodies[-1]["body"]
+    assert last.endswith(DONE) and last.count(b"data: ") == last_events
+    data = b"".join(m["body"] for m in bodies)[:-2].split(b"\n\n")
+    kind = "chat" if "chat" in path else "text"
+    chunks = check_chunks(kind, [d[len(b"data: "):] for d in data], "stream_options" in body)
+    finished = [c for c in chunks if c["choices"][0]["finish_reason"] is not None]
+    assert len(finished) == body.get("n", 1)
