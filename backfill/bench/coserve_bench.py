@@ -249,7 +249,8 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
     def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
         workload = make_workload(round_scenario, tokenizer, latency, with_offline=spec.with_offline)
         cfg = spec.serving(serving, coserve=replace(serving.coserve, slo=slo))
-        engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name)
+        engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name,
+                             cfg.arrival_gather_ms / 1e3)   # as backfill serve builds it
         label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
         log(f"== {spec.label}{label}: {workload.name}, {len(workload.requests)} online requests, "
             f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")

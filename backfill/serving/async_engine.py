@@ -10,6 +10,7 @@ import gc
 import logging
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
@@ -27,9 +28,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# An idle engine's first step waits for requests arriving together until none has come for this long.
+ARRIVAL_QUIET_S = 0.001
+
+
 class AsyncEngine:
-    def __init__(self, scheduler: Scheduler, tokenizer=None, model_name: str = "backfill") -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer=None, model_name: str = "backfill",
+                 arrival_gather_s: float = 0.0) -> None:
         self.scheduler = scheduler
+        # Requests sent at once reach the engine one by one (over HTTP, each parsed in turn); an idle
+        # engine that stepped on the first would prefill it alone and the rest a step later, and
+        # every earlier request would then decode beside one more prompt-carrying step.
+        self.arrival_gather_s = arrival_gather_s
+        self._last_arrival_s = 0.0
         self.tokenizer = tokenizer
         self.model_name = model_name
         self._queues: dict[str, EventQueue[TokenEvent]] = {}
@@ -122,6 +133,7 @@ class AsyncEngine:
         except Exception:
             self._queues.pop(request.request_id, None)
             raise
+        self._last_arrival_s = time.monotonic()
         self._wake.set()
 
     def close(self, request_id: str, finished: bool) -> None:
@@ -152,15 +164,30 @@ class AsyncEngine:
                 if event.finished:  # the stream holds its own reference; drop ours even if never read
                     self._queues.pop(event.request_id, None)
 
+    def _gather_arrivals(self) -> None:
+        """Wait, from idle, until no request has arrived for ARRIVAL_QUIET_S or arrival_gather_s has passed."""
+        deadline = time.monotonic() + self.arrival_gather_s
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            until = min(self._last_arrival_s + ARRIVAL_QUIET_S, deadline)
+            if now >= until:
+                return
+            time.sleep(until - now)
+
     def _run(self) -> None:
         scheduler = self.scheduler
+        idle = True
         while not self._stopping.is_set():
             self._run_calls()
             if not scheduler.has_work():
                 if self.background is None or not self.background():
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
+                idle = True
                 continue
+            if idle and self.arrival_gather_s > 0:
+                self._gather_arrivals()
+            idle = False
             try:
                 events = scheduler.step()
             except Exception:  # a bug must not strand every waiting client

@@ -146,7 +146,8 @@ def _build_engine(cfg: ServingConfig) -> AsyncEngine:
     loaded = load_model(cfg.model)
     runner = build_runner(loaded.config, loaded.weights, cfg)
     name = loaded.config.name
-    return AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, name), loaded.tokenizer, name)
+    return AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, name), loaded.tokenizer, name,
+                       cfg.arrival_gather_ms / 1e3)
 
 
 def build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None = None, seed: int = 0) -> AsyncEngine:

@@ -13,6 +13,7 @@ from backfill.options import knob
 from backfill.policy.checkpoint import CheckpointConfig
 from backfill.policy.coserve import CoServeConfig
 from backfill.policy.planner import BatchLimits
+from backfill.validation import check_non_negative
 
 POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -61,6 +62,9 @@ class ServingConfig:
                              "(engine/triton_*.py) and sampling on the device", group="engine",
                              choices=CUDA_KERNELS_CHOICES)
     policy: str = knob("coserve", "scheduling policy", group="serving", choices=POLICIES)
+    arrival_gather_ms: float = knob(5.0, "an idle engine gathers requests that arrive together before its first "
+                                    "step: it starts once none has arrived for 1 ms, at most this long after the "
+                                    "first; 0: at once", group="serving")
     max_model_len: int = knob(2048, "longest prompt + output, tokens", group="serving")
     block_size: int = 16
     limits: BatchLimits | None = None  # every policy's batch limits; None: each policy's own default
@@ -80,6 +84,7 @@ class ServingConfig:
             raise InvalidRequestError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_non_negative(InvalidRequestError, "arrival_gather_ms", self.arrival_gather_ms)
         if not self.kv_cache_gb > 0:
             raise InvalidRequestError("kv_cache_gb must be positive")
         if self.block_size < 1 or self.max_model_len < 2:
