@@ -183,12 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = tuple(args.concurrency)
     serving = build(ServingConfig, given(args, engine_options))
     if args.url:
-        import httpx
-
-        from backfill.bench.http_target import HttpTarget
+        from backfill.bench.http_target import HttpTarget, served_model
 
         tokenizer = _tokenizer(serving.model)
-        model = args.served_model or httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
+        model = args.served_model or served_model(args.url)
 
         async def go() -> list[LevelResult]:
             async with HttpTarget(args.url, model, prompt_as="token_ids") as target:

@@ -55,8 +55,7 @@ class HttpTarget:
             raise WorkloadError(f"max_connections must be a positive integer, got {max_connections!r}")
         if offline_mark not in OFFLINE_MARKS:
             raise WorkloadError(f"offline_mark must be one of {', '.join(OFFLINE_MARKS)}, got {offline_mark!r}")
-        root = base_url.rstrip("/")
-        self.base_url = root[: -len("/v1")] if root.endswith("/v1") else root
+        self.base_url = _root(base_url)
         self.model = model
         self.prompt_as = prompt_as
         self.temperature = temperature
@@ -82,14 +81,6 @@ class HttpTarget:
         return body
 
     async def generate(self, request: BenchRequest) -> AsyncIterator[StreamChunk]:
-        stream = self._generate(request)
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()  # closes the HTTP response too when the caller stops early
-
-    async def _generate(self, request: BenchRequest) -> AsyncIterator[StreamChunk]:
         pending: StreamChunk | None = None
         counted = 0
         usage: dict | None = None
@@ -114,7 +105,7 @@ class HttpTarget:
                     pending = StreamChunk(when, n)
                     counted += n
         finally:
-            await events.aclose()
+            await events.aclose()   # closes the HTTP response too when the caller stops early
         extra = 0
         prompt_tokens = None
         if usage is not None:
@@ -145,6 +136,23 @@ class HttpTarget:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+def _root(base_url: str) -> str:
+    """The server's root URL, given with or without a trailing /v1."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def served_model(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model an OpenAI-compatible server lists at /v1/models."""
+    import httpx
+
+    root = _root(base_url)
+    try:
+        return httpx.get(f"{root}/v1/models", timeout=timeout_s).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise TargetError(f"no model listed at {root}/v1/models: {type(exc).__name__}: {exc}") from None
 
 
 def parse_gauges(text: str) -> dict[str, float]:

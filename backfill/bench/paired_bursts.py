@@ -245,12 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         local = InProcessTarget(engine)
         try:
             if args.arms[0] == "http":
-                import httpx
+                from backfill.bench.http_target import HttpTarget, served_model
 
-                from backfill.bench.http_target import HttpTarget
-
-                model = httpx.get(f"{args.url.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-                async with HttpTarget(args.url, model, prompt_as="token_ids") as remote:
+                async with HttpTarget(args.url, served_model(args.url), prompt_as="token_ids") as remote:
                     return await run_paired(remote, local, engine.tokenizer, args.concurrency, args.pairs, shape,
                                             args.settle_s, args.server_pid)
             return await run_paired(local, local, engine.tokenizer, args.concurrency, args.pairs, shape, args.settle_s)

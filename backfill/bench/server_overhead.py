@@ -12,10 +12,9 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
-
 from backfill.bench.coserve_bench import _run_round, load_and_profile, make_workload, pool_rounds, run_http_bench
 from backfill.bench.scenario import CoserveScenario
+from backfill.bench.http_target import served_model
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.server_process import served
 from backfill.options import as_flags, options_of
@@ -45,7 +44,7 @@ def run_server_overhead_bench(scenario: CoserveScenario, serving: ServingConfig,
     if serving.model:
         server_args += ["--model", serving.model]
     with served(server_args) as url:
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = served_model(url)
         results["http"] = run_http_bench(url, model, scenario, loaded.tokenizer, latency, label="http",
                                          out_dir=Path(out_dir) / "http-only", progress=progress)
     write_report(results, out_dir, baseline="in-process")

@@ -201,10 +201,7 @@ class StreamClient:
                     await conn.wait()
             finally:
                 timer.cancel()
-                if conn.reusable():
-                    self._idle.append(conn)
-                else:   # stopped early, failed or not keep-alive: the rest of the response is unwanted
-                    conn.close()
+                self._release(conn)
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """A plain GET: (status, body)."""
@@ -218,11 +215,14 @@ class StreamClient:
                         raise TargetError(f"{type(conn.error).__name__} talking to {self.host}:{self.port}")
                     await asyncio.wait_for(conn.wait(), self._connect_timeout_s)
             finally:
-                if conn.reusable():
-                    self._idle.append(conn)
-                else:
-                    conn.close()
+                self._release(conn)
         return conn.status, bytes(conn.body)
+
+    def _release(self, conn: _Connection) -> None:
+        if conn.reusable():
+            self._idle.append(conn)
+        else:   # stopped early, failed or not keep-alive: the rest of the response is unwanted
+            conn.close()
 
     def _expire(self, conn: _Connection) -> None:
         conn.error = TargetError(f"no complete response from {self.host}:{self.port} within {self._timeout_s:g} s")

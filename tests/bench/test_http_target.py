@@ -3,7 +3,7 @@ import asyncio
 import pytest
 from bench_helpers import FakeOpenAIServer, free_port
 
-from backfill.bench.http_target import HttpTarget, parse_gauges
+from backfill.bench.http_target import HttpTarget, parse_gauges, served_model
 from backfill.bench.workload import BenchRequest
 from backfill.errors import TargetError, WorkloadError
 
@@ -142,3 +142,11 @@ def test_against_backfill_serve_a_bad_request_is_a_target_error(backfill_server)
     too_long = BenchRequest("r2", 0.0, "online", (5,), "", 10**6)   # past the context length: 400
     with pytest.raises(TargetError, match="HTTP 400"):
         asyncio.run(_collect(HttpTarget(backfill_server, "tiny-random", prompt_as="token_ids"), too_long))
+
+
+def test_served_model_reads_the_first_listed_and_errors_are_typed(backfill_server, server):
+    assert served_model(backfill_server + "/v1/") == "tiny-random"
+    with pytest.raises(TargetError, match="no model listed"):
+        served_model(server.base_url)   # answers /v1/models with 404
+    with pytest.raises(TargetError, match="no model listed"):
+        served_model(f"http://127.0.0.1:{free_port()}", timeout_s=2.0)
