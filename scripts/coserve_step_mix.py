@@ -23,7 +23,7 @@ from backfill.engine.weights import random_model_name
 from backfill.options import build
 from backfill.policy import coserve
 from backfill.serving.config import ServingConfig
-from backfill.sim.coserve_sim import load_inputs, simulate_coserve
+from backfill.bench.sim.coserve_sim import load_inputs, simulate_coserve
 
 COLUMNS = ("online tokens", "offline decodes", "offline prompt tokens", "planned ms", "budget ms",
            "offline decoding", "offline waiting for prompt")

@@ -14,9 +14,9 @@ import statistics
 import time
 
 from backfill.bench.engine_bench import _limits, _prompt
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.engine.weights import load_model
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backfill.engine.linear import Linear, MIN_PACKED_BF16_ROWS
-from backfill.engine.runner import SeqChunk
+from backfill.engine.step import SeqChunk
 from backfill.engine.weights import load_model
 from backfill.serving.build import build_runner
 from backfill.serving.config import ServingConfig

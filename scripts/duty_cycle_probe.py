@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from backfill.engine.runner import SeqChunk
+from backfill.engine.step import SeqChunk
 from backfill.engine.weights import load_model
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner

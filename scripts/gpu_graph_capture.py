@@ -15,7 +15,7 @@ import time
 import torch
 
 from backfill.engine.config import ModelConfig
-from backfill.engine.runner import SeqChunk
+from backfill.engine.step import SeqChunk
 from backfill.engine.weights import random_model
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner

@@ -25,7 +25,8 @@ import torch
 
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.engine.weights import load_model
 
 

@@ -21,8 +21,8 @@ import time
 from dataclasses import replace
 
 from backfill.bench.coserve_bench import _drain, load_and_profile
-from backfill.engine.sampling_params import SamplingParams
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_scheduler
 

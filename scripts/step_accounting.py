@@ -20,8 +20,8 @@ from dataclasses import replace
 
 from backfill.bench.coserve_bench import _run_round, load_and_profile, make_workload
 from backfill.bench.scenario import CoserveScenario
-from backfill.serving.api import SLO
-from backfill.policy.coserve import CoServeConfig
+from backfill.types import SLO
+from backfill.policy.config import CoServeConfig
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_scheduler
 from backfill.serving.async_engine import AsyncEngine

@@ -66,7 +66,7 @@ def shown_commands(text: str) -> list[list[str]]:
 
 
 def _node_bench_parses(argv: list[str]) -> None:
-    from backfill.node.bench import build_parser as node_bench_parser
+    from backfill.bench.node_bench import build_parser as node_bench_parser
 
     node_bench_parser().parse_args(argv)
 

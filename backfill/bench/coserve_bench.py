@@ -52,7 +52,7 @@ from backfill.bench.workload import OfflineSpec, Workload, build_workload
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.model_error import summarize
-from backfill.serving.api import SLO
+from backfill.types import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler, load_or_profile
 from backfill.serving.async_engine import AsyncEngine

@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from backfill.engine.sampling_params import SamplingParams
-from backfill.engine.runner import SeqChunk
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.engine.step import SeqChunk
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler
 

@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 from backfill.errors import InvalidRequestError
 from backfill.options import build, options_of
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.serving.config import ServingConfig
 
 POLICIES = ("online-only", "fcfs", "priority", "coserve")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import Linear, matmul_kernel_for
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.step import Safepoint, StepAborted, SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
@@ -35,16 +35,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([x[..., half:].neg(), x[..., :half]], dim=-1)
     return torch.addcmul(x * cos, rotated, sin)
-
-
-class StepAborted(Exception):
-    """Raised inside forward when the safepoint asks to abort: the layer reached and, where the
-    path can continue from there (the eager one), the suspended step to continue."""
-
-    def __init__(self, layer: int, suspended: SuspendedStep | None = None) -> None:
-        super().__init__(f"step aborted before layer {layer}")
-        self.layer = layer
-        self.suspended = suspended
 
 
 @dataclass
@@ -72,8 +62,6 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [Bd] tokens each decoding sequence attends to
     lora: LoraBatch | None = None  # the step's LoRA adapters by token (engine/lora.py); None: base model only
 
-
-Safepoint = Callable[[int], bool]
 
 
 LM_HEAD_SLICES = 4  # safepoints inside the LM head of an abortable step (see forward)

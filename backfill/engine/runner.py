@@ -17,8 +17,8 @@ import torch
 
 from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PrefillSpan, Safepoint, StepAborted
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.model import LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PrefillSpan
+from backfill.engine.step import Safepoint, SeqChunk, StepAborted, SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
@@ -50,25 +50,6 @@ def paced_on_gpu(safepoint: Safepoint) -> Safepoint:
         return safepoint(layer)
 
     return paced
-
-
-@dataclass
-class SeqChunk:
-    """Feed token_ids to one sequence whose first start_pos tokens are already in the KV cache.
-
-    block_table must already cover start_pos + len(token_ids) tokens.
-    """
-
-    seq_id: int | str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    want_logits: bool = True
-    adapter: LoraAdapter | None = None  # a LoRA adapter applied to this sequence's tokens (engine/lora.py)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start_pos > 0
 
 
 @dataclass

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from backfill.engine.grammar import TokenConstraint
-from backfill.engine.sampling_params import SamplingParams, TokenLogprob
+from backfill.sampling_params import SamplingParams, TokenConstraint, TokenLogprob
 
 if TYPE_CHECKING:
     from backfill.engine.device_sampler import DeviceSampler

@@ -32,8 +32,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.runner import ModelRunner, StepOutput
+from backfill.engine.step import SeqChunk
+from backfill.engine.step import SuspendedStep
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 
 ROLES = ("online", "offline")
@@ -216,8 +217,8 @@ def request_dict(request_id: str, prompt_token_ids: list[int], max_tokens: int,
 
 
 def make_request(d: dict[str, Any], request_class: str):
-    from backfill.engine.sampling_params import SamplingParams
-    from backfill.serving.api import GenerationRequest, RequestClass
+    from backfill.sampling_params import SamplingParams
+    from backfill.types import GenerationRequest, RequestClass
 
     return GenerationRequest(list(d["prompt_token_ids"]),
                              SamplingParams(max_tokens=d["max_tokens"], temperature=0.0, ignore_eos=True),

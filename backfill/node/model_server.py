@@ -150,7 +150,7 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     from backfill.engine.kv_pool import KVBlockPool
     from backfill.engine.model import LlamaModel
     from backfill.policy.latency_model import LatencyModel
-    from backfill.serving.api import RequestClass
+    from backfill.types import RequestClass
     from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.build import build_scheduler
     from backfill.serving.config import ServingConfig

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 from backfill.engine.config import SafepointLayout
 from backfill.policy.latency_model import BatchShape
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 __all__ = ["RunningStep", "SafepointLayout", "Scheduled", "SchedulerState", "SchedulingPolicy", "SeqView",
            "StepPlan"]

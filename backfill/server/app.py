@@ -36,7 +36,7 @@ from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
 from backfill.server.sse import DONE
 from backfill.server.store import Store
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
 

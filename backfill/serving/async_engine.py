@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from backfill.errors import EngineStoppedError
-from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
+from backfill.types import FinishReason, GenerationRequest, TokenEvent
 from backfill.serving.event_queue import EventQueue
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread, start_on_torch_thread

@@ -130,7 +130,7 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
     scheduler = Scheduler(runner, policy, checkpoint_policy=checkpoint, detokenizer_factory=detok,
                           eos_token_ids=eos, max_model_len=cfg.max_model_len)
     if cfg.policy == "cfs":
-        from backfill.offload.pager import make_pager
+        from backfill.memory.pager import make_pager
         scheduler.pager = make_pager(runner.kv.device, cfg.offload_coordinator_url)
     return scheduler
 

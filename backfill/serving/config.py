@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
 from backfill.policy.checkpoint import CheckpointConfig
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.policy.planner import BatchLimits
 from backfill.validation import check_non_negative
 
