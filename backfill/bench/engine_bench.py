@@ -227,7 +227,8 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                      cuda_kernels: tuple[str, ...] = ("torch",), log=print) -> dict:
     """Runs are keyed by dtype, with "+triton" for the Triton kernels (CUDA only: skipped elsewhere)."""
     from backfill.engine.shapes import DEFAULT_SHAPE
-    from backfill.engine.weights import load_model, random_model_name
+    from backfill.engine.weights import load_model
+    from backfill.engine.shapes import random_model_name
 
     # model may be random:SHAPE (engine/shapes.py); random_weights alone is the default model's shape.
     loaded = load_model(random_model_name(DEFAULT_SHAPE) if random_weights else model)

@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
+
+from backfill.policy.harli import ColocationPolicy, ColoPlan, ColoState
 
 MODES = ("separate", "static", "pause-only", "harli")
 SOLO = "solo"  # the reference: the online trace with no finetuning
@@ -268,12 +269,10 @@ def _run_sim(args, modes, loaded, latency, config) -> int:
     return 0
 
 
-class _NoFinetune:
+class _NoFinetune(ColocationPolicy):
     """The solo reference's policy: never a unit."""
 
     name = SOLO
 
-    def plan(self, state):
-        from backfill.policy.harli import ColoPlan
-
+    def plan(self, state: ColoState) -> ColoPlan:
         return ColoPlan(0, 0.0, float("inf"), "solo")

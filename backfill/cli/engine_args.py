@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from backfill.policy.registry import BENCH_ORDER
+
 if TYPE_CHECKING:
     from backfill.bench.scenario import CoserveScenario
     from backfill.options import Option
@@ -18,8 +20,8 @@ if TYPE_CHECKING:
 # float32 unless asked, so a server's outputs do not change with the CPU it lands on.
 CLI_DEFAULTS = {"dtype": "auto"}
 
-DEFAULT_MODES = ("online-only", "fcfs", "priority", "coserve")
-MODES_HELP = ("policies to run in turn (online-only, fcfs, priority, coserve); a variant adds knobs, e.g. "
+DEFAULT_MODES = BENCH_ORDER
+MODES_HELP = (f"policies to run in turn ({', '.join(BENCH_ORDER)}); a variant adds knobs, e.g. "
               "coserve:rider_cost_share=1,interference_slack=0.1, and runs interleaved with the others")
 
 

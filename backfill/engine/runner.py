@@ -23,7 +23,7 @@ from backfill.engine.step import Safepoint, SeqChunk, StepAborted, SuspendedStep
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
     from backfill.engine.device_sampler import DeviceSampler
-    from backfill.engine.lora import AdapterRegistry, LoraAdapter
+    from backfill.engine.lora import AdapterRegistry
 
 
 # Safepoint checks the CPU may run ahead of the GPU's progress (see paced_on_gpu).
@@ -225,7 +225,7 @@ class ModelRunner:
             meta.decode_context_lens = lens.view(-1)
             if self.model.paged_decode_attention is None:  # the kernel reads the lengths, SDPA a mask
                 # Additive, in the model's dtype, built once per step: SDPA would turn a boolean
-                # mask into this in every layer (scripts/decode_mask_ab.py).
+                # mask into this in every layer.
                 key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
                 padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
                 meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backfill.engine.model import LlamaModel, apply_rope
+from backfill.engine.model import LlamaModel
+from backfill.engine.rope import apply_rope
 from backfill.finetune.lora import TrainableLoraAdapter, frozen_matmul
 
 

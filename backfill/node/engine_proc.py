@@ -10,7 +10,7 @@
                    start / send / messages / stop. stop() always leaves the process gone, even
                    when it was SIGSTOPped.
 
-The engines themselves live in online_engine.py and offline_engine.py. Each process pins torch
+The engines themselves live in online_engine.py and offline_engine.py, started by engine_main.py. Each process pins torch
 to `spec.threads` threads (1 by default), so two engines on a 2-core machine do not fight over
 cores; the memory pool is logical here (each process owns a KV tensor the size of the whole
 pool and only uses the blocks of handles it holds), the portable form of Valve's VMM handles.
@@ -225,19 +225,6 @@ def make_request(d: dict[str, Any], request_class: str):
                              RequestClass(request_class), d["request_id"], d["arrival_s"])
 
 
-def _process_main(spec: EngineSpec, socket_path: str, conn) -> None:
-    import sys
-
-    # Arrivals and invalidations reach the engine thread within a millisecond.
-    sys.setswitchinterval(0.001)
-    if spec.role == "online":
-        from backfill.node.online_engine import run_online_engine
-        run_online_engine(spec, socket_path, conn)
-    else:
-        from backfill.node.offline_engine import run_offline_engine
-        run_offline_engine(spec, socket_path, conn)
-
-
 def _package_root() -> str:
     import backfill
 
@@ -279,7 +266,7 @@ class EngineProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 120.0) -> "EngineProcess":
-        """Spawn `python -m backfill.node.engine_proc` (a fresh interpreter: no fork of our threads,
+        """Spawn `python -m backfill.node.engine_main` (a fresh interpreter: no fork of our threads,
         no re-import of the caller's main module) connected by a socket pair."""
         if self._proc is not None:
             raise NodeError(f"engine {self.spec.engine_id!r} was already started")
@@ -288,7 +275,7 @@ class EngineProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "backfill.node.engine_proc", str(theirs.fileno()), self.socket_path,
+                [sys.executable, "-m", "backfill.node.engine_main", str(theirs.fileno()), self.socket_path,
                  json.dumps(asdict(self.spec))], pass_fds=[theirs.fileno()], env=env)
         finally:
             theirs.close()
@@ -401,13 +388,3 @@ def run_child(spec: EngineSpec, conn, body: Callable[[], dict[str, Any]]) -> Non
         raise
     finally:
         conn.close()
-
-
-def main(argv: list[str]) -> None:
-    """Child entry: engine_proc FD SOCKET_PATH SPEC_JSON."""
-    fd, socket_path, spec_json = argv
-    _process_main(EngineSpec(**json.loads(spec_json)), socket_path, Connection(int(fd)))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -41,6 +41,7 @@ from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chun
 from backfill.policy.model_error import ModelErrorLog
 from backfill.policy.planner import PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
+from backfill.types import SLO
 from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerState, SchedulingPolicy, SeqView,
                                        StepPlan)
 
@@ -71,6 +72,10 @@ class CoServePolicy(SchedulingPolicy):
         self._planned: tuple[BatchShape, float, str] | None = None
         self._recent_ratios: deque[float] = deque(maxlen=MARGIN_WINDOW_STEPS)  # measured / predicted
         self._margin = config.slo_margin
+
+    @property
+    def slo(self) -> SLO:
+        return self.config.slo
 
     @staticmethod
     def _bucket(num_tokens: int) -> int:

@@ -93,7 +93,7 @@ class CompletionService:
         """Grammars for the served model's tokenizer, built on first use (about a second)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler.for_tokenizer(self.engine.tokenizer,
-                                                           self.engine.scheduler.runner.config.vocab_size)
+                                                           self.engine.model_config.vocab_size)
         return self._grammars
 
     # --- request -> GenerationRequest ----------------------------------------------------------

@@ -13,9 +13,10 @@ from backfill.options import knob
 from backfill.policy.checkpoint import CheckpointConfig
 from backfill.policy.config import CoServeConfig
 from backfill.policy.planner import BatchLimits
+from backfill.policy.registry import NAMES
 from backfill.validation import check_non_negative
 
-POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
+POLICIES = NAMES
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
 CUDA_KERNELS_CHOICES = ("torch", "triton")

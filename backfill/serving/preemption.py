@@ -153,10 +153,7 @@ class RequestPreemption:
         """AQUA §7: elastic tensors may move between steps; a policy that watches swapping is told."""
         if self.pager is None:
             return
-        observe_swap = getattr(policy, "observe_swap", None)
-        report = self.pager.at_step_boundary()
-        if observe_swap is not None:
-            observe_swap(report)
+        policy.observe_swap(self.pager.at_step_boundary())
 
     def preempt(self, seq: Sequence, *, save_tail: bool = True) -> None:
         """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed.

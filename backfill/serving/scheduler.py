@@ -202,7 +202,7 @@ class Scheduler:
         picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
                              [History(s.prompt_ids, s.output_ids) if s.request.sampling.penalized else None
                               for s in seqs], [s.request.constraint for s in seqs],
-                             getattr(self.runner, "device_sampler", None)) if seqs else []
+                             self.runner.device_sampler) if seqs else []
         events = [self._append_token(seq, pick.token_id, pick.logprob) for seq, pick in zip(seqs, picks)]
         if offline_kv_grew:
             # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot

@@ -69,6 +69,9 @@ def sim_model_config(real: ModelConfig) -> ModelConfig:
 
 
 class SimulatedRunner:
+    device_sampler = None  # samples on the host, as ModelRunner does without one
+    warming_up = False     # nothing compiles in the background
+
     def __init__(self, real_config: ModelConfig, num_kv_blocks: int, cost: StepCost, clock: VirtualClock, *,
                  block_size: int = 16, on_time: Callable[[float], None] = lambda now_s: None,
                  step_overhead_ms: float = 0.0, noise_cv: float = 0.0, seed: int = 0) -> None:
