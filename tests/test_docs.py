@@ -16,8 +16,9 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 RESULTS = ROOT / "docs" / "results"
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-# A repository path in prose or code: a top-level folder, then at least one more part.
-REPO_PATH = re.compile(r"(?<![\w./-])((?:backfill|docs|scripts|tests)/[\w./*-]*[\w*])")
+# A repository path in prose or code: a top-level folder, then at least one more part (not REV:path,
+# a file in git history, as `git show REV:scripts/NAME.py` names a probe kept there).
+REPO_PATH = re.compile(r"(?<![\w./:-])((?:backfill|docs|scripts|tests)/[\w./*-]*[\w*])")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 
 
@@ -66,7 +67,7 @@ def shown_commands(text: str) -> list[list[str]]:
 
 
 def _node_bench_parses(argv: list[str]) -> None:
-    from backfill.node.bench import build_parser as node_bench_parser
+    from backfill.bench.node_bench import build_parser as node_bench_parser
 
     node_bench_parser().parse_args(argv)
 

@@ -13,9 +13,9 @@ from backfill.bench.scenario import CoserveScenario
 from backfill.cli import build_parser
 from backfill.errors import InvalidRequestError
 from backfill.options import build, options_of
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.server.config import ServerConfig, add_serve_arguments, load_config_file
-from backfill.serving.api import SLO
+from backfill.types import SLO
 from backfill.serving.config import ServingConfig
 
 
@@ -112,7 +112,7 @@ def test_serving_and_coserve_defaults_agree():
 
 
 def test_sim_finetune_takes_the_simulated_device_and_scenario_fields():
-    from backfill.finetune.sim_config import SmDeviceConfig, SmSimScenario
+    from backfill.bench.sim.sm_config import SmDeviceConfig, SmSimScenario
 
     assert documented(SmDeviceConfig) == {o.name for o in options_of(SmDeviceConfig)}
     expected = documented(SmDeviceConfig) | documented(SmSimScenario) | {"loads", "modes", "sensitivity", "json"}

@@ -18,7 +18,7 @@ import numpy as np
 
 from backfill.bench.metrics import RequestRecord
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,9 @@ from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.policy.interface import SchedulingPolicy
 from backfill.policy.model_error import summarize
-from backfill.serving.api import SLO
+from backfill.types import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler, load_or_profile
 from backfill.serving.async_engine import AsyncEngine
@@ -116,16 +117,16 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
     finally:
         await engine.stop()
     stats = engine.scheduler.stats
-    counters = engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s, policy=engine.scheduler.policy)
+    counters = engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s, policy=engine.policy)
     run_on_torch_thread(_drain, engine.scheduler)
     return RoundResult(run, counters)
 
 
 def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: float = 0.0,
-                    policy: object = None) -> dict:
+                    policy: SchedulingPolicy | None = None) -> dict:
     """A round's scheduler counters for the report, preemption times in s since the round's t0; with
     a policy that logs its latency model's error, that error per step mode (signed, one per step)."""
-    model_error = getattr(policy, "model_error", None)
+    model_error = policy.model_error if policy is not None else None
     return {"model_error": model_error.samples() if model_error is not None else {},
             "steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
             "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,

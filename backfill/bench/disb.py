@@ -28,7 +28,7 @@ from backfill.bench.lengths import LengthSpec, parse_length_spec
 from backfill.bench.prompts import PromptSource
 from backfill.bench.workload import OfflineBacklog, Workload, make_requests
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 ARRIVALS = ("uniform", "poisson", "closed-loop", "trace")
 # DNN models (backfill.realtime.models) take a fixed-shape input: their clients need no lengths.

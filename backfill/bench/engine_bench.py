@@ -21,9 +21,9 @@ from dataclasses import replace
 
 import torch
 
-from backfill.engine.sampling_params import SamplingParams
-from backfill.engine.runner import SeqChunk
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.engine.step import SeqChunk
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler
 
@@ -227,7 +227,8 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                      cuda_kernels: tuple[str, ...] = ("torch",), log=print) -> dict:
     """Runs are keyed by dtype, with "+triton" for the Triton kernels (CUDA only: skipped elsewhere)."""
     from backfill.engine.shapes import DEFAULT_SHAPE
-    from backfill.engine.weights import load_model, random_model_name
+    from backfill.engine.weights import load_model
+    from backfill.engine.shapes import random_model_name
 
     # model may be random:SHAPE (engine/shapes.py); random_weights alone is the default model's shape.
     loaded = load_model(random_model_name(DEFAULT_SHAPE) if random_weights else model)

@@ -17,7 +17,7 @@ from pathlib import Path
 from backfill.bench.metrics import RequestRecord, compute_metrics
 from backfill.bench.report import ModeResult
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 FORMAT = "backfill-http-online-baseline/1"
 _RECORD_FIELDS = {f.name for f in fields(RequestRecord)}

@@ -32,7 +32,7 @@ from backfill.bench.sse_client import StreamClient
 from backfill.bench.target import StreamChunk
 from backfill.bench.workload import BenchRequest
 from backfill.errors import TargetError, WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 # How offline requests are marked: OpenAI's best-effort tier, vLLM's request priority, or both.
 OFFLINE_MARKS = ("flex", "priority", "both")

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 from backfill.bench.target import StreamChunk
 from backfill.bench.workload import BenchRequest
-from backfill.engine.sampling_params import SamplingParams
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.async_engine import AsyncEngine
 
 

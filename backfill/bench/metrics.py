@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from backfill.errors import WorkloadError
-from backfill.serving.api import SLO, RequestClass
+from backfill.types import SLO, RequestClass
 
 
 @dataclass

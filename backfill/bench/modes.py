@@ -17,11 +17,11 @@ from types import MappingProxyType
 
 from backfill.errors import InvalidRequestError
 from backfill.options import build, options_of
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
+from backfill.policy.registry import BASELINE, BENCH_ORDER
 from backfill.serving.config import ServingConfig
 
-POLICIES = ("online-only", "fcfs", "priority", "coserve")
-BASELINE = "online-only"
+POLICIES = BENCH_ORDER
 TUNABLE = "coserve"  # the policy the knobs belong to
 
 # The knobs a variant may set, with the type of each value: coserve's options (the SLO is the run's).

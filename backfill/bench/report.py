@@ -27,7 +27,7 @@ from backfill.bench.ceiling import OfflineCeiling, offline_ceilings  # noqa: E40
 from backfill.bench.confidence import RatioInterval, paired_values, percentile_ratio_interval  # noqa: E402
 from backfill.bench.metrics import BenchMetrics, RequestRecord  # noqa: E402
 from backfill.errors import WorkloadError  # noqa: E402
-from backfill.serving.api import RequestClass  # noqa: E402
+from backfill.types import RequestClass  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from backfill.bench.http_target import served_model
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.server_process import served
 from backfill.options import as_flags, options_of
-from backfill.policy.coserve import CoServeConfig
-from backfill.serving.api import SLO
+from backfill.policy.config import CoServeConfig
+from backfill.types import SLO
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.build import build_scheduler
 from backfill.serving.config import ServingConfig

@@ -5,7 +5,7 @@ A target is an object with an async generator method
     async def generate(self, request: BenchRequest) -> AsyncIterator[StreamChunk]
 
 yielding one StreamChunk per batch of new tokens as they arrive, timed with time.monotonic()
-(the clock of asyncio's default loop and of backfill.serving.api.TokenEvent.time). A chunk with
+(the clock of asyncio's default loop and of backfill.types.TokenEvent.time). A chunk with
 num_tokens 0 carries only facts (prompt tokens, preemptions). Raising ends the request as failed;
 the driver may cancel the generator (offline work cut at the end of a run), and a target should
 then abandon the request (close the stream, cancel in the engine).

@@ -24,7 +24,7 @@ from backfill.bench.lengths import LengthSpec
 from backfill.bench.prompts import PromptSource
 from backfill.bench.traces import Trace
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backfill.cluster.monitor import MonitorConfig, SLAMonitor
-from backfill.cluster.scheduler import ClusterScheduler, Placement, Rejection, SchedulerConfig
+from backfill.cluster.job_scheduler import ClusterScheduler, Placement, Rejection, ClusterSchedulerConfig
 from backfill.cluster.throughput_model import ClusterSnapshot, OfflineJob
 from backfill.errors import ClusterInputError
 
@@ -52,7 +52,7 @@ class RoundResult:
 
 class ClusterController:
     def __init__(self, scheduler: ClusterScheduler | None = None, monitor: SLAMonitor | None = None) -> None:
-        self.scheduler = scheduler or ClusterScheduler(SchedulerConfig())
+        self.scheduler = scheduler or ClusterScheduler(ClusterSchedulerConfig())
         self.monitor = monitor or SLAMonitor(MonitorConfig())
         self.jobs: dict[str, OfflineJob] = {}
         self.queue: OrderedDict[str, None] = OrderedDict()

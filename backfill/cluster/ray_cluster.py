@@ -32,7 +32,7 @@ import numpy as np
 
 from backfill.cluster.controller import ClusterController
 from backfill.cluster.monitor import MonitorConfig, SLAMonitor
-from backfill.cluster.scheduler import ClusterScheduler, SchedulerConfig
+from backfill.cluster.job_scheduler import ClusterScheduler, ClusterSchedulerConfig
 from backfill.cluster.throughput_model import ClusterSnapshot, OfflineJob, predict
 from backfill.errors import ClusterInputError, JobRejectedError
 
@@ -69,7 +69,7 @@ class _JobState:
 
 
 class ClusterService:
-    def __init__(self, nodes: dict | None = None, scheduler: SchedulerConfig = SchedulerConfig(),
+    def __init__(self, nodes: dict | None = None, scheduler: ClusterSchedulerConfig = ClusterSchedulerConfig(),
                  monitor: MonitorConfig = MonitorConfig(), contention: CpuContention = CpuContention(),
                  measure_window_s: float = 10.0) -> None:
         if not measure_window_s > 0:

@@ -26,7 +26,7 @@ batches stay eager.
 On a CPU with AVX-512 BF16, the pieces multiply through the small-batch kernel instead
 (engine/small_batch_matmul.py), in bf16 or fp32: the weights are packed for it at load, it reads
 them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to
-8 (scripts/small_batch_decode.py compares them with eager). A co-serving step that carries a few
+8 (docs/benchmarks.md compares them with eager). A co-serving step that carries a few
 offline decodes with an online one is such a batch.
 
 Larger decode batches (a burst of online requests, an offline batch) are compute-bound at any
@@ -62,7 +62,7 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backfill.engine.model import apply_rope
+from backfill.engine.rope import apply_rope
 from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches
 
 log = logging.getLogger(__name__)

@@ -45,10 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import AttentionMetadata, LlamaModel, Safepoint, StepAborted
+from backfill.engine.model import AttentionMetadata, LlamaModel
+from backfill.engine.step import Safepoint, StepAborted
 
 if TYPE_CHECKING:
-    from backfill.engine.runner import SeqChunk
+    from backfill.engine.step import SeqChunk
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 
 # Below this a temperature means greedy, as in the host sampler.
 MIN_TEMPERATURE = 1e-5

@@ -15,7 +15,6 @@ so the request stops as it would on EOS.
 from __future__ import annotations
 
 import json
-from typing import Protocol
 
 import llguidance
 import llguidance.torch as lltorch
@@ -30,16 +29,6 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class InvalidGrammarError(InvalidRequestError):
     """A schema, regex or grammar the grammar library cannot compile."""
-
-
-class TokenConstraint(Protocol):
-    """What the sampler needs of a per-request constraint."""
-
-    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
-        """Bool [vocab_size]: the tokens the request may take next."""
-
-    def accept(self, token_id: int) -> None:
-        """Advance past the token the sampler picked."""
 
 
 class GrammarConstraint:

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from backfill.engine.weights import LoadedModel, validate_weights
+from backfill.engine.loaded_model import LoadedModel, validate_weights
 
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -3,7 +3,7 @@
 On x86 CPUs PyTorch sends a plain fp32 `mm` to MKL, which takes its AVX-512 kernels only on
 Intel CPUs: on AMD EPYC a decode step's fp32 GEMMs run several times slower than the same
 product through oneDNN with the weight reordered once into oneDNN's blocked layout
-(scripts/matmul_bench.py measures it). oneDNN picks its
+(docs/benchmarks.md). oneDNN picks its
 kernels from the CPU's instruction set, not its vendor. The packed weight is opaque (only
 oneDNN can read it), so the embedding table keeps its own plain copy.
 
@@ -20,7 +20,7 @@ import torch
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # oneDNN's bf16 brgemm (AVX-512) streams a packed weight more slowly for one or two rows than for
-# three to six (scripts/decode_row_padding.py; docs/finetune.md): a decode step of one or two
+# three to six (docs/finetune.md): a decode step of one or two
 # sequences multiplies its rows padded to three, so every batch of one to six runs one kernel regime.
 MIN_PACKED_BF16_ROWS = 3
 
@@ -36,7 +36,7 @@ def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU has native bf16 GEMM kernels (AVX-512 BF16 / AMX / AVX-NE-CONVERT via oneDNN).
 
     Without them (e.g. an AVX2-only CPU) PyTorch's bf16 matmuls fall back to a scalar-ish path,
-    many times slower than fp32 for the same shapes (scripts/matmul_bench.py measures it).
+    many times slower than fp32 for the same shapes (docs/benchmarks.md).
     """
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return torch.backends.mkldnn.is_available() and probe is not None and bool(probe())

@@ -17,13 +17,13 @@ import torch
 
 from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.model import LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PrefillSpan, Safepoint, StepAborted
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.model import LAYER_STRETCH_SHARES, AttentionMetadata, LlamaModel, PrefillSpan
+from backfill.engine.step import Safepoint, SeqChunk, StepAborted, SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.cuda_graphs import DecodeGraphs
     from backfill.engine.device_sampler import DeviceSampler
-    from backfill.engine.lora import AdapterRegistry, LoraAdapter
+    from backfill.engine.lora import AdapterRegistry
 
 
 # Safepoint checks the CPU may run ahead of the GPU's progress (see paced_on_gpu).
@@ -50,25 +50,6 @@ def paced_on_gpu(safepoint: Safepoint) -> Safepoint:
         return safepoint(layer)
 
     return paced
-
-
-@dataclass
-class SeqChunk:
-    """Feed token_ids to one sequence whose first start_pos tokens are already in the KV cache.
-
-    block_table must already cover start_pos + len(token_ids) tokens.
-    """
-
-    seq_id: int | str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    want_logits: bool = True
-    adapter: LoraAdapter | None = None  # a LoRA adapter applied to this sequence's tokens (engine/lora.py)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start_pos > 0
 
 
 @dataclass
@@ -244,7 +225,7 @@ class ModelRunner:
             meta.decode_context_lens = lens.view(-1)
             if self.model.paged_decode_attention is None:  # the kernel reads the lengths, SDPA a mask
                 # Additive, in the model's dtype, built once per step: SDPA would turn a boolean
-                # mask into this in every layer (scripts/decode_mask_ab.py).
+                # mask into this in every layer.
                 key_pos = torch.arange(width * bs, device=dev).unsqueeze(0)
                 padding = (key_pos >= lens).view(len(decode_index), 1, 1, width * bs)
                 meta.decode_key_mask = torch.zeros(padding.shape, dtype=self.model.dtype,

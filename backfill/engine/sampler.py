@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from backfill.engine.sampling_params import SamplingParams, TokenLogprob
+from backfill.sampling_params import SamplingParams, TokenConstraint, TokenLogprob
 
-if TYPE_CHECKING:  # the grammar library (llguidance) loads only where a request is constrained
+if TYPE_CHECKING:
     from backfill.engine.device_sampler import DeviceSampler
-    from backfill.engine.grammar import TokenConstraint
 
 
 # Below this, logits / temperature overflows float32; such a temperature means greedy (as in vLLM).

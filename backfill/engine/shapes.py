@@ -68,20 +68,19 @@ _SHAPES: dict[str, dict] = {
 SHAPES = tuple(_SHAPES)
 
 
+RANDOM_PREFIX = "random:"
+
+
+def random_model_name(shape: str) -> str:
+    """The model path that load_model reads as random weights of a registered shape."""
+    return RANDOM_PREFIX + shape
+
+
 def shape_config(shape: str) -> ModelConfig:
     """The ModelConfig of a registered shape, named random-SHAPE."""
     if shape not in _SHAPES:
         raise UnsupportedModelError(f"unknown model shape {shape!r} (known: {', '.join(SHAPES)})")
     return ModelConfig(**{**_SHAPES[shape], "name": f"random-{shape}"})
-
-
-def load_random_shape(shape: str, seed: int = 0):
-    """A LoadedModel of random weights of the shape, with the default model's tokenizer."""
-    from backfill.engine.weights import LoadedModel, default_tokenizer, random_model, random_model_name
-
-    config = shape_config(shape)
-    return LoadedModel(config, random_model(config, seed), default_tokenizer(),
-                       f"random weights, {shape} shape ({random_model_name(shape)})")
 
 
 def add_shape_args(parser) -> None:
@@ -95,7 +94,6 @@ def add_shape_args(parser) -> None:
 
 def model_from_args(args) -> str | None:
     """The model path a command's --model / --random-weights / --shape name (random:SHAPE for random weights)."""
-    from backfill.engine.weights import random_model_name
     from backfill.errors import InvalidRequestError
 
     if not getattr(args, "random_weights", False):

@@ -7,7 +7,7 @@ multiplies against a weight packed once at load into the pair layout of the VDPB
 It keeps every row's accumulators in registers, so a weight byte is read once for all rows and no
 sums across lanes are needed; that reads faster than oneDNN with pre-packed weights or F.linear at
 one to eight rows. Above all it runs inside the compiled pieces, so a decode step of up to eight sequences runs in
-compiled code (scripts/small_batch_matmul.py, scripts/small_batch_decode.py; docs/benchmarks.md).
+compiled code (docs/benchmarks.md).
 fp32 weights take the same layout, one input feature at a time, with fused multiply-adds.
 More than eight rows take eight at a time against a tile of the weight held in cache, so the weight
 is still read from memory once; there the kernel is compute-bound, at about oneDNN's rate, and

@@ -16,70 +16,19 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from backfill.engine.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from backfill.engine.loaded_model import LoadedModel, expected_weight_shapes, validate_weights
+from backfill.engine.shapes import RANDOM_PREFIX, random_model_name, shape_config
 from backfill.engine.tokenizer import Tokenizer
 from backfill.errors import CorruptModelError, ModelLoadError, UnsupportedModelError
 
 # Bump when the cached layout or the GGUF conversion changes, so stale caches are not reused.
 CACHE_FORMAT_VERSION = 1
 _CACHE_KEY_HEAD_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer | None
-    source: str
-
-
-def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama of this config has, under HF names, with its shape."""
-    h, hd = config.hidden_size, config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h),
-                                          "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * hd, h)
-        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * hd, h)
-        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * hd, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, config.num_heads * hd)
-        if config.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (config.num_heads * hd,)
-            shapes[p + "self_attn.k_proj.bias"] = (config.num_kv_heads * hd,)
-            shapes[p + "self_attn.v_proj.bias"] = (config.num_kv_heads * hd,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    return shapes
-
-
-def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
-    """CorruptModelError naming the first missing, unexpected or mis-shaped tensor."""
-    expected = expected_weight_shapes(config)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise CorruptModelError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
-        raise CorruptModelError(f"{source}: unexpected tensors {unexpected[:5]}"
-                                f"{' ...' if len(unexpected) > 5 else ''}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise CorruptModelError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
-                                    f"expected {shape}")
 
 
 # Matrices above this many elements repeat one random stretch instead of drawing every element: an
@@ -95,7 +44,7 @@ def random_model(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         if len(shape) == 1 and not name.endswith(".bias"):
             weights[name] = torch.ones(shape)
         elif math.prod(shape) > RANDOM_TILE_ELEMENTS:
-            # a stretch of a prime length, so rows do not repeat each other
+            # a stretch of a prime length (2^24 - 3), so rows do not repeat each other
             stretch = torch.randn(RANDOM_TILE_ELEMENTS - 3, generator=generator) * 0.02
             count = math.prod(shape)
             weights[name] = stretch.repeat(-(-count // stretch.numel()))[:count].view(shape).clone()
@@ -118,14 +67,6 @@ def gguf_cache_key(path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-RANDOM_PREFIX = "random:"
-
-
-def random_model_name(shape: str) -> str:
-    """The model path that load_model reads as random weights of a registered shape."""
-    return RANDOM_PREFIX + shape
-
-
 def _random_shape(path: str | Path | None) -> str | None:
     return path[len(RANDOM_PREFIX):] if isinstance(path, str) and path.startswith(RANDOM_PREFIX) else None
 
@@ -146,9 +87,9 @@ def load_model(path: str | Path | None = None, *, cache_dir: Path | None = None)
     "random:SHAPE" random weights of a registered shape (engine/shapes.py)."""
     shape = _random_shape(path)
     if shape is not None:
-        from backfill.engine.shapes import load_random_shape
-
-        return load_random_shape(shape)
+        config = shape_config(shape)
+        return LoadedModel(config, random_model(config), default_tokenizer(),
+                           f"random weights, {shape} shape ({random_model_name(shape)})")
     path = _model_path(path)
     if path.is_dir():
         return load_hf_dir(path)
@@ -161,8 +102,6 @@ def read_model_config(path: str | Path | None = None) -> ModelConfig:
 
     shape = _random_shape(path)
     if shape is not None:
-        from backfill.engine.shapes import shape_config
-
         return shape_config(shape)
     path = _model_path(path)
     return _hf_config(path, path.resolve().name) if path.is_dir() else read_gguf_config(path.resolve())

@@ -19,7 +19,7 @@ from pathlib import Path
 from backfill.errors import FinetuneError, LatencyProfileError
 from backfill.finetune.job import FinetuneJob
 from backfill.finetune.memory import KVLease, inference_demand_blocks, reserve_blocks
-from backfill.policy.harli import ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
+from backfill.policy.harli import ColocationPolicy, ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class FinetuneHandle:
 
 
 class _Driver:
-    def __init__(self, engine, job: FinetuneJob, policy, lease: KVLease, tpot_target_ms: float,
+    def __init__(self, engine, job: FinetuneJob, policy: ColocationPolicy, lease: KVLease, tpot_target_ms: float,
                  handle: FinetuneHandle, future: Future) -> None:
         self.engine, self.job, self.policy, self.lease = engine, job, policy, lease
         self.tpot_target_ms = tpot_target_ms
@@ -107,7 +107,7 @@ class _Driver:
         decoding = [s for s in snapshot.seqs if s.running]
         waiting = len(snapshot.seqs) - len(decoding) + (1 if self.engine.scheduler.has_work() and not snapshot.seqs else 0)
         seqlen = sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0
-        lookahead = getattr(self.policy, "max_units_per_step", 0)  # only HARLI's policy predicts per unit
+        lookahead = self.policy.max_units_per_step
         state = ColoState(time.monotonic(), len(decoding), waiting, seqlen, self.tpot_target_ms, ready,
                           job.next_unit_estimate_ms(), job.next_units(lookahead) if lookahead else ())
         plan = self.policy.plan(state)
@@ -126,7 +126,7 @@ class _Driver:
         return plan.units > 0
 
 
-def attach_finetune(engine, job: FinetuneJob, policy=None, *, tpot_target_ms: float | None = None,
+def attach_finetune(engine, job: FinetuneJob, policy: ColocationPolicy | None = None, *, tpot_target_ms: float | None = None,
                     max_batch: int = DEFAULT_MAX_BATCH, latency: HarliLatencyModel | None = None) -> FinetuneHandle:
     """Run job's units between engine's decode steps under a co-location policy (default: HARLI's
     with the given or saved latency model; pause-only when there is none).
@@ -135,7 +135,7 @@ def attach_finetune(engine, job: FinetuneJob, policy=None, *, tpot_target_ms: fl
     if engine.background is not None:
         raise FinetuneError("this engine already runs a finetuning job")
     if tpot_target_ms is None:
-        slo = getattr(getattr(engine.scheduler.policy, "config", None), "slo", None)
+        slo = engine.policy.slo
         tpot_target_ms = slo.tpot_ms if slo is not None else DEFAULT_TPOT_TARGET_MS
     if policy is None:
         latency = latency or load_saved_latency(engine.model_name)

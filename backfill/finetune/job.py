@@ -26,7 +26,7 @@ from backfill.errors import CheckpointError
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.data import collate, load_training_file, step_samples
 from backfill.finetune.layerwise import embed, head_loss_sum, layer_forward, target_slices
-from backfill.finetune.lora import LoraAdapter
+from backfill.finetune.lora import TrainableLoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class FinetuneJob:
         num_batches = -(-len(self.samples) // config.batch_size)
         self.total_steps = config.max_steps or config.epochs * num_batches
         generator = torch.Generator().manual_seed(config.seed)
-        self.adapter = LoraAdapter(config, LoraAdapter.shapes_for(model.config), model.config.num_layers, generator)
+        self.adapter = TrainableLoraAdapter(config, TrainableLoraAdapter.shapes_for(model.config), model.config.num_layers, generator)
         self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=config.learning_rate,
                                            betas=config.betas, weight_decay=config.weight_decay)
         self.steps_done = 0

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backfill.engine.model import LlamaModel, apply_rope
-from backfill.finetune.lora import LoraAdapter, frozen_matmul
+from backfill.engine.model import LlamaModel
+from backfill.engine.rope import apply_rope
+from backfill.finetune.lora import TrainableLoraAdapter, frozen_matmul
 
 
-def _project(x: torch.Tensor, linear, adapter: LoraAdapter, layer: int, targets: tuple[str, ...],
+def _project(x: torch.Tensor, linear, adapter: TrainableLoraAdapter, layer: int, targets: tuple[str, ...],
              sizes: tuple[int, ...]) -> list[torch.Tensor]:
     """The fused frozen matmul (q|k|v or gate|up), split, with each targeted slice's LoRA delta added."""
     parts = list(frozen_matmul(x, linear).split(sizes, dim=-1))
@@ -26,7 +27,7 @@ def _project(x: torch.Tensor, linear, adapter: LoraAdapter, layer: int, targets:
     return parts
 
 
-def layer_forward(model: LlamaModel, adapter: LoraAdapter, li: int, h: torch.Tensor) -> torch.Tensor:
+def layer_forward(model: LlamaModel, adapter: TrainableLoraAdapter, li: int, h: torch.Tensor) -> torch.Tensor:
     """One decoder layer on right-padded sequences h [B, L, hidden] -> [B, L, hidden] (causal)."""
     cfg, layer = model.config, model.layers[li]
     batch, length, hidden = h.shape
@@ -88,7 +89,7 @@ def target_slices(target_mask: torch.Tensor, rows_per_slice: int) -> list[torch.
     return out
 
 
-def full_loss(model: LlamaModel, adapter: LoraAdapter, ids: torch.Tensor, target_mask: torch.Tensor,
+def full_loss(model: LlamaModel, adapter: TrainableLoraAdapter, ids: torch.Tensor, target_mask: torch.Tensor,
               num_targets: int) -> torch.Tensor:
     """The same loss as one ordinary autograd graph (the reference the layer-wise backward must equal)."""
     h = embed(model, ids)

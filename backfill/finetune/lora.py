@@ -57,7 +57,7 @@ def module_path(layer: int, target: str) -> str:
     return f"base_model.model.model.layers.{layer}.{prefix}.{target}"
 
 
-class LoraAdapter:
+class TrainableLoraAdapter:
     """The trainable A [r, in] and B [out, r] of every targeted projection of every layer (fp32)."""
 
     def __init__(self, config: FinetuneConfig, in_out: dict[str, tuple[int, int]], num_layers: int,

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.errors import LatencyProfileError
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.job import FinetuneJob

@@ -24,10 +24,11 @@ from typing import Any
 
 from backfill.errors import BackfillError, NodeConfigError
 from backfill.options import Option, build, knob, options_of
+from backfill.policy.registry import ONE_ENGINE_NAMES
 from backfill.validation import check_int, check_positive
 
 GATES = ("lifecycle", "timeslice")
-NODE_POLICIES = ("coserve", "priority", "fcfs", "online-only")
+NODE_POLICIES = ONE_ENGINE_NAMES  # a node engine serves both classes itself
 BUILTIN_MODELS = ("default", "tiny")
 TOP_LEVEL = ("node", "models")
 

@@ -10,7 +10,7 @@
                    start / send / messages / stop. stop() always leaves the process gone, even
                    when it was SIGSTOPped.
 
-The engines themselves live in online_engine.py and offline_engine.py. Each process pins torch
+The engines themselves live in online_engine.py and offline_engine.py, started by engine_main.py. Each process pins torch
 to `spec.threads` threads (1 by default), so two engines on a 2-core machine do not fight over
 cores; the memory pool is logical here (each process owns a KV tensor the size of the whole
 pool and only uses the blocks of handles it holds), the portable form of Valve's VMM handles.
@@ -32,8 +32,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.runner import ModelRunner, StepOutput
+from backfill.engine.step import SeqChunk
+from backfill.engine.step import SuspendedStep
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 
 ROLES = ("online", "offline")
@@ -216,25 +217,12 @@ def request_dict(request_id: str, prompt_token_ids: list[int], max_tokens: int,
 
 
 def make_request(d: dict[str, Any], request_class: str):
-    from backfill.engine.sampling_params import SamplingParams
-    from backfill.serving.api import GenerationRequest, RequestClass
+    from backfill.sampling_params import SamplingParams
+    from backfill.types import GenerationRequest, RequestClass
 
     return GenerationRequest(list(d["prompt_token_ids"]),
                              SamplingParams(max_tokens=d["max_tokens"], temperature=0.0, ignore_eos=True),
                              RequestClass(request_class), d["request_id"], d["arrival_s"])
-
-
-def _process_main(spec: EngineSpec, socket_path: str, conn) -> None:
-    import sys
-
-    # Arrivals and invalidations reach the engine thread within a millisecond.
-    sys.setswitchinterval(0.001)
-    if spec.role == "online":
-        from backfill.node.online_engine import run_online_engine
-        run_online_engine(spec, socket_path, conn)
-    else:
-        from backfill.node.offline_engine import run_offline_engine
-        run_offline_engine(spec, socket_path, conn)
 
 
 def _package_root() -> str:
@@ -278,7 +266,7 @@ class EngineProcess:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 120.0) -> "EngineProcess":
-        """Spawn `python -m backfill.node.engine_proc` (a fresh interpreter: no fork of our threads,
+        """Spawn `python -m backfill.node.engine_main` (a fresh interpreter: no fork of our threads,
         no re-import of the caller's main module) connected by a socket pair."""
         if self._proc is not None:
             raise NodeError(f"engine {self.spec.engine_id!r} was already started")
@@ -287,7 +275,7 @@ class EngineProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "backfill.node.engine_proc", str(theirs.fileno()), self.socket_path,
+                [sys.executable, "-m", "backfill.node.engine_main", str(theirs.fileno()), self.socket_path,
                  json.dumps(asdict(self.spec))], pass_fds=[theirs.fileno()], env=env)
         finally:
             theirs.close()
@@ -400,13 +388,3 @@ def run_child(spec: EngineSpec, conn, body: Callable[[], dict[str, Any]]) -> Non
         raise
     finally:
         conn.close()
-
-
-def main(argv: list[str]) -> None:
-    """Child entry: engine_proc FD SOCKET_PATH SPEC_JSON."""
-    fd, socket_path, spec_json = argv
-    _process_main(EngineSpec(**json.loads(spec_json)), socket_path, Connection(int(fd)))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -40,7 +40,7 @@ import httpx
 
 from backfill.errors import NodeError
 from backfill.node.config import NodeConfig
-from backfill.node.memory_pool import PoolConfig, SharedMemoryPool
+from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.model_server import command_line
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.policy.gate import LifecycleGate, TimesliceGate

@@ -149,8 +149,9 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     from backfill.engine.config import ModelConfig
     from backfill.engine.kv_pool import KVBlockPool
     from backfill.engine.model import LlamaModel
+    from backfill.policy import registry
     from backfill.policy.latency_model import LatencyModel
-    from backfill.serving.api import RequestClass
+    from backfill.types import RequestClass
     from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.build import build_scheduler
     from backfill.serving.config import ServingConfig
@@ -174,7 +175,7 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     model = LlamaModel(config, weights, dtype=torch.float32, device="cpu",
                        paged_attention_kernel=serving.uses_paged_attention_kernel)
     runner = NodeGatedRunner(model, kv, gate)
-    latency = LatencyModel(*TINY_COSERVE_LATENCY) if entry.model == "tiny" and entry.policy == "coserve" else None
+    latency = LatencyModel(*TINY_COSERVE_LATENCY) if entry.model == "tiny" and registry.entry(entry.policy).needs_latency_model else None
     scheduler = build_scheduler(runner, serving, tokenizer, config.name, latency)
     runner.is_online = lambda seq_id: (seq_id in scheduler.seqs and
                                        scheduler.seqs[seq_id].request_class is RequestClass.ONLINE)

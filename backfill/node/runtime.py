@@ -5,7 +5,7 @@ engines (separate processes) that register with it over a Unix socket (Valve §3
                    whether offline may run; the runtime applies that to every offline engine.
     offline engine is paused cooperatively through its pause flag (checked at layer safepoints)
                    and, if it asked for it, also stopped at the OS level (SIGSTOP/SIGCONT).
-    memory         allocate / release go to the pool (memory_pool.py); when the online engine
+    memory         allocate / release go to the pool (memory/shared_pool.py); when the online engine
                    needs offline memory, the pool pauses offline compute through this runtime,
                    takes handles, and the runtime forwards the invalidated block ids.
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from backfill.errors import BackfillError, NodeProtocolError, PolicyInputError
 from backfill.node.ipc import EngineState, JsonLineChannel, PauseFlag
-from backfill.node.memory_pool import EngineRole, Invalidation, SharedMemoryPool
+from backfill.memory.shared_pool import EngineRole, Invalidation, SharedMemoryPool
 from backfill.node.suspend import ProcessSuspender
 from backfill.policy.gate import ComputeGate
 

@@ -1,1 +1,1 @@
-"""AQUA (seeds/aqua.txt): elastic tensors, the offload coordinator, the producer/consumer profiler."""
+"""AQUA (seeds/aqua.txt): the offload coordinator and its client, the producer side of memory lending."""

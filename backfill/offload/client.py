@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from backfill.errors import CoordinatorError, LeaseExpiredError
-from backfill.offload.elastic import ShmSegment
-from backfill.offload.regions import LentRegion, first_fit
+from backfill.memory.elastic import ShmSegment
+from backfill.memory.regions import LentRegion, first_fit
 
 
 class CoordinatorClient:

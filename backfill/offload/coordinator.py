@@ -23,7 +23,7 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from backfill.offload.regions import first_fit
+from backfill.memory.regions import first_fit
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS offers (

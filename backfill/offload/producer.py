@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     from backfill.engine.kv_pool import KVBlockPool
     from backfill.engine.model import LlamaModel
     from backfill.engine.runner import ModelRunner
-    from backfill.engine.sampling_params import SamplingParams
+    from backfill.sampling_params import SamplingParams
     from backfill.policy.baselines import FCFSPolicy
-    from backfill.serving.api import GenerationRequest, RequestClass
+    from backfill.types import GenerationRequest, RequestClass
     from backfill.serving.scheduler import Scheduler
 
     if args.tiny:

@@ -5,7 +5,7 @@ requests that own device memory for the next slice: prefills with the fewest pro
 computed first, given p = b - d tokens of the batch, then decodes with the fewest tokens
 generated, d of them (d: as many as fit in memory, the paper's upper bound), then more
 prefills while memory lasts. Running requests left out are preempted: the scheduler pages
-their KV out to its swap space (elastic tensors, offload/pager.py) and back in when a later
+their KV out to its swap space (elastic tensors, memory/pager.py) and back in when a later
 slice picks them, so nobody waits for the requests admitted before a burst to finish.
 
 Context switches cost copies. With only host memory as swap space and paging measured to take
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backfill.errors import InvalidRequestError
-from backfill.offload.elastic import Location
-from backfill.offload.pager import SwapReport
+from backfill.memory.elastic import Location
+from backfill.memory.pager import SwapReport
 from backfill.policy.baselines import VLLM_DEFAULT_LIMITS, FCFSPolicy
 from backfill.policy.latency_model import BatchShape
 from backfill.policy.planner import BatchLimits, PlanBuilder

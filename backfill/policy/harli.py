@@ -30,6 +30,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -266,7 +267,21 @@ class ColoPlan:
 IDLE_UNITS = 1  # with no decode, one unit at a time: an arrival is looked at after every unit
 
 
-class HarliPolicy:
+class ColocationPolicy(Protocol):
+    """What the finetuning driver (finetune/colocate.py) asks of a co-location policy; a policy
+    subclasses this to inherit the defaults."""
+
+    name: str
+    # The most units one plan may run; the driver shows the policy that many of the job's next units,
+    # piece by piece, so stage 2 predicts with the kinds that would run (HARLI §5.2). 0: it plans without.
+    max_units_per_step: int = 0
+
+    def plan(self, state: ColoState) -> ColoPlan:
+        """How many finetune units run before the next decode step."""
+        ...
+
+
+class HarliPolicy(ColocationPolicy):
     """§6.2: predict, choose the split closest below the QoS target, pause before a violation,
     give inference everything when finetuning is stalled."""
 
@@ -318,7 +333,7 @@ class HarliPolicy:
         return best
 
 
-class PauseOnlyPolicy:
+class PauseOnlyPolicy(ColocationPolicy):
     """Baseline: finetune only while no decode runs."""
 
     name = "pause-only"
@@ -329,7 +344,7 @@ class PauseOnlyPolicy:
         return ColoPlan(0, 0.0, math.inf, "decode running: paused")
 
 
-class StaticSplitPolicy:
+class StaticSplitPolicy(ColocationPolicy):
     """Baseline (HARLI's StaticMode): a fixed time split, inference at `share_infer` whatever the
     load. Finetuning earns credit at share_ft of wall time and spends it on whole units."""
 

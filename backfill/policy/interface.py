@@ -9,11 +9,15 @@ the real scheduler, unit tests on hand-built states, and the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from backfill.engine.config import SafepointLayout
-from backfill.policy.latency_model import BatchShape
-from backfill.serving.api import RequestClass
+from backfill.policy.latency_model import BatchShape, LatencyModel
+from backfill.types import SLO, RequestClass
+
+if TYPE_CHECKING:
+    from backfill.memory.pager import SwapReport
+    from backfill.policy.model_error import ModelErrorLog
 
 __all__ = ["RunningStep", "SafepointLayout", "Scheduled", "SchedulerState", "SchedulingPolicy", "SeqView",
            "StepPlan"]
@@ -132,10 +136,28 @@ class RunningStep:
 class SchedulingPolicy(Protocol):
     """What the scheduler asks of a policy; the defaults suit a policy without a latency model.
 
-    A policy subclasses this to inherit the defaults (typing.Protocol allows that).
+    A policy subclasses this to inherit the defaults (typing.Protocol allows that). Every ability a
+    caller may use is declared here with its default, so no caller probes a policy for it.
     """
 
     name: str
+    # The step-latency model the policy plans with (the server's admission reads it); None: none.
+    latency: LatencyModel | None = None
+    # Each planned step's predicted time against the time it took (ConServe §4.5); None: not logged.
+    model_error: ModelErrorLog | None = None
+
+    @property
+    def slo(self) -> SLO | None:
+        """The SLOs the policy plans to (a co-located finetuning job's decode target); None: none."""
+        return None
+
+    def correction_for(self, num_tokens: int) -> float:
+        """Measured over estimated step time the policy applies to a step of num_tokens (1.0: none)."""
+        return 1.0
+
+    def observe_swap(self, report: SwapReport) -> None:
+        """The KV pager's report at a step boundary (AQUA §7: paging share of step time)."""
+        return None
 
     def schedule(self, state: SchedulerState) -> StepPlan:
         """The next step's plan for this snapshot."""

@@ -13,7 +13,7 @@ DEEP_QUEUE = 1024  # seq / concurrent launch a whole request at once, as streams
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class TaskSchedulerConfig:
     mode: str = "reef"
     inflight_capacity: int = 4       # REEF §4.2: the device queue is capped at 4
     preempt_path: str = "evict"      # evict (wait for the running op), kill (abort it), auto (wait briefly, then kill);
@@ -47,18 +47,18 @@ class SchedulerConfig:
 ALL_MODELS = ("resnet152", "vgg19", "bert", "gpt2", "llm")
 # Variants of the scheduler a DISB run compares; "reef-pad" is REEF with §5 padding.
 MODE_CONFIGS = {
-    "rt-only": SchedulerConfig(mode="rt-only"),
-    "seq": SchedulerConfig(mode="seq"),
-    "concurrent": SchedulerConfig(mode="concurrent"),
-    "reef": SchedulerConfig(mode="reef", preempt_path="kill"),
+    "rt-only": TaskSchedulerConfig(mode="rt-only"),
+    "seq": TaskSchedulerConfig(mode="seq"),
+    "concurrent": TaskSchedulerConfig(mode="concurrent"),
+    "reef": TaskSchedulerConfig(mode="reef", preempt_path="kill"),
     # §5 on a CPU: padded streams' queues are deeper because the scheduler tops them up only between
     # RT ops (their ops are never evicted).
-    "reef-pad": SchedulerConfig(mode="reef", pad=True, preempt_path="kill", inflight_capacity=64),
+    "reef-pad": TaskSchedulerConfig(mode="reef", pad=True, preempt_path="kill", inflight_capacity=64),
     # The other preemption paths: wait for the running op (no kill, so no restore), or wait only
     # for an op about to end.
-    "reef-evict": SchedulerConfig(mode="reef", preempt_path="evict"),
-    "reef-auto": SchedulerConfig(mode="reef", preempt_path="auto"),
-    "reef-pad-evict": SchedulerConfig(mode="reef", pad=True, preempt_path="evict", inflight_capacity=64),
+    "reef-evict": TaskSchedulerConfig(mode="reef", preempt_path="evict"),
+    "reef-auto": TaskSchedulerConfig(mode="reef", preempt_path="auto"),
+    "reef-pad-evict": TaskSchedulerConfig(mode="reef", pad=True, preempt_path="evict", inflight_capacity=64),
 }
 # Model sizes (width scale) for the benchmark: a CPU inference of milliseconds to tens of ms.
 DISB_SCALES = {"resnet152": 0.5, "vgg19": 0.5, "bert": 0.25, "gpt2": 0.25, "llm": 1.0}

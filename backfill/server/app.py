@@ -36,7 +36,7 @@ from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
 from backfill.server.sse import DONE
 from backfill.server.store import Store
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
 
@@ -124,16 +124,16 @@ def queued_view(generation: Generation, predicted_ttft_ms: float = 0.0,
 def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:
     """Admission by predicted TTFT (and decode step time) where the policy has a latency profile (coserve);
     None: queue length only."""
-    latency = getattr(engine.scheduler.policy, "latency", None)
+    latency = engine.policy.latency
     if latency is None or math.isinf(config.admission_ttft_share):
         return None
     serving = config.serving or ServingConfig()
     limits = serving.limits or serving.coserve.limits
-    estimate_ms = latency.estimate_ms
-    correction_for = getattr(engine.scheduler.policy, "correction_for", None)
-    if correction_for is not None:   # the profile as the policy corrects it from measured steps
-        def estimate_ms(shape, _raw=latency.estimate_ms):
-            return correction_for(shape.num_tokens) * _raw(shape)
+    correction_for = engine.policy.correction_for
+
+    def estimate_ms(shape, _raw=latency.estimate_ms):  # the profile as the policy corrects it from measured steps
+        return correction_for(shape.num_tokens) * _raw(shape)
+
     return TtftAdmission(estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
                          config.admission_ttft_share, serving.coserve.slo.tpot_ms, limits.max_batch_seqs)
 

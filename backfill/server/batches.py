@@ -23,7 +23,7 @@ from backfill.server.completions import CompletionService, check_outcome, respon
 from backfill.server.errors import APIError, from_backfill_error
 from backfill.server.schemas import BatchLine, parse_json, validate_body
 from backfill.server.store import LineFailure, PendingLine, Store
-from backfill.serving.api import FinishReason, RequestClass
+from backfill.types import FinishReason, RequestClass
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncGenerator, Callable, Literal, Sequence
 
 from backfill.engine.grammar import GrammarCompiler, InvalidGrammarError
-from backfill.engine.sampling_params import SamplingParams, TokenLogprob
+from backfill.sampling_params import SamplingParams, TokenLogprob
 from backfill.errors import ContextLengthError
 from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.metrics import ServerMetrics
@@ -22,7 +22,7 @@ from backfill.server.sse import DONE, ChunkTemplate, sse
 from backfill.server.structured import check_grammar, requested_grammar
 from backfill.server.tool_calls import (ToolCallStream, call_text, forced_grammar, parse_tool_calls,
                                         template_defines_tools, tool_schema, tools_system_prompt)
-from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
+from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.event_queue import EventQueue
 
@@ -93,7 +93,7 @@ class CompletionService:
         """Grammars for the served model's tokenizer, built on first use (about a second)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler.for_tokenizer(self.engine.tokenizer,
-                                                           self.engine.scheduler.runner.config.vocab_size)
+                                                           self.engine.model_config.vocab_size)
         return self._grammars
 
     # --- request -> GenerationRequest ----------------------------------------------------------

@@ -269,7 +269,7 @@ class FineTuningWorker:
         row = await asyncio.to_thread(self.jobs.job_row, job_id)
         config = FinetuneConfig.from_json(json.loads(row["config"]))
         out_dir = self.job_dir(job_id)
-        model = self.engine.scheduler.runner.model
+        model = self.engine.model
         try:
             job = await self.engine.call_between_steps(
                 lambda: FinetuneJob(model, self.engine.tokenizer, out_dir / "training.jsonl", config, out_dir))

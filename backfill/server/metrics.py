@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backfill.serving.api import FinishReason, RequestClass
+from backfill.types import FinishReason, RequestClass
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.sequence import SeqStatus
 

@@ -16,13 +16,16 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from backfill.errors import EngineStoppedError
-from backfill.serving.api import FinishReason, GenerationRequest, TokenEvent
+from backfill.types import FinishReason, GenerationRequest, TokenEvent
 from backfill.serving.event_queue import EventQueue
 from backfill.serving.scheduler import Scheduler
 from backfill.serving.torch_thread import run_on_torch_thread, start_on_torch_thread
 
 if TYPE_CHECKING:
+    from backfill.engine.config import ModelConfig
     from backfill.engine.lora import AdapterRegistry
+    from backfill.engine.model import LlamaModel
+    from backfill.policy.interface import SchedulingPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,6 +55,21 @@ class AsyncEngine:
         # units, backfill/finetune/colocate.py); returns whether it did anything.
         self.background: Callable[[], bool] | None = None
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+
+    @property
+    def policy(self) -> SchedulingPolicy:
+        """The scheduling policy the engine's scheduler follows."""
+        return self.scheduler.policy
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model's shape (vocabulary, layers)."""
+        return self.scheduler.runner.config
+
+    @property
+    def model(self) -> LlamaModel:
+        """The served model (a finetuning job trains adapters on its frozen weights)."""
+        return self.scheduler.runner.model
 
     @property
     def adapters(self) -> AdapterRegistry:
@@ -84,7 +102,11 @@ class AsyncEngine:
     @property
     def warming_up(self) -> bool:
         """The runner still compiles in the background (engine/compiled_decode.py's buckets)."""
-        return bool(getattr(self.scheduler.runner, "warming_up", False))
+        return self.scheduler.runner.warming_up
+
+    def wait_until_warm(self, timeout_s: float | None = None) -> None:
+        """Block until the runner's background compilation is done (as the server's /health waits)."""
+        self.scheduler.runner.wait_until_warm(timeout_s)
 
     async def start(self) -> None:
         if self.running:

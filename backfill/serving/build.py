@@ -19,10 +19,8 @@ from backfill.engine.paged_attention import kernel_digest
 from backfill.engine.runner import ModelRunner
 from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
-from backfill.errors import InvalidRequestError
-from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
+from backfill.policy import registry
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
-from backfill.policy.coserve import CoServePolicy
 from backfill.policy.interface import SafepointLayout, SchedulingPolicy
 from backfill.policy.latency_model import LatencyModel
 from backfill.serving.async_engine import AsyncEngine
@@ -79,19 +77,8 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
-    limits = {} if cfg.limits is None else {"limits": cfg.limits}
-    if cfg.policy == "online-only":
-        return OnlineOnlyPolicy(**limits)
-    if cfg.policy == "fcfs":
-        return FCFSPolicy(**limits)
-    if cfg.policy == "priority":
-        return PriorityPolicy(**limits)
-    if cfg.policy == "cfs":
-        from backfill.policy.cfs import CFSConfig, CFSPolicy
-        return CFSPolicy(CFSConfig(**limits))
-    if latency is None:
-        raise InvalidRequestError("the coserve policy needs a latency profile")
-    return CoServePolicy(latency, layout, cfg.policy_config())
+    return registry.make_policy(cfg.policy, limits=cfg.limits, latency=latency, layout=layout,
+                                coserve=cfg.policy_config())
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
@@ -113,7 +100,7 @@ def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) ->
 
 def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, model_name: str = "model",
                     latency: LatencyModel | None = None) -> Scheduler:
-    if cfg.policy == "coserve" and latency is None:
+    if registry.entry(cfg.policy).needs_latency_model and latency is None:
         latency = load_or_profile(runner, cfg, model_name)
     policy = make_policy(cfg, latency, runner.safepoint_layout)
     detok = None
@@ -129,8 +116,8 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
     checkpoint = AdaptiveCheckpointPolicy(cfg.checkpoint) if cfg.checkpoint.enabled else None
     scheduler = Scheduler(runner, policy, checkpoint_policy=checkpoint, detokenizer_factory=detok,
                           eos_token_ids=eos, max_model_len=cfg.max_model_len)
-    if cfg.policy == "cfs":
-        from backfill.offload.pager import make_pager
+    if registry.entry(cfg.policy).pages_kv:
+        from backfill.memory.pager import make_pager
         scheduler.pager = make_pager(runner.kv.device, cfg.offload_coordinator_url)
     return scheduler
 
@@ -162,6 +149,6 @@ def _build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None, see
     model_config = model_config or ModelConfig.tiny()
     runner = build_runner(model_config, random_model(model_config, seed), replace(cfg, device="cpu"))
     tokenizer = ByteTokenizer(model_config.vocab_size)
-    latency = LatencyModel((1, 4096), (1.0, 41.0)) if cfg.policy == "coserve" else None
+    latency = LatencyModel((1, 4096), (1.0, 41.0)) if registry.entry(cfg.policy).needs_latency_model else None
     return AsyncEngine(build_scheduler(runner, cfg, tokenizer, model_config.name, latency), tokenizer,
                        model_config.name)

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field, replace
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
 from backfill.policy.checkpoint import CheckpointConfig
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.policy.planner import BatchLimits
+from backfill.policy.registry import NAMES
 from backfill.validation import check_non_negative
 
-POLICIES = ("coserve", "priority", "fcfs", "online-only", "cfs")
+POLICIES = NAMES
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
 CUDA_KERNELS_CHOICES = ("torch", "triton")

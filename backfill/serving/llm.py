@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from backfill.engine.sampling_params import SamplingParams
-from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.types import FinishReason, GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_runner, build_scheduler
 from backfill.serving.scheduler import Scheduler

@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 
 from backfill.engine.kv_pool import HostBlocks, KVBlockPool
-from backfill.engine.runner import ModelRunner, SeqChunk, StepOutput
-from backfill.engine.suspended_step import SuspendedStep, kv_fingerprint
-from backfill.offload.pager import KVPager
+from backfill.engine.runner import ModelRunner, StepOutput
+from backfill.engine.step import SeqChunk
+from backfill.engine.step import SuspendedStep, kv_fingerprint
+from backfill.memory.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.interface import RunningStep, SchedulerState, SchedulingPolicy
 from backfill.policy.latency_model import BatchShape
@@ -145,17 +146,14 @@ class RequestPreemption:
         self.kv = kv
         self.stats = stats
         self.checkpoint_policy = checkpoint_policy
-        # AQUA §7: swap space that preempted requests' KV is paged to and back (offload/pager.py).
+        # AQUA §7: swap space that preempted requests' KV is paged to and back (memory/pager.py).
         self.pager: KVPager | None = None
 
     def at_step_boundary(self, policy: SchedulingPolicy) -> None:
         """AQUA §7: elastic tensors may move between steps; a policy that watches swapping is told."""
         if self.pager is None:
             return
-        observe_swap = getattr(policy, "observe_swap", None)
-        report = self.pager.at_step_boundary()
-        if observe_swap is not None:
-            observe_swap(report)
+        policy.observe_swap(self.pager.at_step_boundary())
 
     def preempt(self, seq: Sequence, *, save_tail: bool = True) -> None:
         """Free seq's device blocks; what has a host checkpoint is restored later, the rest recomputed.

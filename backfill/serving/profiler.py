@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import statistics
 
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.policy.latency_model import LatencyModel
 
 log = logging.getLogger(__name__)

@@ -15,15 +15,16 @@ from collections import deque
 from typing import Callable
 
 from backfill.engine.lora import LoraAdapter
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.engine.sampler import History, TokenLogprob, sample_picks
-from backfill.engine.suspended_step import SuspendedStep
+from backfill.engine.step import SuspendedStep
 from backfill.errors import ContextLengthError, InvalidRequestError
-from backfill.offload.pager import KVPager
+from backfill.memory.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.interface import SchedulerState, SchedulingPolicy, SeqView, StepPlan
 from backfill.policy.latency_model import BatchShape
-from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
+from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.preemption import RequestPreemption, StepPreemption
 from backfill.serving.sequence import Detokenizer, Sequence, SeqStatus
 from backfill.serving.stats import SchedulerStats
@@ -70,7 +71,7 @@ class Scheduler:
 
     @property
     def pager(self) -> KVPager | None:
-        """AQUA §7: swap space that preempted requests' KV is paged to and back (offload/pager.py)."""
+        """AQUA §7: swap space that preempted requests' KV is paged to and back (memory/pager.py)."""
         return self.request_preemption.pager
 
     @pager.setter
@@ -201,7 +202,7 @@ class Scheduler:
         picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
                              [History(s.prompt_ids, s.output_ids) if s.request.sampling.penalized else None
                               for s in seqs], [s.request.constraint for s in seqs],
-                             getattr(self.runner, "device_sampler", None)) if seqs else []
+                             self.runner.device_sampler) if seqs else []
         events = [self._append_token(seq, pick.token_id, pick.logprob) for seq, pick in zip(seqs, picks)]
         if offline_kv_grew:
             # Only a step that computed offline KV has any to copy; skipping the selection (a snapshot

@@ -12,7 +12,7 @@ from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.lora import LoraAdapter
 from backfill.engine.sampler import make_generator
 from backfill.policy.interface import SeqView
-from backfill.serving.api import FinishReason, GenerationRequest, RequestClass
+from backfill.types import FinishReason, GenerationRequest, RequestClass
 
 
 class Detokenizer(Protocol):

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from backfill.bench.metrics import PreemptionEvent, RequestRecord, compute_metrics
 from backfill.bench.prompts import bundled_corpus
 from backfill.bench.report import ModeResult
-from backfill.serving.api import SLO, RequestClass
+from backfill.types import SLO, RequestClass
 
 
 class BPETokenizer:

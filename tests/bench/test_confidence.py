@@ -6,7 +6,7 @@ import pytest
 from backfill.bench.confidence import paired_values, percentile_ratio_interval
 from backfill.bench.metrics import RequestRecord
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 def _online(request_id: str, ttft_s: float) -> RequestRecord:

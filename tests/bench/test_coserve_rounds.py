@@ -11,7 +11,7 @@ from backfill.bench.scenario import CoserveScenario
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.errors import InvalidRequestError
 from backfill.policy.latency_model import LatencyModel
-from backfill.serving.api import SLO
+from backfill.types import SLO
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_tiny_engine
 

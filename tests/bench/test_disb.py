@@ -6,7 +6,7 @@ import pytest
 from backfill.bench.disb import DisbWorkload, disb_preset, load_disb, save_disb
 from backfill.bench.prompts import PromptSource
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 FILE = {"name": "mine", "duration_s": 10,
         "clients": [{"name": "rt", "model": "m", "task": "chat", "priority": "real-time", "arrival": "uniform",

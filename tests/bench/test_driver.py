@@ -9,7 +9,7 @@ from backfill.bench.http_target import HttpTarget
 from backfill.bench.metrics import compute_metrics
 from backfill.bench.workload import BenchRequest, OfflineBacklog, Workload
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 def _online(n: int, spacing_s: float, max_tokens: int, fail: set[int] = frozenset()) -> tuple[BenchRequest, ...]:

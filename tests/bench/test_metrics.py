@@ -4,7 +4,7 @@ import pytest
 
 from backfill.bench.metrics import PreemptionEvent, RequestRecord, Summary, compute_metrics
 from backfill.errors import WorkloadError
-from backfill.serving.api import SLO, RequestClass
+from backfill.types import SLO, RequestClass
 
 ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
 

@@ -9,8 +9,8 @@ from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.modes import ModeSpec, parse_modes
 from backfill.errors import InvalidRequestError
-from backfill.policy.coserve import CoServeConfig
-from backfill.serving.api import RequestClass
+from backfill.policy.config import CoServeConfig
+from backfill.types import RequestClass
 from backfill.serving.config import ServingConfig
 
 

@@ -8,7 +8,7 @@ from backfill.bench.traces import Trace, TraceRecord
 from backfill.bench.workload import (BenchRequest, OfflineBacklog, OfflineSpec, Workload, build_workload,
                                      requests_from_trace)
 from backfill.errors import WorkloadError
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 def test_build_workload_online_and_backlog(bpe):

@@ -9,9 +9,9 @@ against an SLA of 0.2 x T_mono, while every other node keeps about half of T_mon
 import numpy as np
 import pytest
 
-from backfill.cluster.fleet_sim import FleetConfig, make_jobs, simulate
+from backfill.bench.sim.fleet_sim import FleetConfig, make_jobs, simulate
 from backfill.cluster.ray_cluster import ClusterService, CpuContention
-from backfill.cluster.ray_scenario import ScenarioConfig, run_scenario
+from backfill.bench.cluster_scenario import ScenarioConfig, run_scenario
 from backfill.errors import ClusterInputError
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from backfill.cluster.controller import ClusterController
 from backfill.cluster.monitor import MonitorConfig, SLAMonitor
-from backfill.cluster.scheduler import ClusterScheduler, Placement, Rejection, SchedulerConfig
+from backfill.cluster.job_scheduler import ClusterScheduler, Placement, Rejection, ClusterSchedulerConfig
 from backfill.cluster.throughput_model import (ClusterSnapshot, JobProfile, OfflineJob, alignment_factor,
                                                memory_factor, pairwise_alignment, predict)
 from backfill.errors import ClusterInputError
@@ -50,12 +50,12 @@ def test_alignment_scores_and_lockstep_factor():
 
 def test_scheduler_best_fit_meets_sla_and_rejects_with_reason():
     snap = snapshot([0.2, 0.5, 0.9])
-    sched = ClusterScheduler(SchedulerConfig(choice="best-fit"))
+    sched = ClusterScheduler(ClusterSchedulerConfig(choice="best-fit"))
     job = OfflineJob("j", JobProfile(100.0), sla_tokens_per_s=40.0)
     placed = sched.place(job, snap)
     assert isinstance(placed, Placement) and placed.device_ids == ("d1",)   # 50 >= 40, the tightest fit
     assert placed.prediction.tokens_per_s == pytest.approx(50.0)
-    greedy = ClusterScheduler(SchedulerConfig(choice="most-throughput")).place(job, snap)
+    greedy = ClusterScheduler(ClusterSchedulerConfig(choice="most-throughput")).place(job, snap)
     assert greedy.device_ids == ("d2",)
     hopeless = sched.place(OfflineJob("h", JobProfile(100.0), sla_tokens_per_s=95.0), snap)
     assert isinstance(hopeless, Rejection) and hopeless.permanent
@@ -83,7 +83,7 @@ def test_monitor_evicts_only_persistent_misses():
 
 
 def test_controller_evicts_and_places_elsewhere_and_rejects_for_good():
-    ctl = ClusterController(ClusterScheduler(SchedulerConfig(choice="best-fit")),
+    ctl = ClusterController(ClusterScheduler(ClusterSchedulerConfig(choice="best-fit")),
                             SLAMonitor(MonitorConfig(misses_to_evict=2)))
     ctl.submit(OfflineJob("a", JobProfile(100.0), 40.0))
     ctl.submit(OfflineJob("never", JobProfile(100.0), 500.0))

@@ -9,7 +9,8 @@ from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BA
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from tests.conftest import random_weights
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86/Arm CPU build only")

@@ -10,7 +10,8 @@ import torch
 from backfill.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, batch_bucket, blocks_bucket
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from runner_greedy import greedy_decode
 from tests.conftest import random_weights
 
@@ -201,9 +202,9 @@ def test_the_scheduler_replays_whole_steps_only_where_no_safepoint_may_stop_them
                                                                                 policy, request_class):
     """Online decode steps have no safepoint and replay the whole-step graph; coserve's offline
     batches are preemptible (ConServe §4.3) and replay the per-layer graphs, checking between them."""
-    from backfill.engine.sampling_params import SamplingParams
+    from backfill.sampling_params import SamplingParams
     from backfill.policy.latency_model import LatencyModel
-    from backfill.serving.api import GenerationRequest, RequestClass
+    from backfill.types import GenerationRequest, RequestClass
     from backfill.serving.build import build_scheduler
     from backfill.serving.config import ServingConfig
 

@@ -7,8 +7,8 @@ import torch
 
 from backfill.engine.device_sampler import DeviceSampler, RowParams, fits, sample_tokens, uniform_noise
 from backfill.engine.sampler import make_generator
-from backfill.engine.sampling_params import SamplingParams
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.sampling_params import SamplingParams
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.build import build_scheduler
 from backfill.serving.config import ServingConfig
 

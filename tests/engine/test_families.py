@@ -14,8 +14,9 @@ from backfill.engine.config import ModelConfig
 from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
-from backfill.engine.sampling_params import SamplingParams
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
+from backfill.sampling_params import SamplingParams
 from backfill.engine.weights import load_model, random_model, read_model_config
 from backfill.errors import CorruptModelError, UnsupportedModelError
 from backfill.serving.config import ServingConfig

@@ -7,7 +7,8 @@ import torch
 from test_weights import random_model, tiny_gguf_config, write_tiny_gguf
 
 from backfill.engine.hf_export import export_hf_dir
-from backfill.engine.weights import LoadedModel, load_model
+from backfill.engine.weights import load_model
+from backfill.engine.loaded_model import LoadedModel
 from backfill.errors import CorruptModelError
 
 

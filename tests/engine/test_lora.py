@@ -9,7 +9,8 @@ from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.lora import AdapterRegistry, LoraBatch, load_adapter
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.errors import AdapterLoadError, UnknownAdapterError
 
 pytest.importorskip("transformers")

@@ -6,7 +6,8 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LM_HEAD_SLICES, LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 
 transformers = pytest.importorskip("transformers")
 

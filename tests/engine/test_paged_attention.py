@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.paged_attention import load_paged_decode_attention
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from tests.conftest import random_weights
 
 kernel = load_paged_decode_attention()

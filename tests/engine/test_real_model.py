@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.serving.config import ServingConfig
 from backfill.serving.llm import LLM
 
@@ -56,7 +56,7 @@ def test_greedy_tokens_identical_to_hf_for_chat_prompts(llm, hf_model):
 
 
 def test_prefill_logits_close_to_hf(llm, hf_model):
-    from backfill.engine.runner import SeqChunk
+    from backfill.engine.step import SeqChunk
 
     ids = llm.encode_prompt(PROMPTS[2])
     runner = llm.scheduler.runner

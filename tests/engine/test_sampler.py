@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from backfill.engine.sampler import make_generator, sample
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.errors import InvalidSamplingError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backfill.engine.sampler import History, apply_penalties, make_generator, sample_picks
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.errors import InvalidSamplingError
 
 

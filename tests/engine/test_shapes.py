@@ -6,7 +6,8 @@ import pytest
 
 from backfill.cli import build_parser
 from backfill.engine.shapes import SHAPES, model_from_args, shape_config
-from backfill.engine.weights import expected_weight_shapes, load_model, read_model_config
+from backfill.engine.weights import load_model, read_model_config
+from backfill.engine.loaded_model import expected_weight_shapes
 from backfill.errors import InvalidRequestError, UnsupportedModelError
 
 

@@ -7,7 +7,8 @@ import torch
 from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
-from backfill.engine.runner import ModelRunner, SeqChunk
+from backfill.engine.runner import ModelRunner
+from backfill.engine.step import SeqChunk
 from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, load_small_batch_matmul,
                                                 pack_for_small_batches, packed_matmul)
 from tests.conftest import random_weights

@@ -12,8 +12,8 @@ from gguf.quants import dequantize, quantize
 from backfill.engine.config import ModelConfig
 from backfill.engine.default_model import DEFAULT_MODEL_FILE, default_model_path
 from backfill.engine.gguf_reader import permute_qk, unpermute_qk
-from backfill.engine.weights import (LoadedModel, expected_weight_shapes, gguf_cache_key, load_model,
-                                     random_model)
+from backfill.engine.weights import gguf_cache_key, load_model, random_model
+from backfill.engine.loaded_model import LoadedModel, expected_weight_shapes
 from backfill.errors import CorruptModelError, ModelLoadError, UnsupportedModelError
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.finetune.colocate import attach_finetune
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.job import FinetuneJob
 from backfill.policy.harli import HarliLatencyModel, HarliPolicy, SoloFit
-from backfill.serving.api import FinishReason, GenerationRequest
+from backfill.types import FinishReason, GenerationRequest
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_tiny_engine
 from tests.finetune.helpers import TOKENIZER, write_chat_file

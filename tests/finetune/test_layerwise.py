@@ -8,7 +8,7 @@ import torch
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.data import collate, load_training_file
 from backfill.finetune.layerwise import embed, full_loss, head_loss_sum, layer_forward, target_slices
-from backfill.finetune.lora import LoraAdapter
+from backfill.finetune.lora import TrainableLoraAdapter
 from tests.finetune.helpers import TOKENIZER, tiny_model, write_chat_file
 
 # fp32 throughout; the two paths sum the same products in different orders (the layer-wise one
@@ -18,7 +18,7 @@ RTOL = 1e-5
 
 def _adapter(model, **kw):
     config = FinetuneConfig(rank=4, alpha=8, **kw)
-    adapter = LoraAdapter(config, LoraAdapter.shapes_for(model.config), model.config.num_layers,
+    adapter = TrainableLoraAdapter(config, TrainableLoraAdapter.shapes_for(model.config), model.config.num_layers,
                           torch.Generator().manual_seed(0))
     with torch.no_grad():  # B = 0 at init would make every A gradient zero: test a trained-looking adapter
         for _, b in adapter.params.values():

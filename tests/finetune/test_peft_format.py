@@ -10,7 +10,7 @@ from backfill.engine.config import ModelConfig
 from backfill.engine.model import LlamaModel
 from backfill.finetune.config import FinetuneConfig
 from backfill.finetune.layerwise import embed, layer_forward
-from backfill.finetune.lora import LoraAdapter
+from backfill.finetune.lora import TrainableLoraAdapter
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -27,7 +27,7 @@ def test_peft_loads_our_adapter_and_agrees(tmp_path):
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     model = LlamaModel(cfg, dict(hf.state_dict()))
     config = FinetuneConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
-    adapter = LoraAdapter(config, LoraAdapter.shapes_for(cfg), cfg.num_layers, torch.Generator().manual_seed(0))
+    adapter = TrainableLoraAdapter(config, TrainableLoraAdapter.shapes_for(cfg), cfg.num_layers, torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _, b in adapter.params.values():
             b.normal_(0, 0.1)

@@ -15,7 +15,7 @@ from backfill.engine.weights import random_model
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 from backfill.node.engine_proc import EngineProcess, EngineSpec, HandleBlocks, make_request, request_dict
 from backfill.node.ipc import NodeClient
-from backfill.node.memory_pool import PoolConfig, SharedMemoryPool
+from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.node.suspend import _proc_state
 from backfill.policy.baselines import FCFSPolicy
@@ -200,7 +200,7 @@ def test_handle_blocks_maps_engine_blocks_onto_granted_handles():
 
 
 def test_bench_rejects_unknown_gates_memory_policies_and_phases():
-    from backfill.node.bench import NodeBenchConfig, PhaseSpec
+    from backfill.bench.node_bench import NodeBenchConfig, PhaseSpec
 
     with pytest.raises(PolicyInputError, match="memory policy"):
         PhaseSpec("x", memory="lru")

@@ -14,7 +14,7 @@ import pytest
 
 from backfill.errors import NodeProtocolError, OverAllocationError, SuspendError
 from backfill.node.ipc import NodeClient
-from backfill.node.memory_pool import PoolConfig, SharedMemoryPool
+from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.node.suspend import _proc_state
 from backfill.policy.gate import GateConfig, IterationGate, LifecycleGate

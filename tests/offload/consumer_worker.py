@@ -5,7 +5,7 @@ import sys
 import torch
 
 from backfill.offload.client import ConsumerLender, CoordinatorClient
-from backfill.offload.elastic import ElasticStore, Location
+from backfill.memory.elastic import ElasticStore, Location
 
 url = sys.argv[1]
 lender = ConsumerLender(CoordinatorClient(url), "doomed-consumer", ttl_s=1.0, poll_every=1)

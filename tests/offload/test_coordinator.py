@@ -13,7 +13,7 @@ import torch
 
 from backfill.errors import CoordinatorError, LeaseExpiredError
 from backfill.offload.client import ConsumerLender, CoordinatorClient, ProducerAgent
-from backfill.offload.elastic import ElasticStore, Location
+from backfill.memory.elastic import ElasticStore, Location
 
 from conftest import ROOT
 

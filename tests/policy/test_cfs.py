@@ -5,15 +5,15 @@ import pytest
 
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.runner import ModelRunner
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.errors import InvalidRequestError
-from backfill.offload.elastic import ElasticStore, LocalLender, Location, ShmSegment
-from backfill.offload.pager import KVPager, SwapReport
+from backfill.memory.elastic import ElasticStore, LocalLender, Location, ShmSegment
+from backfill.memory.pager import KVPager, SwapReport
 from backfill.policy.baselines import FCFSPolicy
 from backfill.policy.cfs import CFSConfig, CFSPolicy
 from backfill.policy.planner import BatchLimits
 from backfill.policy.interface import SchedulerState, SeqView
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.scheduler import Scheduler
 
 ONLINE = RequestClass.ONLINE

@@ -1,6 +1,6 @@
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
 from backfill.policy.interface import SchedulerState, SeqView
-from backfill.serving.api import RequestClass
+from backfill.types import RequestClass
 
 
 def _state(free: int, n: int = 10) -> SchedulerState:

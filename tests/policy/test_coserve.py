@@ -6,12 +6,13 @@ import pytest
 
 from backfill.errors import InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
-from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.coserve import CoServePolicy
+from backfill.policy.config import CoServeConfig
 from backfill.policy.interface import RunningStep, SafepointLayout
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.planner import BatchLimits, PlanBuilder
 from backfill.policy.interface import SchedulerState, SeqView
-from backfill.serving.api import SLO, RequestClass
+from backfill.types import SLO, RequestClass
 
 ON, OFF = RequestClass.ONLINE, RequestClass.OFFLINE
 # 20 ms floor up to 8 tokens, then +1 ms per token: a CPU-like shape.

@@ -6,7 +6,7 @@ from test_coserve import LAYOUT, OFF, ON, decoding, state, uncapped_config
 from backfill.policy.coserve import MARGIN_MIN_STEPS, CoServePolicy
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.model_error import ModelErrorLog, summarize
-from backfill.serving.api import SLO
+from backfill.types import SLO
 
 
 def test_summary_is_median_p90_and_signed_bias_of_relative_errors():

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from backfill.realtime.bench import TINY_SCALES
+from backfill.bench.realtime_bench import TINY_SCALES
 from backfill.realtime.idempotence import analyze
 from backfill.realtime.models import build_model
-from backfill.realtime.scheduler import profile
+from backfill.realtime.task_scheduler import profile
 
 SHAPES = ("resnet152", "vgg19", "bert", "gpt2")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backfill.errors import RealtimeError
-from backfill.realtime.bench import DisbSource, dnn_preset, run_disb, run_once, summarize
-from backfill.realtime.scheduler import Request, Scheduler, SchedulerConfig
+from backfill.bench.realtime_bench import DisbSource, dnn_preset, run_disb, run_once, summarize
+from backfill.realtime.task_scheduler import Request, Scheduler, TaskSchedulerConfig
 
 SHAPES = ("resnet152", "vgg19", "bert", "gpt2")
 
@@ -48,7 +48,7 @@ def test_preempted_be_request_output_is_bit_exact(tiny_models, name, path):
     served = tiny_models[name]
     ref = _bits(served.model.infer(served.model.example_input))
     n = len(served.model)
-    with Scheduler(SchedulerConfig(mode="reef", preempt_path=path), tiny_models, {"be": name}) as sched:
+    with Scheduler(TaskSchedulerConfig(mode="reef", preempt_path=path), tiny_models, {"be": name}) as sched:
         s = sched.streams["be"]
         sched.submit(Request("be", name, False, served.model.example_input, time.perf_counter()))
         sched.service_be(_Quiet())
@@ -91,14 +91,14 @@ def test_disb_a_runs_every_mode_and_only_reef_preempts(tiny_models):
 def test_config_errors_are_typed(tiny_models):
     for bad in (dict(mode="fifo"), dict(preempt_path="wait"), dict(inflight_capacity=0), dict(rt_threads=3), dict(spin_ms=-1)):
         with pytest.raises(RealtimeError):
-            SchedulerConfig(**bad)
+            TaskSchedulerConfig(**bad)
     with pytest.raises(RealtimeError, match="no served model"):
-        Scheduler(SchedulerConfig(), tiny_models, {"be": "yolo"})
+        Scheduler(TaskSchedulerConfig(), tiny_models, {"be": "yolo"})
     base = os.getpriority(os.PRIO_PROCESS, 0)
     with pytest.raises(RealtimeError, match="pad needs 512 cores"):
-        Scheduler(SchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
+        Scheduler(TaskSchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # refused before the scheduler raised itself
-    with Scheduler(SchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
+    with Scheduler(TaskSchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
         with pytest.raises(RealtimeError, match="no BE stream"):
             sched.submit(Request("other", "bert", False, tiny_models["bert"].model.example_input, 0.0))
     with pytest.raises(RealtimeError, match="unknown DISB"):
@@ -158,7 +158,7 @@ def test_padding_keeps_a_be_stream_on_each_core_the_rt_op_leaves(tiny_models, co
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
     all_cores = os.sched_getaffinity(0)
-    config = SchedulerConfig(mode="reef", pad=True, cores=cores, rt_threads=1)
+    config = TaskSchedulerConfig(mode="reef", pad=True, cores=cores, rt_threads=1)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     with Scheduler(config, tiny_models, {"be-a": "resnet152", "be-b": "vgg19"}) as sched:
         seen = _Affinities(sched)

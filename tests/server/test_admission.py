@@ -6,13 +6,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.policy.latency_model import BatchShape
 from backfill.server.admission import QueuedRequest, TtftAdmission, retry_after_header
 from backfill.server.app import create_app
 from backfill.server.config import ServerConfig
 from backfill.server.store import Store
-from backfill.serving.api import SLO
+from backfill.types import SLO
 from backfill.serving.build import build_tiny_engine
 from backfill.serving.config import ServingConfig
 

@@ -8,7 +8,7 @@ import pytest
 
 from backfill.errors import InvalidRequestError, ServerConfigError
 from backfill.options import options_of, value_of
-from backfill.policy.coserve import CoServeConfig
+from backfill.policy.config import CoServeConfig
 from backfill.policy.interface import SafepointLayout
 from backfill.server.config import ServerConfig, add_serve_arguments, config_from_args, default_db_path
 from backfill.serving.config import ServingConfig

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import close_app, live_server, make_app
 
-from backfill.engine.sampling_params import SamplingParams, TokenLogprob
+from backfill.sampling_params import SamplingParams, TokenLogprob
 from backfill.server.completions import Prepared, chunk_body, logprobs_object
 from backfill.server.sse import DONE, ChunkTemplate
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.types import GenerationRequest, RequestClass
 
 # Detokenized text never holds lone surrogates (they cannot be encoded as UTF-8 at all).
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)

@@ -7,7 +7,7 @@ import pytest
 
 from backfill.errors import InvalidRequestError
 from backfill.serving import async_engine
-from backfill.serving.api import GenerationRequest, SamplingParams
+from backfill.types import GenerationRequest, SamplingParams
 from backfill.serving.build import build_tiny_engine
 from backfill.serving.config import ServingConfig
 

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 
 from backfill.engine.config import ModelConfig
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.engine.weights import random_model
 from backfill.errors import UnknownAdapterError
-from backfill.serving.api import GenerationRequest, RequestClass
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
 from backfill.serving.build import build_tiny_engine
 

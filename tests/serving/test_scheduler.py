@@ -6,14 +6,15 @@ import pytest
 from backfill.engine.config import ModelConfig, SafepointLayout
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.runner import ModelRunner
-from backfill.engine.sampling_params import SamplingParams
+from backfill.sampling_params import SamplingParams
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.policy.baselines import FCFSPolicy, OnlineOnlyPolicy, PriorityPolicy
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy, CheckpointConfig
-from backfill.policy.coserve import CoServeConfig, CoServePolicy
+from backfill.policy.coserve import CoServePolicy
+from backfill.policy.config import CoServeConfig
 from backfill.policy.latency_model import LatencyModel
 from backfill.policy.planner import BatchLimits
-from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, SLO
+from backfill.types import FinishReason, GenerationRequest, RequestClass, SLO
 from backfill.serving.scheduler import Scheduler
 
 GREEDY = SamplingParams.greedy_params(max_tokens=24)

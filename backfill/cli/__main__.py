@@ -1,0 +1,7 @@
+"""`python -m backfill.cli` is the `backfill` command."""
+
+import sys
+
+from backfill.cli import main
+
+sys.exit(main())

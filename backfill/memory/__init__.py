@@ -1,0 +1,2 @@
+"""Memory mechanisms: KV paging (pager), elastic tensors and lent regions (AQUA), the shared pool of KV
+handles several engines draw from (Valve §3, §5)."""

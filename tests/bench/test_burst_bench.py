@@ -1,0 +1,91 @@
+"""The burst benchmark's scenario and report, on constructed request records."""
+
+import json
+
+import pytest
+
+from backfill.bench.metrics import RequestRecord
+from backfill.errors import WorkloadError
+from backfill.bench.burst_bench import BurstScenario, ModeRound, format_table, pool, report
+from backfill.types import RequestClass
+
+
+def records(ttft_s: float, n: int = 20) -> list[RequestRecord]:
+    out = []
+    for i in range(n):
+        send = float(i)
+        first = send + ttft_s * (i + 1) / n
+        out.append(RequestRecord(f"r{i}", RequestClass.ONLINE, "online", send, send, first,
+                                 [first, first + 0.5], [1, 9], first + 0.5, 32, 10))
+    return out
+
+
+def parts_of(rates_by_round, alone=100.0):
+    """Modes over rounds; rates_by_round: per round, the producer's rate in fcfs, cfs-host, cfs-lent."""
+    parts = {}
+    for rates in rates_by_round:
+        for (mode, ttft), rate in zip((("fcfs", 10.0), ("cfs-host", 1.0), ("cfs-lent", 0.5)), rates):
+            parts.setdefault(mode, []).append(ModeRound(records(ttft), 25.0, (0.0, 25.0),
+                                                        {"producer_tokens_per_s": rate, "pages_out": 3}, alone))
+    return parts
+
+
+def test_ratios_and_producer_loss():
+    scenario = BurstScenario(steady_s=5, burst_s=10, after_s=5)
+    result = report(scenario, parts_of([(100.0, 100.0, 97.0)]))
+    assert result["modes"]["cfs-lent"]["p99_ttft_vs_fcfs"] == pytest.approx(0.05, rel=1e-6)
+    assert result["modes"]["cfs-host"]["p99_ttft_vs_fcfs"] == pytest.approx(0.1, rel=1e-6)
+    assert result["producer_lending_loss"] == pytest.approx(0.03)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.03)
+    assert result["modes"]["fcfs"]["burst_ttft_ms"]["count"] == 10  # sent in [5, 15)
+    table = format_table(result)
+    assert "cfs-lent: P99 TTFT 0.050x FCFS's (1/20.0)" in table and "3.0%" in table
+
+
+def test_producer_loss_is_paired_per_round_then_the_median():
+    # The machine drifts between rounds (the producer alone at 100, then 50); paired per round,
+    # lending costs 2%, 4% and 40% (an outlier): the median is 4%, not the pooled rates' ratio.
+    parts = parts_of([(100.0, 100.0, 98.0), (50.0, 50.0, 48.0), (100.0, 100.0, 60.0)])
+    parts["cfs-lent"][1].producer_alone_tokens_per_s = 50.0
+    result = report(BurstScenario(steady_s=5, burst_s=10, after_s=5, rounds=3), parts)
+    assert result["producer_lending_loss_by_round"] == pytest.approx([0.02, 0.04, 0.40])
+    assert result["producer_lending_loss"] == pytest.approx(0.04)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.04)
+
+
+def test_lending_loss_relative_to_the_producer_alone_takes_out_drift():
+    # The machine slowed between cfs-lent and cfs-host: the producer alone ran at 100 around
+    # cfs-host and 90 around cfs-lent. Raw, lending looks like 10%; relative to alone, 2%.
+    parts = parts_of([(100.0, 100.0, 88.2)])
+    parts["cfs-lent"][0].producer_alone_tokens_per_s = 90.0
+    result = report(BurstScenario(steady_s=5, burst_s=10, after_s=5), parts)
+    assert result["producer_lending_loss"] == pytest.approx(0.118)
+    assert result["producer_lending_loss_vs_alone"] == pytest.approx(0.02)
+    assert result["modes"]["cfs-lent"]["producer_loss_vs_alone"] == pytest.approx(0.02)
+    assert "relative to the producer alone either side of it: 2.0%" in format_table(result)
+
+
+def test_runs_made_apart_pool_into_one_report():
+    scenario = BurstScenario(steady_s=5, burst_s=10, after_s=5)
+    one = json.loads(json.dumps(report(scenario, parts_of([(100.0, 100.0, 98.0)])), default=str))
+    two = json.loads(json.dumps(report(BurstScenario(steady_s=5, burst_s=10, after_s=5, seed=1),
+                                       parts_of([(100.0, 100.0, 90.0)])), default=str))
+    pooled = pool([one, two])
+    assert pooled["pooled_runs"] == 2
+    assert pooled["modes"]["fcfs"]["requests"] == 40
+    assert pooled["producer_lending_loss_by_round"] == pytest.approx([0.02, 0.10])
+    assert pooled["modes"]["cfs-lent"]["p99_ttft_vs_fcfs"] == pytest.approx(0.05, rel=1e-6)
+    with pytest.raises(WorkloadError):
+        pool([one, {**two, "scenario": {**two["scenario"], "burst_s": 99.0}}])
+    with pytest.raises(WorkloadError):
+        pool([])
+
+
+def test_scenario_errors_and_arrivals():
+    with pytest.raises(WorkloadError):
+        BurstScenario(burst_factor=0)
+    with pytest.raises(WorkloadError):
+        BurstScenario(output_len="nope")
+    arrivals = BurstScenario(steady_rate_per_s=2.0, steady_s=50, burst_s=50, after_s=50).arrivals(0)
+    steady, burst = ((arrivals < 50).sum(), ((arrivals >= 50) & (arrivals < 100)).sum())
+    assert 1.5 < burst / steady < 2.6
