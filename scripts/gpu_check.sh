@@ -6,7 +6,7 @@
 # Usage: scripts/gpu_check.sh [--dry-run] OUT
 #   --dry-run   list the parts, their caps and commands, and check that the Python side imports
 #               without the server's dependencies; runs nothing on a device.
-# Environment: PYTHON (default python3), BACKFILL_TOKENIZER (a tokenizer.json for random-weight
+# Environment: PYTHON (default .venv/bin/python where it exists, else python3), BACKFILL_TOKENIZER (a tokenizer.json for random-weight
 #   shapes; default .gpu/tokenizer when present), GPU_CHECK_TOTAL_S (overall deadline, default 570),
 #   GPU_CHECK_PARTS (space-separated subset of the part names, default all).
 set -uo pipefail
@@ -14,7 +14,8 @@ DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 OUT=${1:?usage: scripts/gpu_check.sh [--dry-run] OUT}
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# the checkout's venv where there is one (a development machine), else the image's python3 (the device)
+if [ -x .venv/bin/python ]; then PY=${PYTHON:-$PWD/.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 TOTAL_S=${GPU_CHECK_TOTAL_S:-570}
 if [ -z "${BACKFILL_TOKENIZER:-}" ] && [ -f .gpu/tokenizer/tokenizer.json ]; then
   export BACKFILL_TOKENIZER=$PWD/.gpu/tokenizer
