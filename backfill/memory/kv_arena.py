@@ -22,9 +22,7 @@ different shapes on one node keep a private KV tensor each (the logical pool).
 
 from __future__ import annotations
 
-import base64
 import os
-import pickle
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 
 from backfill.errors import PolicyInputError, SharedMemoryError
+from backfill.memory import cuda_ipc
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARENA_KINDS = ("host-shm", "cuda-ipc")
@@ -118,7 +117,7 @@ class ArenaDescriptor:
     kind: str                 # host-shm | cuda-ipc
     layout: KVLayout
     path: str = ""            # host-shm: the segment's file
-    ipc: str = ""             # cuda-ipc: base64 of the pickled (rebuild function, args) of reduce_tensor
+    ipc: str = ""             # cuda-ipc: the allocation's CUDA IPC name (memory/cuda_ipc.py)
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -183,15 +182,12 @@ class CudaIpcArena:
     """An arena in device memory, shared through a CUDA IPC handle of one allocation."""
 
     def __init__(self, layout: KVLayout, device: str = "cuda") -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         self.layout = layout
         try:
             self.bytes = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-            rebuild, args = reduce_tensor(self.bytes)
-            self._ipc = base64.b64encode(pickle.dumps((rebuild, args))).decode()
-        except (RuntimeError, AssertionError) as exc:
-            raise SharedMemoryError(f"cannot share {layout.nbytes} bytes of {device} memory: {exc}") from exc
+        except RuntimeError as exc:
+            raise SharedMemoryError(f"cannot allocate {layout.nbytes} bytes on {device}: {exc}") from exc
+        self._ipc = cuda_ipc.share(self.bytes)
         self.device = str(self.bytes.device)
 
     def descriptor(self) -> ArenaDescriptor:
@@ -222,12 +218,7 @@ def attach(descriptor: ArenaDescriptor) -> torch.Tensor:
         if size < layout.nbytes:
             raise SharedMemoryError(f"host arena {descriptor.path} has {size} bytes, the layout needs {layout.nbytes}")
         return torch.from_file(descriptor.path, shared=True, size=size, dtype=torch.uint8)
-    try:
-        # The descriptor comes from the node runtime over its private socket (trusted, same user).
-        rebuild, args = pickle.loads(base64.b64decode(descriptor.ipc))
-        tensor = rebuild(*args)
-    except Exception as exc:  # noqa: BLE001 - whatever the driver says, it is one typed error here
-        raise SharedMemoryError(f"cannot open the CUDA IPC arena: {exc}") from exc
+    tensor = cuda_ipc.open_shared(descriptor.ipc)
     if tensor.numel() < layout.nbytes:
         raise SharedMemoryError(f"CUDA IPC arena has {tensor.numel()} bytes, the layout needs {layout.nbytes}")
     return tensor

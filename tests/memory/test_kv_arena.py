@@ -54,8 +54,10 @@ def test_bad_layouts_and_descriptors_raise_typed_errors(tmp_path):
     small.write_bytes(b"\0" * 100)
     with pytest.raises(SharedMemoryError, match="100 bytes"):
         attach(ArenaDescriptor("host-shm", LAYOUT, path=str(small)))
-    with pytest.raises(SharedMemoryError, match="cannot open the CUDA IPC arena"):
+    with pytest.raises(SharedMemoryError, match="not a CUDA IPC name"):
         attach(ArenaDescriptor("cuda-ipc", LAYOUT, ipc="bm90IGEgcGlja2xl"))
+    with pytest.raises(SharedMemoryError, match="cannot open the CUDA IPC memory"):
+        attach(ArenaDescriptor("cuda-ipc", LAYOUT, ipc="cuda-ipc:bm90IGEgcGlja2xl"))
 
 
 def test_planes_are_the_kv_pool_the_engine_uses():
