@@ -282,6 +282,9 @@ def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str |
     for name in config.phases:
         log(f"[node bench] phase {name} ({len(online_trace)} online requests over {config.duration_s:g} s)")
         phases[name] = run_phase(config, PHASES[name], online_trace, backlog)
+        if json_path is not None:   # a run cut short keeps the phases it finished
+            Path(json_path).write_text(json.dumps({"config": _jsonable(asdict(config)), "device": config.device,
+                                                   "phases": phases, "partial": True}, indent=2))
     results = {"config": _jsonable(asdict(config)), "torch_threads_per_process": 1, "device": config.device,
                "wall_s": time.monotonic() - started, "phases": phases, "summary": summarize(phases, config)}
     if json_path is not None:
