@@ -3,14 +3,14 @@
 # Parts, in order, each under its own `timeout` inside one deadline (NODE_BURST_TOTAL_S, default 135 s):
 #   imports     (15 s)  the node runtime and bench modules import without fastapi, pydantic, starlette,
 #                       uvicorn, gguf, llguidance, ray (the device image lacks them)
-#   cuda-tests  (25 s)  tests/memory and tests/offload/test_elastic.py on the GPU: a KV arena shared by
+#   cuda-tests  (20 s)  tests/memory and tests/offload/test_elastic.py on the GPU: a KV arena shared by
 #                       CUDA IPC with another process, CUDA virtual memory map / unmap across spaces,
 #                       elastic tensors in a neighbour's lent device memory and in pinned host memory
-#   node        (70 s)  Valve on one GPU: online + offline engine processes (random weights, smollm2-135m
+#   node        (60 s)  Valve on one GPU: online + offline engine processes (random weights, smollm2-135m
 #                       shape, bf16, KV pool one CUDA IPC allocation); phases alone / valve / fifo:
 #                       online P99 TTFT/TPOT vs alone, preemptions per online request, offline tok/s,
 #                       reclamation latency                                   -> OUT/node.json
-#   burst       (50 s)  AQUA on one GPU: 2x burst, FCFS vs CFS paging to pinned host / to a neighbour's
+#   burst       (45 s)  AQUA on one GPU: 2x burst, FCFS vs CFS paging to pinned host / to a neighbour's
 #                       device memory (CUDA IPC); gather/scatter GB/s vs the PCIe peak -> OUT/burst.json
 # Then OUT/summary.json (rows for bench/gpu_summary.py) and OUT/summary.md; OUT/parts.json says what ran,
 # what was skipped or failed and why. A failed part never stops the others; every process a part starts
@@ -35,9 +35,9 @@ export PYTHONUNBUFFERED=1
 
 PARTS=(
   "imports|15|$PY -c 'import sys, backfill.node.bench, backfill.node.engine_proc, backfill.node.online_engine, backfill.node.offline_engine, backfill.bench.device_burst, backfill.bench.node_burst_summary, backfill.memory.cuda_vmm, backfill.serving.scheduler; bad = [m for m in (\"fastapi\", \"pydantic\", \"starlette\", \"uvicorn\", \"gguf\", \"llguidance\", \"ray\") if m in sys.modules]; print(\"absent-on-device modules imported:\", bad or \"none\"); sys.exit(1 if bad else 0)'"
-  "cuda-tests|25|BACKFILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider --junitxml=$OUT/cuda-tests.xml tests/memory tests/offload/test_elastic.py -k 'cuda or device or lent'"
-  "node|70|$PY -m backfill.node.bench --device $DEVICE --model $NODE_MODEL --phases alone,valve,fifo --duration-s 8 --warmup-s 2 --arrivals gamma:3:2 --json $OUT/node.json"
-  "burst|50|$PY -m backfill.bench.device_burst --device $DEVICE --shape $SHAPE --steady-s 2 --burst-s 5 --json $OUT/burst.json"
+  "cuda-tests|20|BACKFILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider --junitxml=$OUT/cuda-tests.xml tests/memory tests/offload/test_elastic.py -k 'cuda or device or lent'"
+  "node|60|$PY -m backfill.node.bench --device $DEVICE --model $NODE_MODEL --phases alone,valve,fifo --duration-s 6 --warmup-s 2 --arrivals gamma:4:2 --json $OUT/node.json"
+  "burst|45|$PY -m backfill.bench.device_burst --device $DEVICE --shape $SHAPE --steady-s 1.5 --burst-s 4 --json $OUT/burst.json"
 )
 
 if [ $DRY_RUN = 1 ]; then

@@ -127,12 +127,16 @@ class Neighbour:
                 "sys.stdin.read()\n"
                 "seg.unlink()\n")
         self.nbytes = nbytes
+        self.path = ""
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
+
+    def wait_ready(self) -> "Neighbour":
+        """Block until the neighbour named its memory (it starts while the engine loads)."""
         self.path = (self.proc.stdout.readline() or "").strip()
         if not self.path:
-            self.stop()
             raise WorkloadError("the neighbour process did not lend its memory")
+        return self
 
     def stop(self) -> None:
         try:
@@ -192,17 +196,39 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
     started = time.monotonic()
     dtype = getattr(torch, cfg.dtype)
     config = ModelConfig.tiny() if cfg.shape == "tiny" else shape_config(cfg.shape)
-    runner = ModelRunner(LlamaModel(config, random_model(config, cfg.seed), dtype=dtype, device=cfg.device),
-                         KVBlockPool(config, cfg.kv_blocks, cfg.block_size, dtype, cfg.device))
-    out: dict[str, Any] = {"config": json.loads(json.dumps(asdict(cfg))), "model": config.name,
-                           "kv_bytes": runner.kv.nbytes, "link": read_link_peak(_index(cfg.device)).as_dict(),
-                           "modes": {}, "skipped": []}
-    if cfg.device.startswith("cuda"):
-        out["gpu"] = torch.cuda.get_device_name(cfg.device)
     neighbour = None
     try:
         if "cfs-lent" in cfg.modes or cfg.transfer_blocks:
             neighbour = Neighbour(int(cfg.lend_mb * 2**20), cfg.device)
+        runner = ModelRunner(LlamaModel(config, random_model(config, cfg.seed), dtype=dtype, device=cfg.device),
+                             KVBlockPool(config, cfg.kv_blocks, cfg.block_size, dtype, cfg.device))
+        out: dict[str, Any] = {"config": json.loads(json.dumps(asdict(cfg))), "model": config.name,
+                               "kv_bytes": runner.kv.nbytes, "link": read_link_peak(_index(cfg.device)).as_dict(),
+                               "modes": {}, "partial": True, "skipped": []}
+        if cfg.device.startswith("cuda"):
+            out["gpu"] = torch.cuda.get_device_name(cfg.device)
+        modes = list(cfg.modes)
+        if neighbour is not None:
+            try:
+                neighbour.wait_ready()
+            except WorkloadError as exc:
+                neighbour.stop()
+                neighbour = None
+                modes = [m for m in modes if m != "cfs-lent"]
+                out["skipped"].append(f"cfs-lent and transfers to lent memory ({exc}); 'lent' transfers "
+                                      f"went to a /dev/shm segment instead")
+        # Transfers first: seconds, and a run cut short still has them.
+        if cfg.transfer_blocks:
+            figures = measure_transfers(config, blocks=cfg.transfer_blocks, repeats=cfg.transfer_repeats,
+                                        device=cfg.device, dtype=dtype,
+                                        lent=map_segment(neighbour.path) if neighbour is not None else None,
+                                        methods=("gathered",))
+            peak = out["link"]["pcie_gb_per_s"]
+            out["transfers"] = [{**f, "of_link_peak": f["gb_per_s"] / peak if peak and f["destination"] == "host"
+                                 else None} for f in figures_json(figures)]
+            log(f"[device burst] transfers measured; link peak {peak} GB/s ({out['link']['source']})")
+            if checkpoint is not None:
+                checkpoint(out)
         # Capacity: a batch of requests through the small pool, as fast as the engine goes.
         # Distinct arrival times: FCFS evicts later arrivals for earlier ones, and equal times
         # would leave no one to evict once partial prefills fill the pool.
@@ -221,7 +247,7 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
         out.update({"capacity_requests_per_s": capacity, "steady_rate_per_s": rate, "requests": len(arrivals)})
         log(f"[device burst] {config.name} on {cfg.device}: capacity {capacity:.2f} req/s, steady {rate:.2f}, "
             f"burst {rate * cfg.burst_factor:.2f} req/s, {len(arrivals)} requests")
-        for mode in cfg.modes:
+        for mode in modes:
             scheduler = _scheduler(runner, mode, cfg, neighbour)
             t = time.monotonic()
             records = replay(scheduler, arrivals, requests, mode)
@@ -233,16 +259,11 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
         fcfs, cfs = out["modes"].get("fcfs"), out["modes"].get("cfs-host")
         if fcfs and cfs and cfs["ttft_ms"]["p99"]:
             out["p99_ttft_fcfs_over_cfs_host"] = fcfs["ttft_ms"]["p99"] / cfs["ttft_ms"]["p99"]
-        lent = map_segment(neighbour.path) if neighbour is not None else None
-        figures = measure_transfers(config, blocks=cfg.transfer_blocks, repeats=cfg.transfer_repeats,
-                                    device=cfg.device, dtype=dtype, lent=lent, methods=("gathered",))
-        peak = out["link"]["pcie_gb_per_s"]
-        out["transfers"] = [{**f, "of_link_peak": f["gb_per_s"] / peak if peak and f["destination"] == "host"
-                             else None} for f in figures_json(figures)]
     finally:
         if neighbour is not None:
             neighbour.stop()
     out["wall_s"] = time.monotonic() - started
+    out["partial"] = False
     return out
 
 

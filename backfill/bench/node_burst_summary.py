@@ -114,6 +114,9 @@ def summarize_dir(out: Path) -> dict:
         if data is None:
             skipped.append(why)
             continue
+        skipped += [f"{name}: {why}" for why in data.get("skipped", [])]
+        if data.get("partial"):
+            skipped.append(f"{name}: partial (the part was cut short; these rows are what it finished)")
         try:
             rows += reader(data)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
