@@ -43,6 +43,7 @@ def open_shared(name: str) -> torch.Tensor:
     try:
         # Names come from this node's own processes (runtime socket, coordinator): trusted, same user.
         rebuild, args = pickle.loads(base64.b64decode(name[len(PREFIX):]))
+        torch.cuda.init()          # the handle opens in this process's CUDA context
         return rebuild(*args)
     except Exception as exc:  # noqa: BLE001 - whatever the driver or pickle says, one typed error here
         raise SharedMemoryError(f"cannot open the CUDA IPC memory: {exc}") from exc
