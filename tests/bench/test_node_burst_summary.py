@@ -49,3 +49,19 @@ def test_missing_and_unreadable_files_become_skipped_lines(tmp_path):
     result = summarize_dir(tmp_path)
     assert result["rows"] == []
     assert result["skipped"][0] == "node.json missing" and result["skipped"][1].startswith("burst.json unreadable")
+
+
+def test_the_device_check_script_lists_its_parts_and_imports_without_the_servers_dependencies(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(["bash", str(root / "scripts" / "gpu_check_node_burst.sh"), "--dry-run", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stderr
+    for part in ("imports", "cuda-tests", "node", "burst"):
+        assert f"- {part} (cap " in run.stdout
+    assert "absent-on-device modules imported: none" in run.stdout
+    assert not any(tmp_path.iterdir())          # a dry run writes nothing
