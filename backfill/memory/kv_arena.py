@@ -23,6 +23,7 @@ different shapes on one node keep a private KV tensor each (the logical pool).
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -151,7 +152,8 @@ def kv_planes(arena: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torc
 
 
 def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    """Where memory shared between processes lives as files: /dev/shm (tmpfs), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class HostArena:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Protocol
 import torch
 
 from backfill.errors import OffloadError, SharedMemoryError, UnknownTensorError
+from backfill.memory.kv_arena import shm_dir
 from backfill.offload.regions import LentRegion, align, first_fit
 
 class Location(str, enum.Enum):
@@ -47,10 +47,6 @@ class Lender(Protocol):
         ...
 
     def can_lend(self) -> bool: ...
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class ShmSegment:
