@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from backfill.errors import OffloadError, UnknownTensorError
 from backfill.offload.elastic import ElasticStore, LocalLender, Location, ShmSegment
 from backfill.offload.regions import first_fit
-from tests.conftest import TEST_DEVICE
 
 
 @pytest.fixture
@@ -127,39 +126,3 @@ def test_producers_lend_a_host_segment_on_cpu_and_bad_ipc_names_are_typed_errors
     with pytest.raises(OffloadError, match="cannot open lent device memory"):
         map_segment("cuda-ipc:bm90IGEgcGlja2xl")
 
-
-@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="lent device memory needs a GPU (BACKFILL_TEST_DEVICE=cuda)")
-def test_elastic_tensors_in_a_neighbours_device_memory_and_in_pinned_host_memory():
-    """A producer process lends device memory (CUDA IPC); the consumer's elastic tensors go
-    there with device copies, move to pinned host memory when it is reclaimed, and come back."""
-    import subprocess
-    import sys
-
-    code = ("import sys\n"
-            "from backfill.memory.cuda_ipc import DeviceSegment\n"
-            "seg = DeviceSegment(1 << 20)\n"
-            "print(seg.path, flush=True)\n"
-            "sys.stdin.read()\n")
-    producer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
-    try:
-        name = producer.stdout.readline().strip()
-
-        class _Lent:
-            path, nbytes = name, 1 << 20
-
-        lender = LocalLender(_Lent())
-        store = ElasticStore(device=torch.device("cuda"), lender=lender)
-        data = torch.randn(64, 128, device="cuda")
-        assert store.put("a", data) is Location.LENT and store.view("a").is_cuda
-        assert torch.equal(store.read("a"), data)
-        lender.reclaiming = True
-        assert store.at_step_boundary() == 1 and store.location("a") is Location.HOST
-        assert store.view("a").is_pinned() and torch.equal(store.read("a"), data)
-        lender.reclaiming = False
-        store.at_step_boundary()
-        assert store.location("a") is Location.LENT and torch.equal(store.read("a"), data)
-        store.free("a")
-    finally:
-        producer.stdin.close()
-        producer.wait(timeout=60)
