@@ -98,6 +98,11 @@ class JobRejectedError(ClusterError):
     """No node of the cluster can give an offline job the throughput its SLA asks for."""
 
 
+class SharedMemoryError(BackfillError):
+    """Memory shared between processes (a host segment, a CUDA IPC handle, CUDA virtual memory)
+    could not be made, exported, attached or mapped."""
+
+
 class OffloadError(BackfillError):
     """An elastic tensor or the offload coordinator (AQUA §6) refused an operation."""
 

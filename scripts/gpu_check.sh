@@ -16,6 +16,7 @@ OUT=${1:?usage: scripts/gpu_check.sh [--dry-run] OUT}
 cd "$(dirname "$0")/.."
 # the checkout's venv where there is one (a development machine), else the image's python3 (the device)
 if [ -x .venv/bin/python ]; then PY=${PYTHON:-$PWD/.venv/bin/python}; else PY=${PYTHON:-python3}; fi
+export PYTHON=$PY  # the parts' own scripts run the same interpreter
 TOTAL_S=${GPU_CHECK_TOTAL_S:-570}
 if [ -z "${BACKFILL_TOKENIZER:-}" ] && [ -f .gpu/tokenizer/tokenizer.json ]; then
   export BACKFILL_TOKENIZER=$PWD/.gpu/tokenizer
@@ -44,6 +45,11 @@ if [ $DRY_RUN = 1 ]; then
   done
   # The Python side of every part must import without the server's dependencies.
   "$PY" -m backfill.bench.gpu_summary --check-imports || exit 1
+  # Parts with scripts of their own list their sub-parts and check their imports the same way.
+  for script in scripts/gpu_check_harli_reef.sh scripts/gpu_check_node_burst.sh; do
+    if [ ! -f "$script" ]; then echo "missing: $script"; exit 1; fi
+    if grep -q -- "--dry-run" "$script"; then bash "$script" --dry-run "$OUT/$(basename "$script" .sh)" || exit 1; fi
+  done
   exit 0
 fi
 

@@ -2,6 +2,12 @@
 online trace, compute gates and memory policies side by side.
 
     python -m backfill.bench.node_bench --json results.json [--duration-s 60] [--phases alone,valve,...]
+    python -m backfill.bench.node_bench --device cuda --model random:smollm2-135m ...   (one GPU)
+
+On a GPU (`--device cuda`) both engine processes run on the same device and their KV pool is one
+device allocation shared through CUDA IPC (memory/kv_arena.py): a reclaimed handle changes owner
+without a copy. `--shared-kv` does the same on the CPU with a /dev/shm segment; without it each
+CPU engine keeps a private KV tensor of the pool's size (the logical pool).
 
 Every phase replays the same trace (gamma arrivals with cv > 1, the same prompts) against a fresh
 node runtime and fresh engine processes; the offline engine gets the same large backlog. Each
@@ -33,7 +39,7 @@ import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
 from backfill.errors import PolicyInputError
-from backfill.node.engine_proc import EngineProcess, EngineSpec, request_dict
+from backfill.node.engine_proc import EngineProcess, EngineSpec, engine_kv_layout, engine_model_config, request_dict
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool, StaticMemPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.policy.gate import GateConfig, make_gate
@@ -72,7 +78,10 @@ PHASES: dict[str, PhaseSpec] = {p.name: p for p in (
 class NodeBenchConfig:
     duration_s: float = 60.0                 # online trace length per phase
     phases: tuple[str, ...] = tuple(PHASES)
-    model: str = "default"                   # EngineSpec.model
+    model: str = "default"                   # EngineSpec.model: default, tiny, random:SHAPE
+    device: str = "cpu"                      # EngineSpec.device: both engines on this device
+    dtype: str = "float32"                   # EngineSpec.dtype
+    shared_kv: bool = False                  # CPU: one /dev/shm KV arena (always shared on CUDA)
     seed: int = 0
     arrivals: str = "gamma:0.5:2"            # bursty: cv 2
     online_prompt_tokens: tuple[int, int] = (64, 128)
@@ -93,6 +102,7 @@ class NodeBenchConfig:
         interval_factor=1.5, interval_step_s=0.25, rate_window_s=30.0, control_period_s=2.5))
     gate: GateConfig = field(default_factory=GateConfig)
     warmup_s: float = 3.0
+    engine_start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.phases if p not in PHASES]
@@ -101,6 +111,9 @@ class NodeBenchConfig:
         if not (math.isfinite(self.duration_s) and self.duration_s > 0):
             raise PolicyInputError(f"duration_s must be > 0, got {self.duration_s}")
         parse_arrival_spec(self.arrivals)
+        # A bad model, device or dtype fails here, before any process starts.
+        EngineSpec("check", "online", self.num_handles, self.blocks_per_handle, model=self.model,
+                   device=self.device, dtype=self.dtype)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -143,8 +156,15 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
     pool = _make_pool(cfg, phase.memory)
     gate = make_gate(phase.gate, cfg.gate)
     common = dict(num_handles=cfg.num_handles, blocks_per_handle=cfg.blocks_per_handle, block_size=cfg.block_size,
-                  model=cfg.model, seed=cfg.seed)
+                  model=cfg.model, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype)
     engines: list[EngineProcess] = []
+    arena = None
+    if cfg.shared_kv or cfg.device.startswith("cuda"):
+        from backfill.memory.kv_arena import make_arena
+
+        # One allocation for the node's whole pool; the engines attach to it (Valve §5).
+        arena = make_arena(engine_kv_layout(EngineSpec("layout", "online", **common)), cfg.device)
+        common["kv_arena"] = arena.descriptor().to_json()
     runtime = NodeRuntime(gate, pool, RuntimeConfig()).start()
     try:
         online = EngineProcess(EngineSpec("online", "online", max_batch_tokens=512, max_batch_seqs=32, **common),
@@ -156,8 +176,10 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
                                                max_batch_seqs=cfg.offline_batch_seqs, os_suspend=phase.os_suspend,
                                                **common), runtime.socket_path)
             engines.append(offline)
+        for e in engines:       # the engines load at once
+            e.launch()
         for e in engines:
-            e.start()
+            e.wait_ready(cfg.engine_start_timeout_s)
         if offline is not None:
             offline.send("add", backlog)
         # Warm-up: one online request (first-call costs), offline fills its memory.
@@ -165,6 +187,7 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
         time.sleep(cfg.warmup_s)
         offline_before = offline.counters() if offline is not None else None
         pool_before = asdict(pool.stats)
+        reclaims_before = len(pool.stats.reclaim_latencies_s)
         acks_before, os_before = len(runtime.stats.ack_latencies_s), len(runtime.stats.os_pause_latencies_s)
         closes_before = len(gate.stats.close_delays_s)
         miad_before = pool.reservation.pressure_events if pool.reservation is not None else 0
@@ -193,6 +216,8 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
         for e in engines:
             e.stop()
         runtime.stop()
+        if arena is not None:
+            arena.close()     # after every engine that attached to it is gone
 
     trace_ids = {d["request_id"] for _, d in online_trace}
     records = [r for r in online.done if r["request_id"] in trace_ids]
@@ -233,6 +258,7 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
                     == off_stats["submitted"]},
         "memory": {"reclamations": reclamations, "reclaimed_handles": pool.stats.reclaimed_handles
                    - pool_before["reclaimed_handles"], "reclamations_per_min": reclamations * 60.0 / window_s,
+                   "reclaim_ms": _ms(pool.stats.reclaim_latencies_s[reclaims_before:]),
                    "miad_target_per_min": cfg.miad.target_events_per_min if phase.memory != "static" else None,
                    "miad_pressure_events": (pool.reservation.pressure_events - miad_before)
                    if pool.reservation is not None else None,
@@ -248,17 +274,18 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
 def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str | Path | None = None,
                    log=print) -> dict[str, Any]:
     """Run every phase of `config`; write the results JSON to json_path when given; return them."""
-    from backfill.engine.config import ModelConfig
-
     sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
-    vocab = ModelConfig.tiny().vocab_size if config.model == "tiny" else ModelConfig.smollm2_135m().vocab_size
+    vocab = engine_model_config(config.model).vocab_size
     online_trace, backlog = make_trace(config, vocab)
     started = time.monotonic()
     phases: dict[str, Any] = {}
     for name in config.phases:
         log(f"[node bench] phase {name} ({len(online_trace)} online requests over {config.duration_s:g} s)")
         phases[name] = run_phase(config, PHASES[name], online_trace, backlog)
-    results = {"config": _jsonable(asdict(config)), "torch_threads_per_process": 1,
+        if json_path is not None:   # a run cut short keeps the phases it finished
+            Path(json_path).write_text(json.dumps({"config": _jsonable(asdict(config)), "device": config.device,
+                                                   "phases": phases, "partial": True}, indent=2))
+    results = {"config": _jsonable(asdict(config)), "torch_threads_per_process": 1, "device": config.device,
                "wall_s": time.monotonic() - started, "phases": phases, "summary": summarize(phases, config)}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(results, indent=2))
@@ -337,7 +364,7 @@ def _f(x: Any, digits: int = 1) -> str:
 
 def format_table(results: dict[str, Any]) -> str:
     head = ("phase", "ttft p99", "tpot p99", "preempt/req", "ack p99", "sigstop p99", "layer p50", "off tok/s",
-            "lost tok", "reclaim/min", "no loss")
+            "lost tok", "reclaim/min", "reclaim p99", "no loss")
     rows = [head]
     for name, r in results["phases"].items():
         pause, off, mem = r.get("pause", {}), r.get("offline", {}), r.get("memory", {})
@@ -346,7 +373,8 @@ def format_table(results: dict[str, Any]) -> str:
                      _f(pause.get("cooperative_ack_ms", {}).get("p99"), 2),
                      _f(pause.get("os_suspend_ms", {}).get("p99"), 3),
                      _f(pause.get("offline_layer_ms", {}).get("p50"), 2), _f(off.get("tokens_per_s")),
-                     _f(off.get("lost_tokens")), _f(mem.get("reclamations_per_min")), _f(off.get("nothing_lost"))))
+                     _f(off.get("lost_tokens")), _f(mem.get("reclamations_per_min")),
+                     _f(mem.get("reclaim_ms", {}).get("p99"), 2), _f(off.get("nothing_lost"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process)")
@@ -360,7 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--duration-s", type=float, default=NodeBenchConfig.duration_s)
     ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated, from: " + ", ".join(PHASES))
-    ap.add_argument("--model", choices=("default", "tiny"), default="default")
+    ap.add_argument("--model", default="default", help="default, tiny, or random:SHAPE (engine/shapes.py)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both engine processes on this device")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, "
+                    "bfloat16 on CUDA)")
+    ap.add_argument("--shared-kv", action="store_true", help="CPU: the KV pool as one /dev/shm arena")
+    ap.add_argument("--warmup-s", type=float, default=NodeBenchConfig.warmup_s)
     ap.add_argument("--arrivals", default=NodeBenchConfig.arrivals)
     ap.add_argument("--seed", type=int, default=0)
     return ap
@@ -368,8 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     cfg = replace(NodeBenchConfig(), duration_s=args.duration_s, model=args.model, arrivals=args.arrivals,
-                  seed=args.seed, phases=tuple(p for p in args.phases.split(",") if p))
+                  seed=args.seed, phases=tuple(p for p in args.phases.split(",") if p), device=args.device,
+                  dtype=dtype, shared_kv=args.shared_kv, warmup_s=args.warmup_s)
     return run_node_bench(cfg, args.json)
 
 

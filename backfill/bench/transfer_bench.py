@@ -58,30 +58,50 @@ def _gathered_in(kv: KVBlockPool, block_ids: list[int], src: torch.Tensor) -> No
 
 
 def measure_transfers(config: ModelConfig, *, blocks: tuple[int, ...] = (4, 16, 64), block_size: int = 16,
-                      repeats: int = 15, seed: int = 0) -> list[TransferFigure]:
-    """Each (destination, method, direction, size) timed `repeats` times, the methods interleaved."""
+                      repeats: int = 15, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                      lent: torch.Tensor | None = None,
+                      methods: tuple[str, ...] = ("per-block", "gathered")) -> list[TransferFigure]:
+    """Each (destination, method, direction, size) timed `repeats` times, the methods interleaved.
+
+    On CUDA the pool is on the device, "host" is pinned host memory (the PCIe / NVLink path) and
+    `lent` is the lent memory (a neighbour's device memory opened through CUDA IPC); each copy is
+    timed to its completion (the stream synchronized)."""
     max_blocks = max(blocks)
-    kv = KVBlockPool(config, 2 * max_blocks + 1, block_size)
+    kv = KVBlockPool(config, 2 * max_blocks + 1, block_size, dtype, device)
     g = torch.Generator().manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g).to(dtype))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g).to(dtype))
     per_block_bytes = kv.nbytes // kv.num_blocks
-    segment = ShmSegment(per_block_bytes * max_blocks)
-    host = torch.empty(per_block_bytes * max_blocks, dtype=torch.uint8)
+    on_cuda = kv.device.type == "cuda"
+    segment = None
+    if lent is None:
+        segment = ShmSegment(per_block_bytes * max_blocks)
+        lent = segment.bytes
+    if lent.numel() < per_block_bytes * max_blocks:
+        raise ValueError(f"lent memory of {lent.numel()} bytes; {per_block_bytes * max_blocks} needed")
+    host = torch.empty(per_block_bytes * max_blocks, dtype=torch.uint8, pin_memory=on_cuda)
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize(kv.device)
+
+    chosen = [m for m in (("per-block", _per_block_out, _per_block_in), ("gathered", _gathered_out, _gathered_in))
+              if m[0] in methods]
     figures = []
     try:
         for n in blocks:
             ids = list(range(1, 2 * n, 2))  # every other block: scattered, as a real block table is
             nbytes = per_block_bytes * n
-            for dest_name, buffer in (("host", host), ("lent", segment.bytes)):
+            for dest_name, buffer in (("host", host), ("lent", lent)):
                 dest = buffer[:nbytes]
                 times: dict[tuple[str, str], list[float]] = {}
                 for _ in range(repeats):
-                    for method, out_fn, in_fn in (("per-block", _per_block_out, _per_block_in),
-                                                  ("gathered", _gathered_out, _gathered_in)):
+                    for method, out_fn, in_fn in chosen:
                         for direction, fn in (("out", out_fn), ("in", in_fn)):
+                            sync()
                             started = time.perf_counter()
                             fn(kv, ids, dest)
+                            sync()
                             times.setdefault((method, direction), []).append(time.perf_counter() - started)
                 for (method, direction), samples in times.items():
                     median = statistics.median(samples)
@@ -89,7 +109,8 @@ def measure_transfers(config: ModelConfig, *, blocks: tuple[int, ...] = (4, 16, 
                     figures.append(TransferFigure(dest_name, method, direction, n, nbytes, copies,
                                                   median * 1e3, nbytes / median / 1e9))
     finally:
-        segment.unlink()
+        if segment is not None:
+            segment.unlink()
     return figures
 
 
@@ -102,6 +123,7 @@ def speedups(figures: list[TransferFigure]) -> dict[str, float]:
     by = {(f.destination, f.method, f.direction, f.blocks): f for f in figures}
     out = {}
     for (dest, method, direction, n), fig in by.items():
-        if method == "gathered":
-            out[f"{dest}-{direction}-{n}"] = fig.gb_per_s / by[(dest, "per-block", direction, n)].gb_per_s
+        base = by.get((dest, "per-block", direction, n))
+        if method == "gathered" and base is not None:
+            out[f"{dest}-{direction}-{n}"] = fig.gb_per_s / base.gb_per_s
     return out

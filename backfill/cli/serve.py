@@ -94,7 +94,7 @@ def _run_server(args: argparse.Namespace) -> int:
     if args.config and is_node_config(args.config):  # a [[models]] file: several models on one node
         from backfill.node.host import run_node
 
-        return run_node(args.config)
+        return run_node(args.config, args.device)
     return run_server(args)
 
 

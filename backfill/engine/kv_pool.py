@@ -32,7 +32,10 @@ class HostBlocks:
 
 class KVBlockPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 planes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """planes: K and V tensors to use instead of fresh ones (memory shared with other
+        processes, memory/kv_arena.py); each [layers, num_blocks, block_size, kv_heads, head_dim]."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.config = config
@@ -41,8 +44,15 @@ class KVBlockPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        if planes is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            self.k, self.v = planes
+            for plane in planes:
+                if tuple(plane.shape) != shape or plane.dtype != dtype or plane.device.type != self.device.type:
+                    raise ValueError(f"KV plane {tuple(plane.shape)} {plane.dtype} on {plane.device} does not "
+                                     f"match {shape} {dtype} on {self.device}")
         # Each layer's K and V as flat token slots [num_blocks * block_size, kv_heads, head_dim],
         # made once: the model writes every layer's new tokens through them each step.
         slots = (num_blocks * block_size, config.num_kv_heads, config.head_dim)

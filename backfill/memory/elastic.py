@@ -4,8 +4,10 @@ neighbouring engine lent, and host memory, at a step boundary, without the user 
 Portable form: lent memory is a shared-memory segment (a file under /dev/shm) that a producer
 process created and offered through the coordinator; the consumer maps it and copies into the
 region the coordinator granted. On CUDA, "device" is the GPU and "host" is pinned host memory;
-on CPU both are ordinary process memory. A peer GPU over NVLink (the paper's producer) is the
-device form, not built here.
+on CPU both are ordinary process memory. Device form: the producer lends device memory of its
+own (memory/cuda_ipc.py DeviceSegment), named `cuda-ipc:...` where a path would be; the consumer
+opens it through CUDA IPC and pages into it with device-to-device copies (a neighbour on the
+same GPU here; a peer GPU over NVLink opens the same way).
 
 Many small tensors moved together are gathered into one staging buffer and sent in one copy
 (AQUA §7 "efficient context switching": small copies waste interconnect bandwidth), and read
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from typing import Protocol
 
 import torch
 
-from backfill.errors import OffloadError, UnknownTensorError
+from backfill.errors import OffloadError, SharedMemoryError, UnknownTensorError
+from backfill.memory.kv_arena import shm_dir
 from backfill.memory.regions import LentRegion, align, first_fit
 
 class Location(str, enum.Enum):
@@ -47,10 +49,6 @@ class Lender(Protocol):
     def can_lend(self) -> bool: ...
 
 
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
 class ShmSegment:
     """A shared-memory segment a producer creates and lends (it owns and finally unlinks it)."""
 
@@ -70,8 +68,28 @@ class ShmSegment:
             pass
 
 
+def make_segment(nbytes: int, device: str | torch.device = "cpu"):
+    """Memory a producer lends: a /dev/shm segment, or device memory shared through CUDA IPC."""
+    if torch.device(device).type == "cuda":
+        from backfill.memory.cuda_ipc import DeviceSegment
+
+        try:
+            return DeviceSegment(nbytes, device)
+        except SharedMemoryError as exc:
+            raise OffloadError(str(exc)) from exc
+    return ShmSegment(nbytes)
+
+
 def map_segment(path: str) -> torch.Tensor:
-    """The whole segment as a uint8 tensor shared with every process that maps it."""
+    """The whole segment as a uint8 tensor shared with every process that maps it: a /dev/shm
+    file, or a producer's device memory by its CUDA IPC name."""
+    from backfill.memory import cuda_ipc
+
+    if cuda_ipc.is_ipc_name(path):
+        try:
+            return cuda_ipc.open_shared(path)
+        except SharedMemoryError as exc:
+            raise OffloadError(f"cannot open lent device memory: {exc}") from exc
     try:
         size = os.path.getsize(path)
     except OSError as exc:
@@ -119,6 +137,10 @@ class ElasticStore:
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" and "cuda:0" compare unequal: name the index, so lent memory on the same
+            # device is written straight into, not staged.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._tensors: dict[str, ElasticTensor] = {}
         self._region_keys: dict[str, set[str]] = {}
         self._regions: dict[str, LentRegion] = {}

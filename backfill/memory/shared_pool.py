@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol
 
@@ -73,6 +74,8 @@ class PoolStats:
     reclaimed_handles: int = 0
     invalidated_requests: int = 0
     invalidated_tokens: int = 0
+    # Reclamation latency: pause offline, choose, take, notify, unpause (Valve §5), seconds each.
+    reclaim_latencies_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -253,6 +256,7 @@ class SharedMemoryPool:
         return short
 
     def _reclaim(self, n_handles: int, now_s: float) -> list[Invalidation]:
+        started = time.perf_counter()
         offline = {oid: o for oid, o in self._owners.items() if o.role is EngineRole.OFFLINE}
         # Valve §5: stop offline compute before touching its pages.
         if self.compute is not None:
@@ -277,6 +281,7 @@ class SharedMemoryPool:
         finally:
             if self.compute is not None:
                 self.compute.unpause_offline()
+        self.stats.reclaim_latencies_s.append(time.perf_counter() - started)
         return notices
 
     def _take(self, handle_ids: tuple[int, ...], owner_of: dict[int, str],

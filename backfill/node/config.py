@@ -3,6 +3,7 @@
     [node]                      # NodeSettings: the runtime's gate and shared memory pool
     metrics_port = 9100
     num_handles = 64
+    device = "cuda"             # every model on one GPU (or `backfill serve --config node.toml --device cuda`)
 
     [[models]]                  # one ModelEntry per model: its own OpenAI endpoint and Batch API
     name = "chat"
@@ -18,7 +19,7 @@ name or port, a model file that does not exist) raises NodeConfigError naming it
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ class NodeSettings:
     sample_interval_s: float = knob(0.02, "how often the node samples online busy and free memory, s")
     window_s: float = knob(10.0, "window of the node's idle fraction and offline tokens/s, s")
     db_dir: str | None = knob(None, "folder of each model's SQLite store (<name>.db); unset: a fresh temp folder")
+    device: str = knob("cpu", "where every model of the node runs: cpu, cuda or cuda:N (one GPU shared by "
+                       "the model processes; bfloat16 there, float32 on cpu)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -57,6 +60,9 @@ class NodeSettings:
             raise NodeConfigError(f"node.gate must be one of {', '.join(GATES)}, got {self.gate!r}")
         check_positive(NodeConfigError, "node.sample_interval_s", self.sample_interval_s)
         check_positive(NodeConfigError, "node.window_s", self.window_s)
+        if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or (
+                self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise NodeConfigError(f"node.device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -175,6 +181,19 @@ def load_node_config(path: str | Path) -> NodeConfig:
     except tomllib.TOMLDecodeError as exc:
         raise NodeConfigError(f"node config {path} is not valid TOML: {exc}") from None
     return node_config_from_dict(data)
+
+
+def on_device(config: NodeConfig, device: str | None) -> NodeConfig:
+    """The config with every model on `device` (the command line's --device); None or "auto"
+    keeps the file's node.device."""
+    if device is None or device == "auto":
+        return config
+    try:
+        return replace(config, node=replace(config.node, device=device))
+    except NodeConfigError:
+        raise
+    except (BackfillError, TypeError, ValueError) as exc:
+        raise NodeConfigError(str(exc)) from exc
 
 
 def is_node_config(path: str | Path) -> bool:

@@ -14,6 +14,11 @@ The engines themselves live in online_engine.py and offline_engine.py, started b
 to `spec.threads` threads (1 by default), so two engines on a 2-core machine do not fight over
 cores; the memory pool is logical here (each process owns a KV tensor the size of the whole
 pool and only uses the blocks of handles it holds), the portable form of Valve's VMM handles.
+With `kv_arena` (memory/kv_arena.py) every engine's KV tensor is a view of one allocation the
+node shares (a /dev/shm segment, or device memory through CUDA IPC), so a reclaimed handle
+changes owner without a byte moving. `device = "cuda"` runs the engine on the GPU; its gate
+point drains the stream before it parks (Valve §4: a paused engine launches nothing more and
+what it launched finishes before the runtime counts it as stopped).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from backfill.engine.step import SuspendedStep
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 
 ROLES = ("online", "offline")
-MODELS = ("default", "tiny")
+MODELS = ("default", "tiny")          # or random:SHAPE (engine/shapes.py): random weights of a real shape
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -56,14 +62,22 @@ class EngineSpec:
     max_model_len: int = 1024
     threads: int = 1                   # torch threads of this process
     os_suspend: bool = False           # offline: ask the runtime to SIGSTOP us instead of only the flag
+    device: str = "cpu"                # cpu, cuda or cuda:N
+    dtype: str = "float32"             # weights, activations and KV
+    kv_arena: dict | None = None       # ArenaDescriptor.to_json(): KV in memory shared by the node's engines
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise PolicyInputError("engine_id must be a non-empty string")
         if self.role not in ROLES:
             raise PolicyInputError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.model not in MODELS:
-            raise PolicyInputError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.model not in MODELS and not _is_random_shape(self.model):
+            raise PolicyInputError(f"model must be one of {MODELS} or random:SHAPE, got {self.model!r}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise PolicyInputError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        from backfill.memory.kv_arena import DTYPES
+        if self.dtype not in DTYPES:
+            raise PolicyInputError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("num_handles", "blocks_per_handle", "block_size", "max_batch_tokens", "max_batch_seqs",
                      "threads"):
             value = getattr(self, name)
@@ -84,6 +98,42 @@ class EngineSpec:
     @property
     def num_blocks(self) -> int:
         return self.num_handles * self.blocks_per_handle
+
+
+def _is_random_shape(model: str) -> bool:
+    from backfill.engine.shapes import SHAPES
+
+    return model.startswith("random:") and model[len("random:"):] in SHAPES
+
+
+def engine_model_config(model: str):
+    """The ModelConfig of an EngineSpec.model, without loading weights."""
+    from backfill.engine.config import ModelConfig
+
+    if model == "tiny":
+        return ModelConfig.tiny()
+    if _is_random_shape(model):
+        from backfill.engine.shapes import shape_config
+        return shape_config(model[len("random:"):])
+    return ModelConfig.smollm2_135m()
+
+
+def engine_kv_layout(spec: "EngineSpec"):
+    """The KV layout of an engine's pool: engines that share an arena must agree on it."""
+    from backfill.memory.kv_arena import KVLayout
+
+    return KVLayout.of(engine_model_config(spec.model), spec.num_blocks, spec.block_size, spec.dtype)
+
+
+def stream_drain(device: str) -> Callable[[], None] | None:
+    """What a gate point calls before it parks: on CUDA, wait for the kernels already launched
+    (Valve §4: what a paused engine launched finishes; it launches nothing more)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    stream = torch.cuda.current_stream(torch.device(device))
+    return stream.synchronize
 
 
 class GatedRunner(ModelRunner):
@@ -182,7 +232,6 @@ def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | No
     """Model, KV pool the size of the node pool, gated runner and scheduler of one engine process."""
     import torch
 
-    from backfill.engine.config import ModelConfig
     from backfill.engine.model import LlamaModel
     from backfill.engine.weights import load_model, random_model
     from backfill.policy.checkpoint import CheckpointConfig
@@ -191,18 +240,29 @@ def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | No
     from backfill.serving.build import build_scheduler
 
     torch.set_num_threads(spec.threads)
-    if spec.model == "tiny":
-        config = ModelConfig.tiny()
+    if spec.model == "tiny" or _is_random_shape(spec.model):
+        config = engine_model_config(spec.model)
         weights = random_model(config, spec.seed)
     else:
         loaded = load_model()
         config, weights = loaded.config, loaded.weights
-    kv = KVBlockPool(config, spec.num_blocks, spec.block_size)
-    runner = GatedRunner(LlamaModel(config, weights), kv, gate_point)
+    dtype = getattr(torch, spec.dtype)
+    planes = None
+    if spec.kv_arena is not None:
+        from backfill.errors import SharedMemoryError
+        from backfill.memory.kv_arena import ArenaDescriptor, attach, kv_planes
+
+        arena = ArenaDescriptor.from_json(spec.kv_arena)
+        if arena.layout != engine_kv_layout(spec):
+            raise SharedMemoryError(f"engine {spec.engine_id!r}: the node's KV arena has layout {arena.layout}, "
+                                    f"this engine needs {engine_kv_layout(spec)}")
+        planes = kv_planes(attach(arena), arena.layout)
+    kv = KVBlockPool(config, spec.num_blocks, spec.block_size, dtype, spec.device, planes)
+    runner = GatedRunner(LlamaModel(config, weights, dtype=dtype, device=spec.device), kv, gate_point)
     limits = BatchLimits(max_batch_tokens=spec.max_batch_tokens, max_batch_seqs=spec.max_batch_seqs,
                          prefill_chunk_tokens=spec.max_batch_tokens)
     # Valve §5: reclaimed offline KV is recomputed, not restored from host checkpoints.
-    cfg = ServingConfig(device="cpu", block_size=spec.block_size, max_model_len=spec.max_model_len,
+    cfg = ServingConfig(device=spec.device, dtype=spec.dtype, block_size=spec.block_size, max_model_len=spec.max_model_len,
                         policy=spec.scheduling_policy, limits=limits, checkpoint=CheckpointConfig(enabled=False),
                         threads=spec.threads)
     scheduler = build_scheduler(runner, cfg, tokenizer=None, model_name=config.name)
@@ -267,7 +327,20 @@ class EngineProcess:
 
     def start(self, timeout_s: float = 120.0) -> "EngineProcess":
         """Spawn `python -m backfill.node.engine_main` (a fresh interpreter: no fork of our threads,
-        no re-import of the caller's main module) connected by a socket pair."""
+        no re-import of the caller's main module) connected by a socket pair; wait until ready."""
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "EngineProcess":
+        """After launch(): block until the engine said ready (several engines load at once)."""
+        try:
+            self.wait_for("ready", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "EngineProcess":
         if self._proc is not None:
             raise NodeError(f"engine {self.spec.engine_id!r} was already started")
         ours, theirs = socket.socketpair()
@@ -282,11 +355,6 @@ class EngineProcess:
         self._conn = Connection(ours.detach())
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"engine-{self.spec.engine_id}")
         self._reader.start()
-        try:
-            self.wait_for("ready", timeout_s)
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def send(self, kind: str, payload: Any = None) -> None:

@@ -299,14 +299,15 @@ def _handler(node: Node) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def run_node(config_path: str) -> int:
-    """`backfill serve --config node.toml`: start the node, serve until SIGTERM / SIGINT."""
-    from backfill.node.config import load_node_config
+def run_node(config_path: str, device: str | None = None) -> int:
+    """`backfill serve --config node.toml [--device cuda]`: start the node, serve until SIGTERM / SIGINT."""
+    from backfill.node.config import load_node_config, on_device
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_node_config(config_path)
+    config = on_device(load_node_config(config_path), device)
     with Node(config) as node:
         for entry in config.models:
-            log.info("model %s (%s, policy %s) on %s", entry.name, entry.model, entry.policy, node.url(entry.name))
+            log.info("model %s (%s, policy %s, %s) on %s", entry.name, entry.model, entry.policy, config.node.device,
+                     node.url(entry.name))
         log.info("node metrics on http://%s:%d/metrics", config.node.host, node.metrics_port)
         return node.wait()

@@ -229,12 +229,18 @@ class NodeClient:
         """True when the runtime wants offline compute stopped (one shared-memory load)."""
         return self._flag is not None and self._flag.pause_requested
 
-    def wait_if_paused(self, poll_s: float = 0.0005, give_up: Callable[[], bool] | None = None) -> bool:
+    def wait_if_paused(self, poll_s: float = 0.0005, give_up: Callable[[], bool] | None = None,
+                       drain: Callable[[], None] | None = None) -> bool:
         """At a safepoint: block while a pause is requested, or until give_up() says to stop
-        waiting (the caller then aborts its step). Returns True if it had to wait."""
+        waiting (the caller then aborts its step). Returns True if it had to wait.
+
+        drain() runs before the engine says PARKED: on a GPU it waits for the kernels already
+        launched, so the runtime never reclaims memory a running kernel still writes (Valve §5)."""
         flag = self._flag
         if flag is None or not flag.pause_requested:
             return False
+        if drain is not None:
+            drain()
         previous = flag.engine_state
         flag.set_engine_state(EngineState.PARKED)
         try:

@@ -31,7 +31,7 @@ from typing import Callable
 
 from backfill.errors import OverAllocationError
 from backfill.node.config import ModelEntry, NodeSettings
-from backfill.node.engine_proc import GatedRunner, HandleBlocks
+from backfill.node.engine_proc import GatedRunner, HandleBlocks, stream_drain
 from backfill.node.ipc import NodeClient
 
 _PR_SET_PDEATHSIG = 1
@@ -64,9 +64,12 @@ class SafepointGate:
     """The gate point of a model's steps. Parks an offline-only step while the runtime asks for a
     pause, unless this model has online requests of its own: those end the wait and abort the step."""
 
-    def __init__(self, client: NodeClient, own_online_waiting: Callable[[], bool]) -> None:
+    def __init__(self, client: NodeClient, own_online_waiting: Callable[[], bool],
+                 drain: Callable[[], None] | None = None) -> None:
+        """drain: what the launched work needs to finish before the step parks (engine_proc.stream_drain)."""
         self.client = client
         self.own_online_waiting = own_online_waiting
+        self.drain = drain
         self.runner: NodeGatedRunner | None = None
         self.parks = 0
         self.aborts_for_own_online = 0
@@ -77,7 +80,7 @@ class SafepointGate:
         if not self.client.should_pause() or self.own_online_waiting():
             return False
         self.parks += 1
-        self.client.wait_if_paused(give_up=self.own_online_waiting)
+        self.client.wait_if_paused(give_up=self.own_online_waiting, drain=self.drain)
         if self.client.should_pause() and self.own_online_waiting():
             self.aborts_for_own_online += 1
             return True                      # abort: the scheduler plans the online request next
@@ -154,7 +157,7 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     from backfill.types import RequestClass
     from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.build import build_scheduler
-    from backfill.serving.config import ServingConfig
+    from backfill.serving.config import ServingConfig, auto_dtype
 
     torch.set_num_threads(entry.threads)
     if entry.model == "tiny":
@@ -168,11 +171,15 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
 
         loaded = load_model(None if entry.model == "default" else entry.model)
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
-    serving = ServingConfig(device="cpu", block_size=node.block_size, max_model_len=entry.max_model_len,
-                            policy=entry.policy, threads=entry.threads, decode_attention=entry.decode_attention,
-                            profile_path=entry.profile_path)
-    kv = KVBlockPool(config, node.num_blocks, node.block_size)
-    model = LlamaModel(config, weights, dtype=torch.float32, device="cpu",
+    # On a GPU every model process of the node runs on the same device; each keeps its own KV
+    # tensor the size of the pool (the models' KV shapes differ) and uses the handles it holds.
+    dtype = "float32" if node.device == "cpu" else auto_dtype(node.device)
+    serving = ServingConfig(device=node.device, dtype=dtype, block_size=node.block_size,
+                            max_model_len=entry.max_model_len, policy=entry.policy, threads=entry.threads,
+                            decode_attention=entry.decode_attention, profile_path=entry.profile_path,
+                            cuda_graphs=False)
+    kv = KVBlockPool(config, node.num_blocks, node.block_size, serving.torch_dtype, node.device)
+    model = LlamaModel(config, weights, dtype=serving.torch_dtype, device=node.device,
                        paged_attention_kernel=serving.uses_paged_attention_kernel)
     runner = NodeGatedRunner(model, kv, gate)
     latency = LatencyModel(*TINY_COSERVE_LATENCY) if entry.model == "tiny" and registry.entry(entry.policy).needs_latency_model else None
@@ -202,7 +209,7 @@ def serve_model(socket_path: str, db_path: str, node: NodeSettings, entry: Model
     offline = NodeClient.connect(socket_path, entry.name, "offline")
     online = NodeClient.connect(socket_path, entry.name + "/online", "online", pool=False)
     in_flight = {"online": 0}
-    gate = SafepointGate(offline, lambda: in_flight["online"] > 0)
+    gate = SafepointGate(offline, lambda: in_flight["online"] > 0, stream_drain(node.device))
     engine, runner, serving = run_on_torch_thread(build_model_engine, entry, node, gate,
                                                   lambda: online.report_decode_step(time.monotonic()))
     memory = PoolMemory(offline, HandleBlocks(runner.kv, node.num_handles, node.blocks_per_handle),

@@ -29,7 +29,8 @@ from collections import deque
 from typing import Any
 
 from backfill.errors import OverAllocationError
-from backfill.node.engine_proc import EngineSpec, HandleBlocks, build_engine_runner, make_request, run_child
+from backfill.node.engine_proc import (EngineSpec, HandleBlocks, build_engine_runner, make_request, run_child,
+                                       stream_drain)
 from backfill.node.ipc import NodeClient
 
 IDLE_SLEEP_S = 0.002
@@ -47,6 +48,7 @@ class OfflineEngine:
         self._pending_handles: list[int] = []
         self._received = 0          # invalidations delivered by the reader thread
         self._drained = 0           # ... of which the engine thread has applied
+        self._finish_launched = stream_drain(spec.device)
         self.runner, self.scheduler = build_engine_runner(spec, self._gate_point)
         self.kv = self.runner.kv
         self.handles = HandleBlocks(self.kv, spec.num_handles, spec.blocks_per_handle)
@@ -91,7 +93,7 @@ class OfflineEngine:
     # --- compute ------------------------------------------------------------------------------
 
     def _gate_point(self, layer: int) -> bool:
-        if not self.spec.os_suspend and self.client.wait_if_paused():
+        if not self.spec.os_suspend and self.client.wait_if_paused(drain=self._finish_launched):
             self.counters["parks"] += 1
         # Valve §5: a step that may touch reclaimed blocks is abandoned, not committed.
         return self._stop.is_set() or self._received != self._drained

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from backfill.errors import CoordinatorError, LeaseExpiredError
-from backfill.memory.elastic import ShmSegment
+from backfill.memory.elastic import make_segment
 from backfill.memory.regions import LentRegion, first_fit
 
 
@@ -224,10 +224,11 @@ class ProducerAgent:
     its own load rises above its profiled steady rate, offers it again when the load is back."""
 
     def __init__(self, client: CoordinatorClient, nbytes: int, producer: str = "", *, ttl_s: float = 10.0,
-                 steady_rate_per_s: float | None = None, rise: float = 1.2) -> None:
+                 steady_rate_per_s: float | None = None, rise: float = 1.2, device: str = "cpu") -> None:
+        """device cuda[:N]: lend device memory of this process (CUDA IPC) instead of a /dev/shm segment."""
         self.client = client
         self.producer = producer or f"producer-{uuid.uuid4().hex[:8]}"
-        self.segment = ShmSegment(nbytes)
+        self.segment = make_segment(nbytes, device)
         self.ttl_s = ttl_s
         self.steady_rate_per_s = steady_rate_per_s
         self.rise = rise

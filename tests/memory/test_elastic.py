@@ -113,3 +113,16 @@ def test_first_fit():
     assert first_fit([(0, 10), (64, 10)], 256, 50) == 128
     assert first_fit([(0, 10), (128, 10)], 256, 64) == 64
     assert first_fit([(0, 250)], 256, 10) is None
+
+
+def test_producers_lend_a_host_segment_on_cpu_and_bad_ipc_names_are_typed_errors():
+    from backfill.memory.elastic import make_segment, map_segment
+
+    segment = make_segment(4096, "cpu")
+    try:
+        assert isinstance(segment, ShmSegment) and map_segment(segment.path).numel() == 4096
+    finally:
+        segment.unlink()
+    with pytest.raises(OffloadError, match="cannot open lent device memory"):
+        map_segment("cuda-ipc:bm90IGEgcGlja2xl")
+

@@ -13,7 +13,9 @@ from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.engine.weights import random_model
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
-from backfill.node.engine_proc import EngineProcess, EngineSpec, HandleBlocks, make_request, request_dict
+from backfill.memory.kv_arena import make_arena
+from backfill.node.engine_proc import (EngineProcess, EngineSpec, HandleBlocks, engine_kv_layout, make_request,
+                                       request_dict)
 from backfill.node.ipc import NodeClient
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
@@ -80,12 +82,17 @@ def make_runtime(reclaim=FIFOReclaimPolicy()):
                        RuntimeConfig(tick_interval_s=0.02))
 
 
-def test_reclaimed_offline_requests_recompute_to_the_same_greedy_tokens(processes):
+@pytest.mark.parametrize("shared_kv", [False, True], ids=["private-kv", "shared-kv-arena"])
+def test_reclaimed_offline_requests_recompute_to_the_same_greedy_tokens(processes, shared_kv):
+    """With a shared arena both engines write one allocation: a handle reclaimed from offline is
+    overwritten by online's KV, so any mistake in who owns which blocks changes offline's tokens."""
     backlog = offline_backlog(8)
     rng = random.Random(2)
+    arena = make_arena(engine_kv_layout(spec("layout", "online")), "cpu") if shared_kv else None
+    extra = {"kv_arena": arena.descriptor().to_json()} if arena is not None else {}
     with make_runtime() as rt:
-        online = processes(spec("on", "online"), rt)
-        offline = processes(spec("off", "offline", max_batch_seqs=4), rt)
+        online = processes(spec("on", "online", **extra), rt)
+        offline = processes(spec("off", "offline", max_batch_seqs=4, **extra), rt)
         offline.send("add", backlog)
         # Wait until offline holds computed KV, then make online need most of the pool.
         wait_for(lambda: any(t > 0 for t in rt.pool.reported_requests("off").values()), what="offline progress")
@@ -106,6 +113,22 @@ def test_reclaimed_offline_requests_recompute_to_the_same_greedy_tokens(processe
         assert record["arrival_s"] <= record["first_token_s"] <= record["last_token_s"]
     assert on_stats["allocated_handles"] > 0 and on_stats["unfinished"] == []
     assert preemptions <= 1
+    if arena is not None:
+        assert arena.bytes.count_nonzero() > 0       # the engines' KV went into the arena
+        arena.close()
+
+
+def test_an_engine_refuses_an_arena_of_another_layout(tmp_path):
+    arena = make_arena(engine_kv_layout(EngineSpec("layout", "online", NUM_HANDLES, BLOCKS_PER_HANDLE, 4, model="tiny")),
+                       "cpu")
+    try:
+        with make_runtime() as rt:
+            engine = EngineProcess(spec("on", "online", kv_arena=arena.descriptor().to_json()), rt.socket_path)
+            with pytest.raises(NodeError, match="SharedMemoryError.*layout"):
+                engine.start(timeout_s=60)
+            assert not engine.alive
+    finally:
+        arena.close()
 
 
 def test_cooperative_pause_parks_the_offline_engine_and_loses_nothing(processes):
@@ -175,6 +198,9 @@ def test_engine_that_cannot_reach_the_runtime_fails_with_a_typed_error(tmp_path)
     ({"policy": "coserve"}, "runs one of"),
     ({"role": "online", "os_suspend": True}, "OS-suspended"),
     ({"engine_id": ""}, "engine_id"),
+    ({"model": "random:nope"}, "model"),
+    ({"device": "tpu"}, "device"),
+    ({"dtype": "int4"}, "dtype"),
 ])
 def test_bad_specs_raise_typed_errors(kw, match):
     args = dict(engine_id="e", role="offline", num_handles=4, blocks_per_handle=2)

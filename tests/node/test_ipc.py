@@ -77,3 +77,36 @@ def test_safepoints_park_while_paused_and_mark_compute_state(tmp_path):
     client.close()
     b.close()
     runtime_side.close()
+
+
+def test_a_safepoint_drains_launched_work_before_it_says_parked(tmp_path):
+    """On a GPU the drain waits for the kernels already launched: the runtime must not see PARKED
+    (and reclaim memory) before that work has finished (Valve §5)."""
+    path = str(tmp_path / "f.flag")
+    runtime_side = PauseFlag(path, create=True)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = NodeClient(JsonLineChannel(a), "off", "offline", PauseFlag(path))
+    states_during_drain = []
+    drained = threading.Event()
+
+    def drain():
+        states_during_drain.append(runtime_side.engine_state)
+        time.sleep(0.05)                 # the launched work still running
+        drained.set()
+
+    assert client.wait_if_paused(drain=drain) is False and not states_during_drain   # no pause: no drain
+    runtime_side.set_engine_state(EngineState.RUNNING)
+    runtime_side.set_pause(True)
+    worker = threading.Thread(target=client.wait_if_paused, kwargs={"drain": drain})
+    worker.start()
+    deadline = time.monotonic() + 10
+    while runtime_side.engine_state != EngineState.PARKED:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert drained.is_set() and states_during_drain == [EngineState.RUNNING]
+    runtime_side.set_pause(False)
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+    client.close()
+    b.close()
+    runtime_side.close()

@@ -67,6 +67,8 @@ ONE = 'name = "a"\nmodel = "tiny"\nport = 8001'
     ("[node]\nnum_handles = 4\n", r"at least one \[\[models\]\]"),
     ("models = 3\n", "models must be an array of tables"),
     ("[node]\nnum_handles = \n", "not valid TOML"),
+    ("[node]\ndevice = \"tpu\"\n" + models(ONE), "node.device must be cpu, cuda or cuda:N"),
+    ("[node]\ndevice = \"cuda:x\"\n" + models(ONE), "node.device must be cpu, cuda or cuda:N"),
 ])
 def test_malformed_config_fails_with_a_typed_error(tmp_path, text, message):
     with pytest.raises(NodeConfigError, match=message):
@@ -88,3 +90,16 @@ def test_serve_refuses_a_malformed_node_config_at_start(tmp_path, capsys):
     path = write(tmp_path, models(ONE, 'name = "a"\nmodel = "tiny"\nport = 8002'))
     assert cli_main(["serve", "--config", str(path)]) == 2
     assert "model name 'a' appears twice" in capsys.readouterr().err
+
+
+def test_the_node_runs_on_the_device_its_config_or_command_line_names(tmp_path):
+    from backfill.node.config import on_device
+
+    config = load_node_config(write(tmp_path, GOOD))
+    assert config.node.device == "cpu"                          # the default: the CPU figures' setting
+    on_gpu = load_node_config(write(tmp_path, "[node]\ndevice = \"cuda\"\n" + models(ONE)))
+    assert on_gpu.node.device == "cuda"
+    assert on_device(config, "cuda:1").node.device == "cuda:1"   # serve --config node.toml --device cuda:1
+    assert on_device(on_gpu, "auto").node.device == "cuda" and on_device(on_gpu, None) is on_gpu
+    with pytest.raises(NodeConfigError, match="node.device"):
+        on_device(config, "gpu")
