@@ -28,9 +28,16 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_key() -> str:
-    """A short hash of the CPU's feature flags: a -march=native build only runs where they match."""
-    flags = " ".join(sorted(cpu_flags())) or torch.backends.cpu.get_cpu_capability()
+    """A short hash of the CPU's feature flags and of the ISA PyTorch is held to: a -march=native
+    build only runs where they match, and a build for a lowered ISA is a build of its own."""
+    flags = " ".join(sorted(cpu_flags())) + " " + torch.backends.cpu.get_cpu_capability()
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def isa_capped_below_avx512() -> bool:
+    """Whether PyTorch is held below AVX-512 on a CPU that has it (ATEN_CPU_CAPABILITY=avx2, e.g. to
+    measure how an AVX2-only machine runs): backfill's own kernels then keep to AVX2 as well."""
+    return "avx512f" in cpu_flags() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def source_digest(source: Path) -> str:
@@ -55,9 +62,11 @@ def vector_capability_flags() -> list[str]:
     """The macros that pick ATen's Vectorized<float> width (as PyTorch's own kernels and inductor do):
     AVX-512 or AVX2 where this CPU and build have them, else the portable scalar version."""
     capability = torch.backends.cpu.get_cpu_capability()
+    # -march=native would still emit AVX-512 where PyTorch is held below it.
+    capped = ["-mno-avx512f"] if isa_capped_below_avx512() else []
     if capability not in ("AVX512", "AVX2"):
-        return ["-DCPU_CAPABILITY=DEFAULT"]
-    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+        return ["-DCPU_CAPABILITY=DEFAULT", *capped]
+    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *capped]
 
 
 def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
