@@ -30,7 +30,9 @@ def cpu_flags() -> set[str]:
 def cpu_key() -> str:
     """A short hash of the CPU's feature flags and of the ISA PyTorch is held to: a -march=native
     build only runs where they match, and a build for a lowered ISA is a build of its own."""
-    flags = " ".join(sorted(cpu_flags())) + " " + torch.backends.cpu.get_cpu_capability()
+    flags = " ".join(sorted(cpu_flags())) or torch.backends.cpu.get_cpu_capability()
+    if isa_capped_below_avx512():
+        flags += " capped:" + torch.backends.cpu.get_cpu_capability()
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 

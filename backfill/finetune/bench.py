@@ -218,7 +218,7 @@ def _stop_separate(proc, events: Path) -> tuple[float, float]:
 
 
 def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
-    from backfill.finetune.sim import add_harli_ratios
+    from backfill.finetune.sim import add_harli_ratios, qos_verdict
 
     table = {}
     for mode, rounds in results.items():
@@ -227,16 +227,19 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
                        "p99_itl_ms": statistics.median(r.get("p99_itl_ms", 0.0) for r in rounds),
                        "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
-        table[mode]["meets_qos"] = table[mode]["p99_tpot_ms"] <= target_ms
+        table[mode]["qos"] = qos_verdict(rounds, table[mode]["p99_tpot_ms"], target_ms)
+        table[mode]["meets_qos"] = table[mode]["qos"]["met"]
     return add_harli_ratios(table)
 
 
 def _markdown(table: dict, args) -> str:
+    from backfill.finetune.sim import qos_text
+
     lines = [f"| mode | finetune samples/s | decode P99 TPOT ms (target {args.tpot_target_ms:.0f}) | P99 ITL ms | QoS |",
              "|---|---|---|---|---|"]
     for mode, row in table.items():
         lines.append(f"| {mode} | {row['samples_per_s']:.3f} | {row['p99_tpot_ms']:.1f} | {row['p99_itl_ms']:.1f} | "
-                     f"{'met' if row['meets_qos'] else 'MISSED'} |")
+                     f"{qos_text(row)} |")
     if "harli" in table:
         ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table["harli"].items() if k.startswith("x_"))
         lines.append(f"\nharli's finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
