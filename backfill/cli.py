@@ -178,26 +178,43 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """backfill's main job in one short run: online traffic alone, then with offline work harvested."""
-    from backfill.bench.coserve_bench import headline, run_coserve_bench
+    from backfill.bench.coserve_bench import headline, load_and_profile, run_coserve_bench, size_offline_to_machine
 
     # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve_bench.py).
     scenario = _scenario(args, offline_concurrency=32, warmup_s=20.0)
     serving = _serving(args)
-    print(f"backfill demo: {scenario.duration_s:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
-          "then co-served with a backlog of offline batch requests (after a 20 s warm-up).\n")
-    results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
-                                progress=not args.quiet)
+    print(f"backfill demo: {scenario.duration_s:.0f} s of online traffic (gamma arrivals, "
+          f"{scenario.online_load:.0%} of this machine) served alone, then co-served with a backlog of offline "
+          f"batch requests (after a {scenario.warmup_s:.0f} s warm-up).\nLoading the model and its step-latency "
+          "profile (measured once per machine; its progress shows)...", flush=True)
+    prepared = load_and_profile(serving)
+    sized = size_offline_to_machine(scenario, prepared[2])
+    if sized != scenario:
+        print(f"Offline requests sized to this machine's measured speed: prompts {sized.offline_prompt_len}, "
+              f"outputs {sized.offline_output_len} tokens (so that they finish within the window).", flush=True)
+    results = run_coserve_bench(sized, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
+                                progress=not args.quiet, prepared=prepared)
     print("\n" + headline(results))
-    alone, co = results["online-only"].metrics, results["coserve"].metrics
-    print(f"\nOffline work harvested: {co.offline.tokens_per_s:.0f} tokens/s while online P99 TTFT went "
-          f"{alone.online.ttft_ms.p99:.0f} -> {co.online.ttft_ms.p99:.0f} ms and P99 TPOT "
-          f"{alone.online.tpot_ms.p99:.0f} -> {co.online.tpot_ms.p99:.0f} ms. Full report: {args.out}/report.md")
+    print("\n" + demo_summary(results["online-only"].metrics, results["coserve"].metrics, args.out))
     model = results["coserve"].config["model"]  # the id the server answers to (the request must name it)
     print("\nServe it over HTTP (OpenAI-compatible; offline work via the Batch API or service_tier=flex):\n"
           "  backfill serve --port 8000\n"
           "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     return 0
+
+
+def demo_summary(alone, co, out_dir: str) -> str:
+    """The demo's result in one line: offline tokens harvested, online latency next to online-only's."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f} ms"
+
+    harvested = (f"Harvested {co.offline.output_tokens:,} offline tokens ({co.offline.tokens_per_s:,.1f} tokens/s) "
+                 f"in {co.duration_s:.0f} s" if co.offline.output_tokens else
+                 f"Harvested no offline token in {co.duration_s:.0f} s (give a longer --duration)")
+    return (f"{harvested}; online P99 TTFT {ms(co.online.ttft_ms.p99)} (online-only: {ms(alone.online.ttft_ms.p99)}), "
+            f"P99 TPOT {ms(co.online.tpot_ms.p99)} (online-only: {ms(alone.online.tpot_ms.p99)}). "
+            f"Full report: {out_dir}/report.md")
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:

@@ -89,6 +89,35 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
     return replace(workload, meta={**workload.meta, "online_rate_per_s": rate, "online_load": scenario.online_load})
 
 
+# A wave of offline requests (every one in flight prefilled, then decoded to its end) should take at
+# most this share of the offline time in the window, so offline output is harvested inside it.
+OFFLINE_WAVE_SHARE = 0.3
+
+
+def size_offline_to_machine(scenario: CoserveScenario, latency: LatencyModel) -> CoserveScenario:
+    """The scenario with its offline prompt and output lengths scaled down (never up) so that one wave
+    of offline_concurrency requests finishes within OFFLINE_WAVE_SHARE of the time online leaves over
+    in the window, at this machine's measured step costs (the latency profile)."""
+    import numpy as np
+
+    rng = np.random.default_rng(scenario.seed)
+    prompt = float(np.mean(parse_length_spec(scenario.offline_prompt_len).sample(rng, 2000)))
+    output = float(np.mean(parse_length_spec(scenario.offline_output_len).sample(rng, 2000)))
+    chunk = 256
+    prefill_ms_per_token = latency.estimate_ms(BatchShape().plus(chunk, 0)) / chunk
+    decode = BatchShape()
+    for _ in range(scenario.offline_concurrency):
+        decode = decode.plus(1, int(prompt + output / 2))
+    wave_ms = scenario.offline_concurrency * prompt * prefill_ms_per_token + output * latency.estimate_ms(decode)
+    budget_ms = OFFLINE_WAVE_SHARE * scenario.duration_s * 1e3 * (1 - min(scenario.online_load, 0.9))
+    scale = min(1.0, budget_ms / wave_ms)
+    if scale >= 1.0:
+        return scenario
+    p, o = max(16, round(prompt * scale)), max(8, round(output * scale))
+    return replace(scenario, offline_prompt_len=f"uniform:{max(8, p // 2)}:{p + p // 2}",
+                   offline_output_len=f"uniform:{max(4, o // 2)}:{o + o // 2}")
+
+
 def warmup_workload(scenario: CoserveScenario, tokenizer) -> Workload:
     """The offline backlog alone for scenario.warmup_s seconds, from prompts no round uses."""
     seed = scenario.seed + 10_000
