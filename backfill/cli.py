@@ -43,13 +43,24 @@ def _add_model_args(p: argparse.ArgumentParser, several: tuple[str, ...] = ()) -
     add_shape_args(p)
 
 
+# The serving options a one-off command takes beside the engine's, as `serve` does.
+MODEL_SERVING_OPTIONS = ("max_model_len",)
+
+
+def _model_serving_options():
+    from backfill.options import options_of
+    from backfill.serving.config import ServingConfig
+
+    return tuple(o for o in options_of(ServingConfig, "serving") if o.name in MODEL_SERVING_OPTIONS)
+
+
 def _serving(args: argparse.Namespace, **changes):
     """The ServingConfig of the engine (and, where the command has them, coserve) flags given."""
     from backfill.engine.shapes import model_from_args
     from backfill.options import build, given
     from backfill.serving.config import ServingConfig
 
-    values = given(args, _engine_options() + _coserve_options()) | changes
+    values = given(args, _engine_options() + _coserve_options() + _model_serving_options()) | changes
     if getattr(args, "random_weights", False) or getattr(args, "shape", None) is not None:
         values["model"] = model_from_args(args)
     return build(ServingConfig, values)
@@ -293,8 +304,11 @@ def _run_server(args: argparse.Namespace) -> int:
 
 
 def _fill_generate(p: argparse.ArgumentParser) -> None:
+    from backfill.options import add_arguments
+
     p.add_argument("prompt")
     _add_model_args(p)
+    add_arguments(p, _model_serving_options())   # --max-model-len, as `serve` takes it
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
