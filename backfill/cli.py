@@ -451,7 +451,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 # Steps that take minutes on a slow machine log their progress at INFO from these modules.
-PROGRESS_LOGGERS = ("backfill.serving.profiler", "backfill.serving.build")
+PROGRESS_LOGGERS = ("backfill.serving.profiler", "backfill.serving.build", "backfill.engine.native_build")
 
 
 def show_progress_logs() -> None:

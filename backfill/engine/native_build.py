@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def cpu_flags() -> set[str]:
@@ -82,6 +85,8 @@ def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
     full_name = f"{name}_{cpu_key()}"
     build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
     with exclusive_build(build_dir):
+        if not (build_dir / f"{full_name}.so").exists():  # compiling takes half a minute or more: say so
+            log.info("compiling backfill's C++ kernel %s for this CPU (once; cached in %s)", name, build_dir)
         return cpp_extension.load(name=full_name, sources=[str(source)], build_directory=str(build_dir),
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
                                                 *vector_capability_flags()],
