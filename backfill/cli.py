@@ -483,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     args = build_parser(argv).parse_args(argv)
+    if argv[:1] != ["serve"] and getattr(args, "announce", None):  # serve logs its own start
+        print(args.announce, file=sys.stderr, flush=True)
     try:
         return args.func(args)
     except BackfillError as exc:

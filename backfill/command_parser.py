@@ -41,6 +41,9 @@ class CommandParser:
         parser_options.setdefault("description", help)
         parser = self._groups[" ".join(group)].add_parser(name, help=help, **parser_options)
         if wanted:
+            # What the command does, for its first line: the model load or a kernel build before
+            # its own output can take minutes on a slow machine.
+            parser.set_defaults(announce=f"{self.parser.prog} {path}: {help}")
             fill(parser)
 
     def wants(self, path: str) -> bool:

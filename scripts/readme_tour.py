@@ -117,7 +117,7 @@ STEPS: tuple[Step, ...] = (
     Step("backfill bench engine", ("bench", "engine", "--batches", "1", "8", "--new-tokens", "8", "--no-hf",
                                    "--dtypes", "float32"), 600),
     Step("backfill bench node --phases alone,valve,fifo --duration-s 60",
-         ("bench", "node", "--phases", "alone,valve", "--duration-s", "30"), 900, harvest=_harvest_node),
+         ("bench", "node", "--phases", "alone,valve,fifo", "--duration-s", "60"), 1200, harvest=_harvest_node),
     Step("backfill profile", ("profile", "--out", "runs/profile.json"), 1200),
     Step("backfill sim coserve --rounds 4 --duration 240", ("sim", "coserve", "--rounds", "1", "--duration", "30",
                                                             "--out", "runs/sim-coserve"), 900),
@@ -240,7 +240,7 @@ def run_step(step: Step, clone: Path, python: str, isa: str) -> Outcome:
     if not why and step.harvest is not None and not harvest:
         why = f"no harvest ({harvest})"
     return Outcome(step.name, isa, " ".join(["backfill", *argv]), rc, first, reader.longest_silence_s(wall_s),
-                   wall_s, harvest, not why, why, out.splitlines()[-12:])
+                   wall_s, harvest, not why, why, out.splitlines()[-60:])
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -85,9 +85,17 @@ def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
     full_name = f"{name}_{cpu_key()}"
     build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
     with exclusive_build(build_dir):
-        if not (build_dir / f"{full_name}.so").exists():  # compiling takes half a minute or more: say so
-            log.info("compiling backfill's C++ kernel %s for this CPU (once; cached in %s)", name, build_dir)
-        return cpp_extension.load(name=full_name, sources=[str(source)], build_directory=str(build_dir),
+        # Compiling takes half a minute or more (ninja decides whether it must: a first use, a
+        # changed source, a checkout in another folder), so say what may be happening.
+        log.info("loading backfill's C++ kernel %s (compiled for this CPU when needed, cached in %s)", name,
+                 build_dir)
+        # Compiled from a copy in the cache, not from the checkout: ninja rebuilds whenever the source
+        # path changes, so two checkouts (a fresh clone beside another) would recompile each other's
+        # build at every switch though the source is the same. The copy changes only with the content.
+        stable = build_dir / source.name
+        if not stable.exists() or stable.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, stable)
+        return cpp_extension.load(name=full_name, sources=[str(stable)], build_directory=str(build_dir),
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
                                                 *vector_capability_flags()],
                                   extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)
