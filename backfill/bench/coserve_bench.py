@@ -47,6 +47,7 @@ from backfill.bench.metrics import RequestRecord, compute_metrics
 from backfill.bench.modes import BASELINE, POLICIES, ModeSpec, parse_modes
 from backfill.bench.prompts import PromptSource
 from backfill.bench.scenario import CoserveScenario
+from backfill.bench.verdict import MIN_SAMPLES_P99
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
 from backfill.errors import InvalidRequestError
@@ -384,13 +385,18 @@ def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
 def headline(results: dict[str, ModeResult]) -> str:
     """A compact table: online latency next to the offline throughput each mode harvested."""
     width = max([12, *map(len, results)])
-    rows = [f"{'mode':<{width}}  P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms"]
+    rows = [f"{'mode':<{width}}  P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms  "
+            f"online n"]
     for mode, r in results.items():
         m = r.metrics
         lat = m.preemption_latency_ms.p99
         rows.append(f"{mode:<{width}} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
                     f"{m.online.tokens_per_s:>13.1f} {m.offline.tokens_per_s:>14.1f} "
-                    f"{'-' if lat is None else f'{lat:.1f}':>15}")
+                    f"{'-' if lat is None else f'{lat:.1f}':>15} {m.online.completed:>9}")
+    few = min(r.metrics.online.completed for r in results.values()) if results else 0
+    if few < MIN_SAMPLES_P99:
+        rows.append(f"(P99s from {few} online requests are close to the maximum: {MIN_SAMPLES_P99} or more make a "
+                    "P99; give a longer --duration)")
     # The ceiling: offline batches in all the time online work leaves (bench/ceiling.py).
     for mode, c in offline_ceilings(results).items():
         if c.ceiling_vs_priority is not None:
