@@ -203,7 +203,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if sized != scenario:
         print(f"Offline requests sized to this machine's measured speed: prompts {sized.offline_prompt_len}, "
               f"outputs {sized.offline_output_len} tokens (so that they finish within the window).", flush=True)
-    results = run_coserve_bench(sized, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
+    # The bench's stage lines (warm-up, each mode) show where the run is, as its progress bars do.
+    results = run_coserve_bench(sized, serving, ("online-only", "coserve"), args.out, log=print,
                                 progress=not args.quiet, prepared=prepared)
     print("\n" + headline(results))
     print("\n" + demo_summary(results["online-only"].metrics, results["coserve"].metrics, args.out))

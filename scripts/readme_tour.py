@@ -108,7 +108,7 @@ def _node_toml(clone: Path) -> None:
 STEPS: tuple[Step, ...] = (
     Step("backfill generate \"Write a haiku about the sea.\"",
          ("generate", "Write a haiku about the sea.", "--max-tokens", "16"), 600),
-    Step("backfill demo --duration 20", ("demo", "--duration", "20", "--quiet", "--out", "runs/demo"), 1200,
+    Step("backfill demo --duration 20", ("demo", "--duration", "20", "--out", "runs/demo"), 1200,
          harvest=_harvest_demo),
     Step("backfill serve --port 8000", ("serve", "--port", "{port}"), 600, server="/v1/models"),
     Step("backfill bench coserve --rounds 4 --duration 160",

@@ -173,7 +173,8 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
                 handle = attach_finetune(engine, job, policy, tpot_target_ms=args.tpot_target_ms)
             started_progress = job.progress_steps if handle else 0.0
             started = time.monotonic()
-            run = await run_workload(InProcessTarget(engine), workload, progress=False)
+            # A mode runs for --duration seconds: its progress shows.
+            run = await run_workload(InProcessTarget(engine), workload, progress=True)
             elapsed = time.monotonic() - started
             done = (job.progress_steps - started_progress) if handle else None
             if handle:
