@@ -105,7 +105,7 @@ def _node_toml(clone: Path) -> None:
         "policy = \"coserve\"\n")
 
 
-STEPS: tuple[Step, ...] = (
+README_STEPS: tuple[Step, ...] = (
     Step("backfill generate \"Write a haiku about the sea.\"",
          ("generate", "Write a haiku about the sea.", "--max-tokens", "16"), 600),
     Step("backfill demo --duration 20", ("demo", "--duration", "20", "--out", "runs/demo"), 1200,
@@ -155,6 +155,12 @@ STEPS: tuple[Step, ...] = (
                                      "--max-tokens", "16"), 900),
 )
 
+# The order they run in: the harvests the tour claims first, the minutes-long measurements last.
+_LAST = ("backfill profile", "backfill bench cluster", "backfill bench overload", "backfill bench coserve")
+_FIRST = ("backfill demo", "backfill bench node", "backfill bench burst")
+STEPS: tuple[Step, ...] = tuple(sorted(README_STEPS, key=lambda s: (
+    0 if s.name.startswith(_FIRST) else 2 if s.name.startswith(_LAST) else 1)))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -186,8 +192,10 @@ class _Reader:
         return max(b - a for a, b in zip(times, times[1:]))
 
 
-def run_step(step: Step, clone: Path, python: str, isa: str) -> Outcome:
+def run_step(step: Step, clone: Path, python: str, isa: str, extensions_dir: str | None = None) -> Outcome:
     env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
+    if extensions_dir:
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir
     if isa == "avx2":
         env.update(AVX2_ENV)
     env["PYTHONUNBUFFERED"] = "1"
@@ -295,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="README commands starting with these, e.g. 'bench node'")
     ap.add_argument("--python", default=sys.executable, help="the venv's python (backfill's dependencies)")
     ap.add_argument("--json", default=None, help="write every outcome here")
+    ap.add_argument("--extensions-dir", default=None,
+                    help="TORCH_EXTENSIONS_DIR for the commands (default: the user's): a cache of its own keeps "
+                         "other checkouts' kernel builds on a shared machine from rebuilding this one's")
     args = ap.parse_args(argv)
     steps = [s for s in STEPS if (not args.fast or s.fast)
              and (args.only is None or any(s.name.removeprefix("backfill ").startswith(o) for o in args.only))]
@@ -305,15 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         for isa in args.isa:
             for step in steps:
                 print(f"[{time.strftime('%H:%M:%S')}] {isa}: {step.name}", flush=True)
-                o = run_step(step, clone, args.python, isa)
+                o = run_step(step, clone, args.python, isa, args.extensions_dir)
                 outcomes.append(o)
                 print(f"   {'ok' if o.passed else 'FAILED: ' + o.why}; first output {o.first_output_s} s, "
                       f"wall {o.wall_s:.0f} s, harvest {o.harvest}", flush=True)
-                if not o.passed:
-                    print("   " + "\n   ".join(o.tail), flush=True)
+                if not o.passed or step.harvest is not None:   # a harvest's figures, or what went wrong
+                    print("   " + "\n   ".join(o.tail[-30:]), flush=True)
+                if args.json:   # after every command: a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
     print(table(outcomes))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
     return 0 if all(o.passed for o in outcomes) else 1
 
 

@@ -43,4 +43,4 @@ def test_the_tour_reads_harvests_from_what_the_commands_print():
     readme = (REPO / "README.md").read_text()
     tour = readme.split("## A five-minute tour", 1)[1].split("## In Python", 1)[0]
     lines = {line.split("#")[0].strip() for line in tour.splitlines() if line.startswith("backfill ")}
-    assert lines == {step.name for step in readme_tour.STEPS}
+    assert lines == {step.name for step in readme_tour.STEPS} == {step.name for step in readme_tour.README_STEPS}
