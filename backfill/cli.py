@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -189,7 +190,8 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """backfill's main job in one short run: online traffic alone, then with offline work harvested."""
-    from backfill.bench.coserve_bench import headline, load_and_profile, run_coserve_bench, size_offline_to_machine
+    from backfill.bench.coserve_bench import (MIN_ONLINE_REQUESTS, headline, load_and_profile, online_rate_per_s,
+                                              run_coserve_bench, size_offline_to_machine)
 
     # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve_bench.py).
     scenario = _scenario(args, offline_concurrency=32, warmup_s=20.0)
@@ -199,6 +201,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"batch requests (after a {scenario.warmup_s:.0f} s warm-up).\nLoading the model and its step-latency "
           "profile (measured once per machine; its progress shows)...", flush=True)
     prepared = load_and_profile(serving)
+    expected = online_rate_per_s(scenario, prepared[2]) * scenario.duration_s
+    if expected < MIN_ONLINE_REQUESTS:
+        one_s = scenario.online_load / online_rate_per_s(scenario, prepared[2])
+        raise InvalidRequestError(
+            f"this machine's step-latency profile says one online request takes {one_s:.1f} s alone, so "
+            f"{scenario.online_load:.0%} of it is {expected:.1f} online requests in {scenario.duration_s:.0f} s "
+            f"(the demo needs {MIN_ONLINE_REQUESTS}): give --duration "
+            f"{math.ceil(MIN_ONLINE_REQUESTS * one_s / scenario.online_load)} or more, or, if the machine was busy "
+            "when the profile was measured, measure it again on a quiet one (`backfill profile`)")
     sized = size_offline_to_machine(scenario, prepared[2])
     if sized != scenario:
         print(f"Offline requests sized to this machine's measured speed: prompts {sized.offline_prompt_len}, "

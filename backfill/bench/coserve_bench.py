@@ -72,12 +72,7 @@ def solo_service_s(latency: LatencyModel, prompt_tokens: float, output_tokens: f
 
 def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *, with_offline: bool) -> Workload:
     prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
-    import numpy as np
-
-    rng = np.random.default_rng(scenario.seed)
-    mean_prompt = float(np.mean(prompt_len.sample(rng, 2000)))
-    mean_output = float(np.mean(output_len.sample(rng, 2000)))
-    rate = scenario.online_load / solo_service_s(latency, mean_prompt, mean_output)
+    rate = online_rate_per_s(scenario, latency)
     arrivals = gamma_arrivals(rate, scenario.cv, scenario.seed, duration_s=scenario.duration_s)
     offline = None
     if with_offline:
@@ -90,33 +85,48 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
     return replace(workload, meta={**workload.meta, "online_rate_per_s": rate, "online_load": scenario.online_load})
 
 
-# A wave of offline requests (every one in flight prefilled, then decoded to its end) should take at
-# most this share of the offline time in the window, so offline output is harvested inside it.
-OFFLINE_WAVE_SHARE = 0.3
+# The offline requests in flight at once should all be through their prompts within this share of
+# the time online leaves over in the window, so offline output streams (and is counted) inside it.
+OFFLINE_PREFILL_SHARE = 0.25
+# Fewer online requests than this in a window make no latency figure worth printing.
+MIN_ONLINE_REQUESTS = 5
 
 
-def size_offline_to_machine(scenario: CoserveScenario, latency: LatencyModel) -> CoserveScenario:
-    """The scenario with its offline prompt and output lengths scaled down (never up) so that one wave
-    of offline_concurrency requests finishes within OFFLINE_WAVE_SHARE of the time online leaves over
-    in the window, at this machine's measured step costs (the latency profile)."""
+def mean_lengths(scenario: CoserveScenario) -> tuple[float, float, float, float]:
+    """Mean online prompt and output, offline prompt and output tokens of the scenario's specs."""
     import numpy as np
 
     rng = np.random.default_rng(scenario.seed)
-    prompt = float(np.mean(parse_length_spec(scenario.offline_prompt_len).sample(rng, 2000)))
-    output = float(np.mean(parse_length_spec(scenario.offline_output_len).sample(rng, 2000)))
+    return tuple(float(np.mean(parse_length_spec(spec).sample(rng, 2000))) for spec in (
+        scenario.prompt_len, scenario.output_len, scenario.offline_prompt_len, scenario.offline_output_len))
+
+
+def online_rate_per_s(scenario: CoserveScenario, latency: LatencyModel) -> float:
+    """The online arrival rate make_workload gives: online_load of one request served alone."""
+    prompt, output, _, _ = mean_lengths(scenario)
+    return scenario.online_load / solo_service_s(latency, prompt, output)
+
+
+def size_offline_to_machine(scenario: CoserveScenario, latency: LatencyModel) -> CoserveScenario:
+    """The scenario with its offline prompts scaled down (never up) so that the offline_concurrency
+    requests in flight are through their prompts within OFFLINE_PREFILL_SHARE of the time online
+    leaves over in the window, at this machine's measured step costs (the latency profile); outputs
+    shrink only where one request's decode would not fit in half that time."""
+    _, _, prompt, output = mean_lengths(scenario)
     chunk = 256
     prefill_ms_per_token = latency.estimate_ms(BatchShape().plus(chunk, 0)) / chunk
     decode = BatchShape()
     for _ in range(scenario.offline_concurrency):
         decode = decode.plus(1, int(prompt + output / 2))
-    wave_ms = scenario.offline_concurrency * prompt * prefill_ms_per_token + output * latency.estimate_ms(decode)
-    budget_ms = OFFLINE_WAVE_SHARE * scenario.duration_s * 1e3 * (1 - min(scenario.online_load, 0.9))
-    scale = min(1.0, budget_ms / wave_ms)
-    if scale >= 1.0:
+    offline_ms = scenario.duration_s * 1e3 * (1 - min(scenario.online_load, 0.9))
+    prefill_scale = min(1.0, OFFLINE_PREFILL_SHARE * offline_ms
+                        / (scenario.offline_concurrency * prompt * prefill_ms_per_token))
+    output_scale = min(1.0, 0.5 * offline_ms / (output * latency.estimate_ms(decode)))
+    if prefill_scale >= 1.0 and output_scale >= 1.0:
         return scenario
-    p, o = max(16, round(prompt * scale)), max(8, round(output * scale))
-    return replace(scenario, offline_prompt_len=f"uniform:{max(8, p // 2)}:{p + p // 2}",
-                   offline_output_len=f"uniform:{max(4, o // 2)}:{o + o // 2}")
+    p, o = max(32, round(prompt * prefill_scale)), max(16, round(output * output_scale))
+    return replace(scenario, offline_prompt_len=f"uniform:{p // 2}:{p + p // 2}",
+                   offline_output_len=f"uniform:{o // 2}:{o + o // 2}")
 
 
 def warmup_workload(scenario: CoserveScenario, tokenizer) -> Workload:
