@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -50,7 +51,7 @@ from backfill.bench.scenario import CoserveScenario
 from backfill.bench.verdict import MIN_SAMPLES_P99
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
-from backfill.errors import InvalidRequestError
+from backfill.errors import InvalidRequestError, WorkloadError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.model_error import summarize
 from backfill.serving.api import SLO
@@ -74,6 +75,14 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
     prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
     rate = online_rate_per_s(scenario, latency)
     arrivals = gamma_arrivals(rate, scenario.cv, scenario.seed, duration_s=scenario.duration_s)
+    if len(arrivals) == 0:
+        one_s = scenario.online_load / rate
+        raise WorkloadError(
+            f"no online request in {scenario.duration_s:g} s: the step-latency profile says one online request "
+            f"takes {one_s:.1f} s alone, so load {scenario.online_load:g} is {rate:.3f} requests/s. Give a longer "
+            f"--duration (about {math.ceil(MIN_ONLINE_REQUESTS * one_s / scenario.online_load)} s for "
+            f"{MIN_ONLINE_REQUESTS}), or, if the profile was measured on a busy machine, measure it again on a quiet "
+            "one (`backfill profile`)")
     offline = None
     if with_offline:
         offline = OfflineSpec(scenario.offline_concurrency, scenario.offline_pool,

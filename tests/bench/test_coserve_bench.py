@@ -27,3 +27,16 @@ def test_a_fast_machine_keeps_the_scenario_as_given():
     scenario = CoserveScenario(duration_s=30.0, online_load=0.3, offline_concurrency=32)
     fast = LatencyModel((1, 2048), (2.0, 2048 * 0.01))
     assert size_offline_to_machine(scenario, fast) == scenario
+
+
+def test_a_profile_that_leaves_no_online_request_says_which_duration_to_give():
+    import pytest
+
+    from backfill.bench.coserve_bench import make_workload
+    from backfill.engine.byte_tokenizer import ByteTokenizer
+    from backfill.errors import WorkloadError
+
+    crawling = LatencyModel((1, 2048), (4000.0, 40000.0))     # one request alone: minutes
+    with pytest.raises(WorkloadError, match=r"no online request in 20 s.*--duration \(about \d+ s"):
+        make_workload(CoserveScenario(duration_s=20.0, online_load=0.3), ByteTokenizer(), crawling,
+                      with_offline=False)
