@@ -432,7 +432,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from backfill.server.bench_cli import add_commands as add_server_bench_commands
     from backfill.server.finetune_cli import add_commands as add_fine_tuning_api_commands
 
-    commands = CommandParser("backfill", __doc__, argv)
+    commands = CommandParser("backfill", __doc__, argv, announce=lambda line: print(line, file=sys.stderr, flush=True))
     commands.defer("generate", "stream a completion from the model", _fill_generate)
     commands.defer("serve", "OpenAI-compatible HTTP server with the Batch API for offline work", _fill_serve)
     commands.defer("demo", "the main job in a short run: online latency next to offline tokens harvested",
@@ -495,8 +495,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     args = build_parser(argv).parse_args(argv)
-    if argv[:1] != ["serve"] and getattr(args, "announce", None):  # serve logs its own start
-        print(args.announce, file=sys.stderr, flush=True)
     try:
         return args.func(args)
     except BackfillError as exc:

@@ -20,3 +20,15 @@ def test_the_demo_summary_names_the_harvest_and_online_only_latency():
     assert line.startswith("Harvested 1,234 offline tokens (61.7 tokens/s) in 20 s")
     assert "P99 TTFT 330 ms (online-only: 300 ms)" in line and "P99 TPOT 45 ms (online-only: 40 ms)" in line
     assert "no offline token" in demo_summary(metrics(0, 1.0, 1.0), metrics(0, 1.0, 1.0), "x")
+
+
+def test_a_command_announces_what_it_does_before_its_options_load_but_not_for_help():
+    lines = []
+    for argv in (["sim", "fleet"], ["sim", "fleet", "--help"]):
+        from backfill.command_parser import CommandParser
+
+        commands = CommandParser("backfill", None, argv, announce=lines.append)
+        commands.group("sim", "simulations")
+        commands.defer("sim fleet", "the fleet, simulated", lambda p: lines.append("filled"))
+        commands.defer("sim other", "another", lambda p: lines.append("other filled"))
+    assert lines == ["backfill sim fleet: the fleet, simulated", "filled", "filled"]

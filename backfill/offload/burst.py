@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -213,6 +214,8 @@ def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, toke
 
 
 CAPACITY_REQUESTS = 8
+# Fewer requests than this in a run make no burst: the scenario is refused with what to change.
+MIN_BURST_REQUESTS = 10
 
 
 def measure_capacity(runner, scenario: BurstScenario, prompts: PromptSource, plen, olen, tokenizer) -> float:
@@ -292,6 +295,13 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
         log(f"this machine serves {capacity:.2f} requests/s: steady {scenario.steady_rate_per_s:g}/s "
             f"({scenario.steady_load:.0%}), burst {scenario.steady_rate_per_s * scenario.burst_factor:g}/s "
             f"for {scenario.burst_s:g} s (--rate sets it)")
+        expected = scenario.steady_rate_per_s * (scenario.duration_s + (scenario.burst_factor - 1) * scenario.burst_s)
+        if expected < MIN_BURST_REQUESTS:
+            raise WorkloadError(
+                f"at {capacity:.3f} requests/s measured on this machine, the {scenario.duration_s:g} s scenario holds "
+                f"{expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give a longer --burst-s (about "
+                f"{math.ceil(MIN_BURST_REQUESTS / (scenario.steady_rate_per_s * scenario.burst_factor))} s) or run "
+                "it on a quieter or faster machine")
     processes = Processes(scenario, log)
     processes.start()
     try:
