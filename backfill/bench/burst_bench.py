@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,7 @@ from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, Summary, compute_metrics
 from backfill.bench.prompts import PromptSource
 from backfill.bench.server_process import free_port
+from backfill.bench.verdict import MIN_SAMPLES_P99
 from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
 from backfill.offload import producer_meter
@@ -54,7 +56,9 @@ MODES = ("fcfs", "cfs-host", "cfs-lent")
 
 @dataclass(frozen=True)
 class BurstScenario:
-    steady_rate_per_s: float = 0.8
+    # None: steady_load x what this machine serves (measured first: measure_capacity), so that the
+    # burst (burst_factor x steady) strains the KV memory rather than the compute of any machine.
+    steady_rate_per_s: float | None = None
     burst_factor: float = 2.0
     steady_s: float = 15.0          # before the burst
     burst_s: float = 30.0           # AQUA: one minute; shorter on a 2-core CPU
@@ -73,9 +77,14 @@ class BurstScenario:
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
     producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one (1 s windows)
     pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
+    steady_load: float = 0.35       # with steady_rate_per_s None: a share of the measured capacity
 
     def __post_init__(self) -> None:
-        for name in ("steady_rate_per_s", "burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
+        if self.steady_rate_per_s is not None and not self.steady_rate_per_s > 0:
+            raise WorkloadError(f"steady_rate_per_s must be positive, got {self.steady_rate_per_s}")
+        if not 0 < self.steady_load <= 1:
+            raise WorkloadError(f"steady_load is a share of this machine's capacity, in (0, 1]; got {self.steady_load}")
+        for name in ("burst_factor", "burst_s", "kv_cache_gb", "lend_mb"):
             if not getattr(self, name) > 0:
                 raise WorkloadError(f"{name} must be positive, got {getattr(self, name)}")
         if self.producer_idle_s < 0:
@@ -91,6 +100,8 @@ class BurstScenario:
 
     def arrivals(self, seed: int) -> np.ndarray:
         rate = self.steady_rate_per_s
+        if rate is None:
+            raise WorkloadError("no steady rate: measure the machine first (measure_capacity)")
         return step_arrivals([(0.0, rate), (self.steady_s, rate * self.burst_factor),
                               (self.steady_s + self.burst_s, rate)], self.duration_s, seed)
 
@@ -202,11 +213,30 @@ def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, toke
     return scheduler
 
 
-async def _run(engine: AsyncEngine, workload: Workload) -> tuple[list[RequestRecord], float, tuple[float, float]]:
+CAPACITY_REQUESTS = 8
+# Fewer requests than this in a run make no burst: the scenario is refused with what to change.
+MIN_BURST_REQUESTS = 10
+
+
+def measure_capacity(runner, scenario: BurstScenario, prompts: PromptSource, plen, olen, tokenizer) -> float:
+    """Requests per second the consumer completes with CAPACITY_REQUESTS of them arriving at once,
+    FCFS on the scenario's own memory (the batch it can hold)."""
+    workload = build_workload(prompts, np.zeros(CAPACITY_REQUESTS), plen, olen, scenario.seed + 2000,
+                              name="capacity")
+    scheduler = run_on_torch_thread(_scheduler, runner, "fcfs", scenario, None, tokenizer)
+    records, _, (started, ended) = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload))
+    done = [r for r in records if r.end_s is not None and r.error is None]
+    if not done:
+        raise WorkloadError("the consumer finished none of the capacity-measuring requests")
+    return len(done) / max(max(r.end_s for r in done) - min(r.send_s or 0.0 for r in done), 1e-3)
+
+
+async def _run(engine: AsyncEngine, workload: Workload, progress: bool = False
+               ) -> tuple[list[RequestRecord], float, tuple[float, float]]:
     await engine.start()
     started = time.monotonic()
     try:
-        run = await run_workload(InProcessTarget(engine), workload, progress=False, drain_offline=True)
+        run = await run_workload(InProcessTarget(engine), workload, progress=progress, drain_offline=True)
     finally:
         await engine.stop()
     return run.records, run.duration_s, (started, time.monotonic())
@@ -255,10 +285,25 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                                                decode_attention=scenario.decode_attention, threads=scenario.threads))
     log(f"model {loaded.config.name}: KV pool {runner.kv.num_blocks} blocks of {runner.kv.block_size} tokens "
         f"({runner.kv.nbytes / 2**20:.0f} MB)")
-    processes = Processes(scenario, log)
-    processes.start()
     prompts = PromptSource(tokenizer, seed=scenario.seed)
     plen, olen = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
+    if scenario.steady_rate_per_s is None:
+        log(f"measuring this machine: {CAPACITY_REQUESTS} requests at once on the consumer (the steady rate "
+            f"follows from it)")
+        capacity = measure_capacity(runner, scenario, prompts, plen, olen, tokenizer)
+        scenario = replace(scenario, steady_rate_per_s=round(scenario.steady_load * capacity, 3))
+        log(f"this machine serves {capacity:.2f} requests/s: steady {scenario.steady_rate_per_s:g}/s "
+            f"({scenario.steady_load:.0%}), burst {scenario.steady_rate_per_s * scenario.burst_factor:g}/s "
+            f"for {scenario.burst_s:g} s (--rate sets it)")
+        expected = scenario.steady_rate_per_s * (scenario.duration_s + (scenario.burst_factor - 1) * scenario.burst_s)
+        if expected < MIN_BURST_REQUESTS:
+            raise WorkloadError(
+                f"at {capacity:.3f} requests/s measured on this machine, the {scenario.duration_s:g} s scenario holds "
+                f"{expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give a longer --burst-s (about "
+                f"{math.ceil(MIN_BURST_REQUESTS / (scenario.steady_rate_per_s * scenario.burst_factor))} s) or run "
+                "it on a quieter or faster machine")
+    processes = Processes(scenario, log)
+    processes.start()
     try:
         if scenario.warmup_s > 0:
             warm = build_workload(prompts, np.arange(0, scenario.warmup_s, 1 / scenario.steady_rate_per_s), plen, olen,
@@ -273,8 +318,10 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
             workload = build_workload(prompts, scenario.arrivals(seed), plen, olen, seed, name=f"burst-{k}")
             for mode in modes:
                 scheduler = run_on_torch_thread(_scheduler, runner, mode, scenario, processes.url, tokenizer)
-                log(f"== {mode} (round {k + 1}/{scenario.rounds}): {len(workload.requests)} requests")
-                records, duration_s, window = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload))
+                log(f"== {mode} (round {k + 1}/{scenario.rounds}): {len(workload.requests)} requests over "
+                    f"{scenario.duration_s:g} s")
+                records, duration_s, window = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload,
+                                                               progress=True))
                 stats = scheduler.stats
                 engine = {"preempted_requests": stats.preempted_requests, "recomputed_tokens": stats.recomputed_tokens,
                           "restored_tokens": stats.restored_tokens, "steps": stats.steps, "busy_s": stats.busy_s,
@@ -445,12 +492,21 @@ def format_table(result: dict) -> str:
     for mode in ("cfs-host", "cfs-lent"):
         m = result["modes"].get(mode, {})
         if "p99_ttft_vs_fcfs" in m:
+            n = min(m.get("completed", 0), result["modes"]["fcfs"].get("completed", 0))
+            if n < MIN_SAMPLES_P99:
+                rows.append(f"{mode} against FCFS: n/a (too few samples: {n} completed requests, P99 ratios need "
+                            f"{MIN_SAMPLES_P99})")
+                continue
             rows.append(f"{mode}: P99 TTFT {m['p99_ttft_vs_fcfs']:.3f}x FCFS's (1/{1 / m['p99_ttft_vs_fcfs']:.1f}), "
-                        f"P99 TPOT {m['p99_tpot_vs_fcfs']:.2f}x, P50 completion {m['p50_e2e_vs_fcfs']:.2f}x")
+                        f"P99 TPOT {m['p99_tpot_vs_fcfs']:.2f}x, P50 completion {m['p50_e2e_vs_fcfs']:.2f}x "
+                        f"(n={n} requests each)")
     if "producer_lending_loss" in result:
         by_round = ", ".join(f"{100 * x:.1f}" for x in result["producer_lending_loss_by_round"])
+        loss = result["producer_lending_loss"]
         rows.append(f"producer loss from lending (cfs-lent vs cfs-host, paired per round, median): "
-                    f"{100 * result['producer_lending_loss']:.1f}% (rounds: {by_round})")
+                    f"{100 * loss:.1f}% (rounds: {by_round})"
+                    + (" -- below zero: lending cost the producer nothing this run could measure" if loss < 0
+                       else ""))
     if "producer_lending_loss_vs_alone" in result:
         by_round = ", ".join(f"{100 * x:.1f}" for x in result["producer_lending_loss_vs_alone_by_round"])
         rows.append(f"the same, each mode relative to the producer alone either side of it: "

@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -199,14 +200,17 @@ def profile_rates(handles: dict, cfg: ScenarioConfig) -> dict[int, dict[str, flo
     return rates
 
 
-def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, list] | None = None) -> dict:
-    """The live scenario; with replay=(jobs, fleet rounds), also those rounds decided on a Ray actor."""
+def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, list] | None = None,
+                 log: Callable[[str], None] = lambda line: None) -> dict:
+    """The live scenario; with replay=(jobs, fleet rounds), also those rounds decided on a Ray actor.
+    `log` gets a line at each stage (minutes on a slow machine) and before the deliberate node kill."""
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     started = time.perf_counter()
     store = cfg.object_store_mb * 2**20
+    log(f"starting {cfg.nodes} Ray nodes on 127.0.0.1, each serving {cfg.model} (a minute or more)")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": store, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
     traffic = None
@@ -221,6 +225,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
                    for i, node in enumerate(ray_nodes[:cfg.nodes])}
         infos = {n: ray.get(h.info.remote(), timeout=cfg.start_timeout_s) for n, h in handles.items()}
         ready_s = time.perf_counter() - started
+        log(f"nodes ready in {ready_s:.0f} s; measuring each node's offline tokens/s alone and side by side")
         replayed = None
         if replay is not None:
             replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
@@ -254,6 +259,8 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         sla = cfg.sla_share * t_mono
         for job_id, lines in job_lines.items():
             ray.get(service.submit.remote(OfflineJob(job_id, profile, sla), lines))
+        log(f"T_mono {t_mono:.1f} tokens/s; {len(job_lines)} offline jobs submitted, SLA {sla:.1f} tokens/s each; "
+            f"a round every {cfg.round_s:g} s")
         raised = killed = None
         raised_round = restored_round = killed_round = None
         rounds = 0
@@ -275,16 +282,21 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
                 # Valve §6's case: the node's online load rises until its job misses the SLA; online
                 # busy without a gap keeps the gate shut, so the job gets (almost) no tokens.
                 raised, raised_round = job0, rounds
+                log(f"round {rounds}: raising {raised}'s online load until job0 misses its SLA there")
                 traffic.saturate(raised, cfg.saturating_clients)
             elif raised is not None and restored_round is None and job0 not in (None, raised):
                 traffic.restore(raised)                   # moved: the burst may end
                 restored_round = rounds
+                log(f"round {rounds}: job0 moved off {raised} to {job0}")
             if killed is None and rounds >= cfg.kill_after_rounds and restored_round is not None:
                 unfinished = [(j, s["node"]) for j, s in sorted(status.items())
                               if s["node"] and s["node"] != raised and s["done"] < s["total"]]
                 victims = [n for j, n in unfinished if j != "job0"] or [n for _, n in unfinished]
                 if victims:
                     killed, killed_round = victims[0], rounds
+                    log(f"round {rounds}: killing {killed}'s process on purpose (SIGKILL) to check that its job "
+                        f"moves and every custom_id is still written once; Ray reports it next as \"A worker "
+                        f"died or was killed\": that is this kill, not a fault")
                     os.kill(infos[killed]["pid"], signal.SIGKILL)
         outputs = {j: ray.get(service.outputs.remote(j)) for j in job_lines}
         counts = {j: {} for j in job_lines}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -47,9 +48,10 @@ from backfill.bench.metrics import RequestRecord, compute_metrics
 from backfill.bench.modes import BASELINE, POLICIES, ModeSpec, parse_modes
 from backfill.bench.prompts import PromptSource
 from backfill.bench.scenario import CoserveScenario
+from backfill.bench.verdict import MIN_SAMPLES_P99
 from backfill.bench.report import ModeResult, print_summary, write_report
 from backfill.bench.workload import OfflineSpec, Workload, build_workload
-from backfill.errors import InvalidRequestError
+from backfill.errors import InvalidRequestError, WorkloadError
 from backfill.policy.latency_model import BatchShape, LatencyModel
 from backfill.policy.interface import SchedulingPolicy
 from backfill.policy.model_error import summarize
@@ -72,13 +74,16 @@ def solo_service_s(latency: LatencyModel, prompt_tokens: float, output_tokens: f
 
 def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *, with_offline: bool) -> Workload:
     prompt_len, output_len = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
-    import numpy as np
-
-    rng = np.random.default_rng(scenario.seed)
-    mean_prompt = float(np.mean(prompt_len.sample(rng, 2000)))
-    mean_output = float(np.mean(output_len.sample(rng, 2000)))
-    rate = scenario.online_load / solo_service_s(latency, mean_prompt, mean_output)
+    rate = online_rate_per_s(scenario, latency)
     arrivals = gamma_arrivals(rate, scenario.cv, scenario.seed, duration_s=scenario.duration_s)
+    if len(arrivals) == 0:
+        one_s = scenario.online_load / rate
+        raise WorkloadError(
+            f"no online request in {scenario.duration_s:g} s: the step-latency profile says one online request "
+            f"takes {one_s:.1f} s alone, so load {scenario.online_load:g} is {rate:.3f} requests/s. Give a longer "
+            f"--duration (about {math.ceil(MIN_ONLINE_REQUESTS * one_s / scenario.online_load)} s for "
+            f"{MIN_ONLINE_REQUESTS}), or, if the profile was measured on a busy machine, measure it again on a quiet "
+            "one (`backfill profile`)")
     offline = None
     if with_offline:
         offline = OfflineSpec(scenario.offline_concurrency, scenario.offline_pool,
@@ -88,6 +93,50 @@ def make_workload(scenario: CoserveScenario, tokenizer, latency: LatencyModel, *
                               scenario.seed, offline=offline, duration_s=scenario.duration_s,
                               name=f"gamma(rate={rate:.3f}/s, cv={scenario.cv})")
     return replace(workload, meta={**workload.meta, "online_rate_per_s": rate, "online_load": scenario.online_load})
+
+
+# The offline requests in flight at once should all be through their prompts within this share of
+# the time online leaves over in the window, so offline output streams (and is counted) inside it.
+OFFLINE_PREFILL_SHARE = 0.25
+# Fewer online requests than this in a window make no latency figure worth printing.
+MIN_ONLINE_REQUESTS = 5
+
+
+def mean_lengths(scenario: CoserveScenario) -> tuple[float, float, float, float]:
+    """Mean online prompt and output, offline prompt and output tokens of the scenario's specs."""
+    import numpy as np
+
+    rng = np.random.default_rng(scenario.seed)
+    return tuple(float(np.mean(parse_length_spec(spec).sample(rng, 2000))) for spec in (
+        scenario.prompt_len, scenario.output_len, scenario.offline_prompt_len, scenario.offline_output_len))
+
+
+def online_rate_per_s(scenario: CoserveScenario, latency: LatencyModel) -> float:
+    """The online arrival rate make_workload gives: online_load of one request served alone."""
+    prompt, output, _, _ = mean_lengths(scenario)
+    return scenario.online_load / solo_service_s(latency, prompt, output)
+
+
+def size_offline_to_machine(scenario: CoserveScenario, latency: LatencyModel) -> CoserveScenario:
+    """The scenario with its offline prompts scaled down (never up) so that the offline_concurrency
+    requests in flight are through their prompts within OFFLINE_PREFILL_SHARE of the time online
+    leaves over in the window, at this machine's measured step costs (the latency profile); outputs
+    shrink only where one request's decode would not fit in half that time."""
+    _, _, prompt, output = mean_lengths(scenario)
+    chunk = 256
+    prefill_ms_per_token = latency.estimate_ms(BatchShape().plus(chunk, 0)) / chunk
+    decode = BatchShape()
+    for _ in range(scenario.offline_concurrency):
+        decode = decode.plus(1, int(prompt + output / 2))
+    offline_ms = scenario.duration_s * 1e3 * (1 - min(scenario.online_load, 0.9))
+    prefill_scale = min(1.0, OFFLINE_PREFILL_SHARE * offline_ms
+                        / (scenario.offline_concurrency * prompt * prefill_ms_per_token))
+    output_scale = min(1.0, 0.5 * offline_ms / (output * latency.estimate_ms(decode)))
+    if prefill_scale >= 1.0 and output_scale >= 1.0:
+        return scenario
+    p, o = max(32, round(prompt * prefill_scale)), max(16, round(output * output_scale))
+    return replace(scenario, offline_prompt_len=f"uniform:{p // 2}:{p + p // 2}",
+                   offline_output_len=f"uniform:{o // 2}:{o + o // 2}")
 
 
 def warmup_workload(scenario: CoserveScenario, tokenizer) -> Workload:
@@ -356,13 +405,18 @@ def save_json(results: dict[str, ModeResult], path: str | Path) -> None:
 def headline(results: dict[str, ModeResult]) -> str:
     """A compact table: online latency next to the offline throughput each mode harvested."""
     width = max([12, *map(len, results)])
-    rows = [f"{'mode':<{width}}  P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms"]
+    rows = [f"{'mode':<{width}}  P50/P99 TTFT ms    P50/P99 TPOT ms   online tok/s  offline tok/s  preempt P99 ms  "
+            f"online n"]
     for mode, r in results.items():
         m = r.metrics
         lat = m.preemption_latency_ms.p99
         rows.append(f"{mode:<{width}} {_pair(m.online.ttft_ms):>17} {_pair(m.online.tpot_ms):>16} "
                     f"{m.online.tokens_per_s:>13.1f} {m.offline.tokens_per_s:>14.1f} "
-                    f"{'-' if lat is None else f'{lat:.1f}':>15}")
+                    f"{'-' if lat is None else f'{lat:.1f}':>15} {m.online.completed:>9}")
+    few = min(r.metrics.online.completed for r in results.values()) if results else 0
+    if few < MIN_SAMPLES_P99:
+        rows.append(f"(P99s from {few} online requests are close to the maximum: {MIN_SAMPLES_P99} or more make a "
+                    "P99; give a longer --duration)")
     # The ceiling: offline batches in all the time online work leaves (bench/ceiling.py).
     for mode, c in offline_ceilings(results).items():
         if c.ceiling_vs_priority is not None:

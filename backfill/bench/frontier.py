@@ -26,11 +26,14 @@ class FrontierPoint:
     # mode label -> (SLO attainment, offline tok/s); attainment None for the baseline
     modes: Mapping[str, tuple[float | None, float]]
     model_error: Mapping[str, Mapping[str, dict]]  # mode -> step mode -> error summary
+    # online-only's P50 and P99 TTFT and TPOT, ms, in the run: what the SLOs are measured against
+    online_only_ms: Mapping[str, float | None] | None = None
 
     def to_dict(self) -> dict:
         return {"online_load": self.online_load, "ttft_slo_ms": self.ttft_slo_ms, "tpot_slo_ms": self.tpot_slo_ms,
                 "modes": {m: {"slo_attainment": a, "offline_tokens_per_s": t} for m, (a, t) in self.modes.items()},
-                "model_error": {m: dict(e) for m, e in self.model_error.items()}}
+                "model_error": {m: dict(e) for m, e in self.model_error.items()},
+                "online_only_ms": None if self.online_only_ms is None else dict(self.online_only_ms)}
 
 
 def parse_slos(specs: list[str] | None) -> list[tuple[float | None, float | None]]:
@@ -65,8 +68,33 @@ def point(scenario: CoserveScenario, results: Mapping[str, ModeResult]) -> Front
     errors = {mode: r.config.get("engine", {}).get("model_error") or {} for mode, r in results.items()}
     # Unset SLOs are online-only's P99s in the run: the table shows what they came to.
     slo = next((r.config["slo"] for r in results.values() if "slo" in r.config), {})
+    alone = results.get("online-only")
+    online_only = None if alone is None else {
+        "ttft_p50": alone.metrics.online.ttft_ms.p50, "ttft_p99": alone.metrics.online.ttft_ms.p99,
+        "tpot_p50": alone.metrics.online.tpot_ms.p50, "tpot_p99": alone.metrics.online.tpot_ms.p99}
     return FrontierPoint(scenario.online_load, scenario.ttft_slo_ms or slo.get("ttft_ms"),
-                         scenario.tpot_slo_ms or slo.get("tpot_ms"), modes, {m: e for m, e in errors.items() if e})
+                         scenario.tpot_slo_ms or slo.get("tpot_ms"), modes, {m: e for m, e in errors.items() if e},
+                         online_only)
+
+
+def unreachable_slos(points: list[FrontierPoint]) -> list[str]:
+    """One line per SLO setting that online-only itself misses for most requests at the lowest load:
+    no co-serving mode can meet it on this machine, and the line says what to give instead."""
+    lines = []
+    for ttft, tpot in dict.fromkeys((p.ttft_slo_ms, p.tpot_slo_ms) for p in points):
+        mine = [p for p in points if (p.ttft_slo_ms, p.tpot_slo_ms) == (ttft, tpot) and p.online_only_ms]
+        if not mine or ttft is None or tpot is None:
+            continue
+        low = min(mine, key=lambda p: p.online_load)
+        a = low.online_only_ms
+        if (a["ttft_p50"] or 0) > ttft or (a["tpot_p50"] or 0) > tpot:
+            need_ttft, need_tpot = max(ttft, 1.2 * (a["ttft_p99"] or 0)), max(tpot, 1.2 * (a["tpot_p99"] or 0))
+            lines.append(f"SLO {ttft:g}/{tpot:g} ms is below what online-only reaches on this machine (at load "
+                         f"{low.online_load:g} its median TTFT is {a['ttft_p50']:.0f} ms, TPOT {a['tpot_p50']:.1f} "
+                         f"ms; P99 {a['ttft_p99']:.0f} / {a['tpot_p99']:.1f} ms): no mode can meet it. Give "
+                         f"--slos {need_ttft:.0f}/{need_tpot:.0f} or looser, or simulate a faster machine "
+                         f"(--machine and --profile with files from docs/sim/).")
+    return lines
 
 
 def run_frontier(scenarios: list[CoserveScenario], run: Callable[[CoserveScenario, str], Mapping[str, ModeResult]],
@@ -79,6 +107,8 @@ def run_frontier(scenarios: list[CoserveScenario], run: Callable[[CoserveScenari
         points.append(point(scenario, run(scenario, str(Path(out_dir) / slug))))
     table = frontier_table(points)
     log(table)
+    for line in unreachable_slos(points):
+        log(line)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps([p.to_dict() for p in points], indent=1) + "\n")

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
+from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict
 from backfill.errors import PolicyInputError
 from backfill.node.engine_proc import EngineProcess, EngineSpec, engine_kv_layout, engine_model_config, request_dict
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool, StaticMemPool
@@ -83,11 +84,17 @@ class NodeBenchConfig:
     dtype: str = "float32"                   # EngineSpec.dtype
     shared_kv: bool = False                  # CPU: one /dev/shm KV arena (always shared on CUDA)
     seed: int = 0
-    arrivals: str = "gamma:0.5:2"            # bursty: cv 2
+    # The online rate is this share of what the online engine serves on this machine, one request
+    # at a time (measured before the phases: measure_machine), in bursty gamma arrivals.
+    online_load: float = 0.4
+    arrivals_cv: float = 2.0
+    arrivals: str | None = None              # an explicit arrival spec instead (e.g. gamma:0.5:2)
     online_prompt_tokens: tuple[int, int] = (64, 128)
     online_output_tokens: tuple[int, int] = (16, 32)
-    offline_prompt_tokens: tuple[int, int] = (128, 256)
-    offline_output_tokens: int = 64
+    # None: sized so that one offline batch finishes in a share of the window on this machine
+    # (size_to_machine); at most these defaults.
+    offline_prompt_tokens: tuple[int, int] | None = None
+    offline_output_tokens: int | None = None
     offline_backlog: int = 2000
     # 32 handles = 2,048 tokens: the offline batch (8 requests of up to 320 tokens) fills the pool,
     # so online pressure has to reclaim (Valve §5's setting: offline uses all spare memory).
@@ -110,10 +117,87 @@ class NodeBenchConfig:
             raise PolicyInputError(f"unknown phases {unknown}; choose from {list(PHASES)}")
         if not (math.isfinite(self.duration_s) and self.duration_s > 0):
             raise PolicyInputError(f"duration_s must be > 0, got {self.duration_s}")
-        parse_arrival_spec(self.arrivals)
+        if not (0 < self.online_load <= 1):
+            raise PolicyInputError(f"online_load is a share of this machine's capacity, in (0, 1]; got "
+                                   f"{self.online_load}")
+        if self.arrivals is not None:
+            parse_arrival_spec(self.arrivals)
         # A bad model, device or dtype fails here, before any process starts.
         EngineSpec("check", "online", self.num_handles, self.blocks_per_handle, model=self.model,
                    device=self.device, dtype=self.dtype)
+
+
+# The rate the docs' figures were measured at (a fixed spec, as the pool simulation replays it).
+REFERENCE_ARRIVALS = "gamma:0.5:2"
+# The largest offline prompt and output (the pool holds 8 requests of up to 320 tokens).
+OFFLINE_PROMPT_MAX = (128, 256)
+OFFLINE_OUTPUT_MAX = 64
+# One offline batch (8 prompts, then their outputs) should take at most this share of the window at
+# the offline engine's speed, so that offline work finishes, and is counted, within the window.
+OFFLINE_BATCH_SHARE_OF_WINDOW = 0.15
+
+
+@dataclass(frozen=True)
+class MachineSpeed:
+    """What one request costs the online engine alone on this machine (one torch thread)."""
+
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    request_s: float            # one mean online request, prompt and output, served alone
+
+    @property
+    def requests_per_s(self) -> float:
+        return 1.0 / self.request_s
+
+
+def measure_machine(cfg: NodeBenchConfig, log=print, requests: int = 3) -> MachineSpeed:
+    """Serve a few mean-sized online requests one at a time on a fresh online engine process."""
+    gate = make_gate("valve", cfg.gate)
+    pool = _make_pool(cfg, "valve")
+    runtime = NodeRuntime(gate, pool, RuntimeConfig()).start()
+    prompt = (cfg.online_prompt_tokens[0] + cfg.online_prompt_tokens[1]) // 2
+    out = (cfg.online_output_tokens[0] + cfg.online_output_tokens[1]) // 2
+    engine = EngineProcess(EngineSpec("online", "online", max_batch_tokens=512, max_batch_seqs=32,
+                                      num_handles=cfg.num_handles, blocks_per_handle=cfg.blocks_per_handle,
+                                      block_size=cfg.block_size, model=cfg.model, seed=cfg.seed, device=cfg.device,
+                                      dtype=cfg.dtype), runtime.socket_path)
+    try:
+        engine.start()
+        for i in range(requests + 1):   # the first one pays first-call costs and is not counted
+            engine.send("submit", {**request_dict(f"speed-{i}", list(range(3, 3 + prompt)), out),
+                                   "arrival_s": time.monotonic()})
+            deadline = time.monotonic() + 300.0
+            while len(engine.done) < i + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if len(engine.done) < i + 1:
+                raise PolicyInputError("the online engine did not answer one request in 300 s on this machine")
+            log(f"[node bench] measuring this machine: request {i + 1}/{requests + 1} "
+                f"{engine.done[-1]['last_token_s'] - engine.done[-1]['arrival_s']:.2f} s")
+    finally:
+        engine.stop()
+        runtime.stop()
+    timed = engine.done[1:]
+    ttft = float(np.mean([r["first_token_s"] - r["arrival_s"] for r in timed]))
+    tpot = float(np.mean([(r["last_token_s"] - r["first_token_s"]) / max(1, r["output_tokens"] - 1) for r in timed]))
+    total = float(np.mean([r["last_token_s"] - r["arrival_s"] for r in timed]))
+    return MachineSpeed(prefill_ms_per_token=ttft * 1e3 / prompt, decode_ms_per_token=tpot * 1e3, request_s=total)
+
+
+def size_to_machine(cfg: NodeBenchConfig, speed: MachineSpeed) -> NodeBenchConfig:
+    """The online rate as cfg.online_load of this machine; offline prompts and outputs sized so one
+    offline batch finishes within OFFLINE_BATCH_SHARE_OF_WINDOW of the window while online takes its share."""
+    arrivals = cfg.arrivals or f"gamma:{cfg.online_load * speed.requests_per_s:.4g}:{cfg.arrivals_cv:g}"
+    budget_ms = OFFLINE_BATCH_SHARE_OF_WINDOW * cfg.duration_s * 1e3 * (1 - min(cfg.online_load, 0.9))
+    output = cfg.offline_output_tokens
+    if output is None:
+        # A decode step of the offline batch costs about one online decode step (weights read once).
+        output = int(min(OFFLINE_OUTPUT_MAX, max(8, 0.3 * budget_ms / speed.decode_ms_per_token)))
+    prompt = cfg.offline_prompt_tokens
+    if prompt is None:
+        longest = int(0.7 * budget_ms / (cfg.offline_batch_seqs * speed.prefill_ms_per_token))
+        high = min(OFFLINE_PROMPT_MAX[1], max(16, longest))
+        prompt = (max(8, min(OFFLINE_PROMPT_MAX[0], high // 2)), high)
+    return replace(cfg, arrivals=arrivals, offline_prompt_tokens=prompt, offline_output_tokens=output)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -128,6 +212,10 @@ def _ms(values: list[float]) -> dict[str, float | None]:
 def make_trace(cfg: NodeBenchConfig, vocab: int) -> tuple[list[tuple[float, dict]], list[dict]]:
     """The online trace (arrival time, request) and the offline backlog of a run."""
     rng = np.random.default_rng(cfg.seed)
+    if cfg.arrivals is None:
+        raise PolicyInputError("no online rate: size the config to the machine first (size_to_machine)")
+    offline_prompt = cfg.offline_prompt_tokens or OFFLINE_PROMPT_MAX
+    offline_output = cfg.offline_output_tokens or OFFLINE_OUTPUT_MAX
     times = parse_arrival_spec(cfg.arrivals).generate(rng, cfg.duration_s)
     online = []
     for i, t in enumerate(times):
@@ -137,8 +225,8 @@ def make_trace(cfg: NodeBenchConfig, vocab: int) -> tuple[list[tuple[float, dict
                                   "max_tokens": out}))
     offline = []
     for i in range(cfg.offline_backlog):
-        n = int(rng.integers(cfg.offline_prompt_tokens[0], cfg.offline_prompt_tokens[1] + 1))
-        offline.append(request_dict(f"off-{i}", rng.integers(3, vocab, n).tolist(), cfg.offline_output_tokens))
+        n = int(rng.integers(offline_prompt[0], offline_prompt[1] + 1))
+        offline.append(request_dict(f"off-{i}", rng.integers(3, vocab, n).tolist(), offline_output))
     return online, offline
 
 
@@ -224,19 +312,22 @@ def run_phase(cfg: NodeBenchConfig, phase: PhaseSpec, online_trace: list[tuple[f
     ttft = [r["first_token_s"] - r["arrival_s"] for r in records]
     tpot = [(r["last_token_s"] - r["first_token_s"]) / (r["output_tokens"] - 1) for r in records
             if r["output_tokens"] > 1]
-    preempt = [gate.stats.preemptions(rid) for rid in sorted(trace_ids)]
     result: dict[str, Any] = {
         "phase": asdict(phase), "window_s": window_s,
         "online": {"requests": len(online_trace), "completed": len(records), "ttft_ms": _ms(ttft),
                    "tpot_ms": _ms(tpot),
                    "allocated_handles": on_stats["allocated_handles"] if on_stats else None},
-        "preemptions_per_online_request": {"mean": float(np.mean(preempt)) if preempt else None,
-                                           "max": max(preempt, default=0)},
         # CPU the runtime (this process: gate, pool, IPC) took; it shares the cores with the engines.
         "runtime_cpu_s": runtime_cpu_s,
     }
     if offline is None:
+        # Nothing to preempt: the gate still closes when online turns busy (it does not know whether
+        # an offline engine is there), and counting those closes reported preemptions in a phase
+        # with no offline work. A phase reports only what can happen in it.
         return result
+    preempt = [gate.stats.preemptions(rid) for rid in sorted(trace_ids)]
+    result["preemptions_per_online_request"] = {"mean": float(np.mean(preempt)) if preempt else None,
+                                                "max": max(preempt, default=0), "n": len(preempt)}
     layer_s = [d / off_stats["num_layers"] for d in off_stats["step_durations_s"]]
     reclamations = pool.stats.reclamations - pool_before["reclamations"]
     delta = {k: offline_after[k] - offline_before[k] for k in
@@ -276,17 +367,37 @@ def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str |
     """Run every phase of `config`; write the results JSON to json_path when given; return them."""
     sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
     vocab = engine_model_config(config.model).vocab_size
-    online_trace, backlog = make_trace(config, vocab)
     started = time.monotonic()
+    log("[node bench] measuring this machine: mean-sized online requests served one at a time "
+        "(the online rate and the offline request sizes follow from it)")
+    speed = measure_machine(config, log)
+    config = size_to_machine(config, speed)
+    online_trace, backlog = make_trace(config, vocab)
+    log(f"[node bench] this machine serves {speed.requests_per_s:.2f} online requests/s one at a time "
+        f"(prefill {speed.prefill_ms_per_token:.1f} ms/token, decode {speed.decode_ms_per_token:.1f} ms/token); "
+        f"online load {config.online_load:g} -> arrivals {config.arrivals}; offline prompts "
+        f"{config.offline_prompt_tokens[0]}-{config.offline_prompt_tokens[1]} tokens, "
+        f"{config.offline_output_tokens} output tokens")
+    if len(online_trace) < MIN_SAMPLES_P99:
+        need_s = config.duration_s * MIN_SAMPLES_P99 / max(1, len(online_trace))
+        log(f"[node bench] note: {len(online_trace)} online requests per phase; P99 verdicts need "
+            f"{MIN_SAMPLES_P99} (give --duration-s {math.ceil(need_s)} or more)")
     phases: dict[str, Any] = {}
     for name in config.phases:
-        log(f"[node bench] phase {name} ({len(online_trace)} online requests over {config.duration_s:g} s)")
+        log(f"[node bench] phase {name} ({len(online_trace)} online requests over {config.duration_s:g} s) "
+            f"at {time.monotonic() - started:.0f} s")
         phases[name] = run_phase(config, PHASES[name], online_trace, backlog)
+        r = phases[name]
+        off = r.get("offline", {})
+        log(f"[node bench]   {name}: online P99 TTFT {_f(r['online']['ttft_ms']['p99'], 0)} ms over "
+            f"{r['online']['completed']} requests" + (f", offline {off['tokens_per_s']:.1f} tok/s" if off else ""))
         if json_path is not None:   # a run cut short keeps the phases it finished
             Path(json_path).write_text(json.dumps({"config": _jsonable(asdict(config)), "device": config.device,
-                                                   "phases": phases, "partial": True}, indent=2))
+                                                   "machine": asdict(speed), "phases": phases, "partial": True},
+                                                  indent=2))
     results = {"config": _jsonable(asdict(config)), "torch_threads_per_process": 1, "device": config.device,
-               "wall_s": time.monotonic() - started, "phases": phases, "summary": summarize(phases, config)}
+               "machine": asdict(speed), "wall_s": time.monotonic() - started, "phases": phases,
+               "summary": summarize(phases, config), "warnings": machine_warnings(phases, speed, config)}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(results, indent=2))
     log(format_table(results))
@@ -297,58 +408,93 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
-def summarize(phases: dict[str, Any], cfg: NodeBenchConfig) -> dict[str, Any]:
-    """The issue's targets, each with the measured figure and whether it is met."""
-    out: dict[str, Any] = {}
+def machine_warnings(phases: dict[str, Any], speed: MachineSpeed, cfg: NodeBenchConfig) -> list[str]:
+    """One line per scenario this machine could not run meaningfully, with what to change."""
+    out = []
+    alone = phases.get("alone")
+    if alone is not None:
+        p99 = alone["online"]["ttft_ms"]["p99"]
+        alone_ttft_ms = speed.prefill_ms_per_token * sum(cfg.online_prompt_tokens) / 2
+        if p99 is not None and p99 > 10 * max(alone_ttft_ms, 1.0):
+            out.append(f"online alone saturates this machine (alone P99 TTFT {p99:.0f} ms against "
+                       f"{alone_ttft_ms:.0f} ms for one request): lower --online-load (now {cfg.online_load:g})")
+    for name, r in phases.items():
+        off = r.get("offline")
+        if off is not None and off["tokens_out"] == 0:
+            out.append(f"phase {name}: no offline token in {r['window_s']:.0f} s; give a longer --duration-s or a "
+                       f"lower --online-load")
+    return out
 
-    def p99(name: str, *path: str) -> float | None:
-        node = phases.get(name)
-        for key in path:
-            if node is None:
-                return None
-            node = node.get(key)
-        return node
+
+def _get(phases: dict[str, Any], name: str, *path: str) -> Any:
+    node = phases.get(name)
+    for key in path:
+        if node is None:
+            return None
+        node = node.get(key)
+    return node
+
+
+def summarize(phases: dict[str, Any], cfg: NodeBenchConfig) -> dict[str, Any]:
+    """The issue's targets, each a Verdict (bench/verdict.py): the quantity, the measured figure, the
+    target, the sample count behind it and whether it is met; figures beside it for the reader."""
+    out: dict[str, Any] = {}
+    p99 = lambda name, *path: _get(phases, name, *path)  # noqa: E731
 
     if "valve" in phases:
-        out["preemptions_per_request_valve"] = {"mean": p99("valve", "preemptions_per_online_request", "mean"),
-                                                "max": p99("valve", "preemptions_per_online_request", "max"),
-                                                "target_max": 1.0}
-        out["preemptions_per_request_valve"]["met"] = out["preemptions_per_request_valve"]["max"] <= 1
-        coop = p99("valve", "pause", "cooperative_ack_ms", "p99")
-        layer = p99("valve", "pause", "offline_layer_ms", "p50")
+        out["preemptions_per_request_valve"] = {
+            **Verdict("valve: most preemptions of one online request", p99("valve", "preemptions_per_online_request",
+                                                                           "max"), 1.0,
+                      samples=p99("valve", "preemptions_per_online_request", "n") or 0, min_samples=MIN_SAMPLES_P99,
+                      sample_unit="online requests").as_dict(),
+            "mean": p99("valve", "preemptions_per_online_request", "mean")}
         layer_p99 = p99("valve", "pause", "offline_layer_ms", "p99")
-        out["cooperative_pause_p99_ms"] = {"value": coop, "one_layer_ms_p50": layer, "one_layer_ms_p99": layer_p99,
-                                           "met": coop is not None and layer_p99 is not None and coop <= layer_p99}
+        out["cooperative_pause_p99_ms"] = {
+            **Verdict("valve: P99 cooperative pause (ack), ms, against one offline layer's P99",
+                      p99("valve", "pause", "cooperative_ack_ms", "p99"),
+                      layer_p99 if layer_p99 is not None else math.nan,
+                      samples=p99("valve", "pause", "cooperative_ack_ms", "n") or 0, min_samples=MIN_SAMPLES_P99,
+                      sample_unit="pauses").as_dict(),
+            "one_layer_ms_p50": p99("valve", "pause", "offline_layer_ms", "p50")}
     if "timeslice" in phases:
         out["preemptions_per_request_timeslice"] = {"mean": p99("timeslice", "preemptions_per_online_request",
                                                                 "mean")}
     if "valve-os" in phases:
-        v = p99("valve-os", "pause", "os_suspend_ms", "p99")
-        out["os_suspend_pause_p99_ms"] = {"value": v, "target": 1.0, "met": v is not None and v <= 1.0}
+        out["os_suspend_pause_p99_ms"] = Verdict(
+            "valve-os: P99 SIGSTOP pause, ms", p99("valve-os", "pause", "os_suspend_ms", "p99"), 1.0,
+            samples=p99("valve-os", "pause", "os_suspend_ms", "n") or 0, min_samples=MIN_SAMPLES_P99,
+            sample_unit="pauses").as_dict()
     if "alone" in phases:
         for metric, target in (("ttft_ms", 1.10), ("tpot_ms", 1.05)):
             base = p99("alone", "online", metric, "p99")
+            base_n = p99("alone", "online", metric, "n") or 0
             for name in phases:
-                if name == "alone" or base is None:
+                if name == "alone":
                     continue
                 v = p99(name, "online", metric, "p99")
-                ratio = v / base if v is not None else None
-                out[f"{metric}_p99_ratio_{name}"] = {"value": ratio, "target": target,
-                                                     "met": ratio is not None and ratio <= target}
+                ratio = v / base if v is not None and base else None
+                n = min(base_n, p99(name, "online", metric, "n") or 0)
+                out[f"{metric}_p99_ratio_{name}"] = Verdict(
+                    f"{name}: online P99 {metric[:4].upper()} / alone's", ratio, target, samples=n,
+                    min_samples=MIN_SAMPLES_P99, sample_unit="online requests (fewer of the two phases)").as_dict()
     if "valve" in phases and "fifo" in phases:
         sel, fifo = p99("valve", "offline", "lost_tokens"), p99("fifo", "offline", "lost_tokens")
         sel_per, fifo_per = (p99("valve", "offline", "lost_tokens_per_reclamation"),
                              p99("fifo", "offline", "lost_tokens_per_reclamation"))
+        events = min(p99("valve", "memory", "reclamations") or 0, p99("fifo", "memory", "reclamations") or 0)
         out["selective_vs_fifo_lost_tokens"] = {
+            **Verdict("selective reclamation: tokens lost, reduction against FIFO's", 1 - sel / fifo if fifo else None,
+                      0.20, comparison=">=", samples=events, min_samples=MIN_EVENTS,
+                      sample_unit="reclamations (fewer of the two phases)").as_dict(),
             "selective": sel, "fifo": fifo, "selective_per_reclamation": sel_per, "fifo_per_reclamation": fifo_per,
-            "reduction": 1 - sel / fifo if fifo else None,
-            "reduction_per_reclamation": 1 - sel_per / fifo_per if fifo_per else None,
-            "target_reduction": 0.20, "met": bool(fifo) and 1 - sel / fifo >= 0.20}
+            "reduction_per_reclamation": 1 - sel_per / fifo_per if fifo_per else None}
     if "valve" in phases:
-        rate = p99("valve", "memory", "reclamations_per_min")
-        target = cfg.miad.target_events_per_min
-        out["reclamations_per_min_valve"] = {"value": rate, "target": target,
-                                             "met": rate is not None and abs(rate - target) <= 0.25 * target}
+        window_s = p99("valve", "window_s") or 0.0
+        out["reclamations_per_min_valve"] = Verdict(
+            "valve: reclamations per minute (MIAD's target)", p99("valve", "memory", "reclamations_per_min"),
+            cfg.miad.target_events_per_min, comparison="within", tolerance=0.25,
+            samples=int(window_s // cfg.miad.rate_window_s), min_samples=2,
+            sample_unit=f"MIAD rate windows of {cfg.miad.rate_window_s:g} s").as_dict()
     return out
 
 
@@ -369,7 +515,7 @@ def format_table(results: dict[str, Any]) -> str:
     for name, r in results["phases"].items():
         pause, off, mem = r.get("pause", {}), r.get("offline", {}), r.get("memory", {})
         rows.append((name, _f(r["online"]["ttft_ms"]["p99"]), _f(r["online"]["tpot_ms"]["p99"]),
-                     _f(r["preemptions_per_online_request"]["mean"], 2),
+                     _f(r.get("preemptions_per_online_request", {}).get("mean"), 2),
                      _f(pause.get("cooperative_ack_ms", {}).get("p99"), 2),
                      _f(pause.get("os_suspend_ms", {}).get("p99"), 3),
                      _f(pause.get("offline_layer_ms", {}).get("p50"), 2), _f(off.get("tokens_per_s")),
@@ -378,9 +524,24 @@ def format_table(results: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process)")
+    lines.append("targets (met only from enough samples):")
     for key, v in results["summary"].items():
-        lines.append(f"{key}: " + ", ".join(f"{k}={_f(x, 3)}" for k, x in v.items()))
+        if "met_text" in v:
+            extras = {k: x for k, x in v.items() if k not in VERDICT_KEYS}
+            lines.append(f"  {key}: {_describe(v)}" + ("" if not extras else " [" + ", ".join(
+                f"{k}={_f(x, 3)}" for k, x in extras.items()) + "]"))
+        else:
+            lines.append(f"  {key}: " + ", ".join(f"{k}={_f(x, 3)}" for k, x in v.items()))
+    lines.extend(f"warning: {w}" for w in results.get("warnings", ()))
     return "\n".join(lines)
+
+
+VERDICT_KEYS = ("quantity", "value", "target", "comparison", "tolerance", "samples", "min_samples", "sample_unit",
+                "met", "met_text")
+
+
+def _describe(v: dict[str, Any]) -> str:
+    return Verdict(**{k: v[k] for k in VERDICT_KEYS if k not in ("met", "met_text")}).describe()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,7 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "bfloat16 on CUDA)")
     ap.add_argument("--shared-kv", action="store_true", help="CPU: the KV pool as one /dev/shm arena")
     ap.add_argument("--warmup-s", type=float, default=NodeBenchConfig.warmup_s)
-    ap.add_argument("--arrivals", default=NodeBenchConfig.arrivals)
+    ap.add_argument("--online-load", type=float, default=NodeBenchConfig.online_load,
+                    help="online arrivals as this share of what this machine serves one request at a time "
+                         "(measured before the phases)")
+    ap.add_argument("--arrivals", default=None, help="an explicit arrival spec instead, e.g. gamma:0.5:2")
     ap.add_argument("--seed", type=int, default=0)
     return ap
 
@@ -403,6 +567,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     cfg = replace(NodeBenchConfig(), duration_s=args.duration_s, model=args.model, arrivals=args.arrivals,
+                  online_load=args.online_load,
                   seed=args.seed, phases=tuple(p for p in args.phases.split(",") if p), device=args.device,
                   dtype=dtype, shared_kv=args.shared_kv, warmup_s=args.warmup_s)
     return run_node_bench(cfg, args.json)

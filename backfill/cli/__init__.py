@@ -17,14 +17,35 @@ COMMAND_MODULES = ("serve", "bench", "finetune", "fine_tuning_client", "offload"
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The `backfill` parser. With argv, only the command it names gets its options, so that
     `backfill --help` imports no config dataclass, torch or server; None builds every command."""
-    commands = CommandParser("backfill", __doc__, argv)
+    commands = CommandParser("backfill", __doc__, argv, announce=lambda line: print(line, file=sys.stderr, flush=True))
     for name in COMMAND_MODULES:
         importlib.import_module(f"backfill.cli.{name}").add_commands(commands)
     return commands.parser
 
 
+# Steps that take minutes on a slow machine log their progress at INFO from these modules.
+PROGRESS_LOGGERS = ("backfill.serving.profiler", "backfill.serving.build", "backfill.engine.native_build")
+
+
+def show_progress_logs() -> None:
+    """Print the progress lines of PROGRESS_LOGGERS on stderr, so that a command measuring a profile
+    (minutes on a slow CPU) never looks hung; `serve` configures its own logging."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in PROGRESS_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+            logger.addHandler(handler)
+            logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["serve"]:
+        show_progress_logs()
     if argv[:2] == ["bench", "node"]:  # its own option parser, --help included
         from backfill.bench.node_bench import main as node_bench_main
 

@@ -64,7 +64,8 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     from backfill.bench.cluster_scenario import ScenarioConfig, run_scenario
 
     started = time.perf_counter()
-    result = run_scenario(ScenarioConfig.for_model(args.model))
+    result = run_scenario(ScenarioConfig.for_model(args.model),
+                          log=lambda line: print(f"[{time.perf_counter() - started:4.0f} s] {line}", flush=True))
     prediction = result["prediction"]
     shares = ", ".join(f"{x:.2f}" for x in result["cpu_contention"])
     print(f"model {result['model']}: ready in {result['ready_s']:.0f} s; T_mono {result['t_mono_tokens_per_s']:.1f} "
@@ -80,8 +81,9 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
     for node, row in sorted(prediction["per_node"].items()):
         print(f"  {node}: predicted {row['predicted']:.2f}, measured {row['measured']:.2f} tokens/s, "
               f"error {row['error']:+.0%}")
-    print(f"prediction median |error| over {len(prediction['errors'])} stays: {prediction['median_abs_error']}; "
-          f"{time.perf_counter() - started:.0f} s")
+    median = prediction["median_abs_error"]
+    print(f"throughput prediction: median |error| {'-' if median is None else f'{median:.1%}'} over "
+          f"{len(prediction['errors'])} stays; {time.perf_counter() - started:.0f} s")
     _write(args.json, result)
     return 0
 

@@ -15,10 +15,14 @@ Fill = Callable[[argparse.ArgumentParser], None]
 
 
 class CommandParser:
-    def __init__(self, prog: str, description: str | None, argv: list[str] | None = None) -> None:
-        """argv: the arguments about to be parsed (only their command is filled); None fills all."""
+    def __init__(self, prog: str, description: str | None, argv: list[str] | None = None,
+                 announce: Callable[[str], None] | None = None) -> None:
+        """argv: the arguments about to be parsed (only their command is filled); None fills all.
+        announce gets the line "prog command: help" of the command argv names, before its options are
+        filled (which may import torch: seconds on a busy machine), unless argv asks for --help."""
         self.parser = argparse.ArgumentParser(prog=prog, description=description)
         self._argv = argv
+        self._announce = None if argv is None or {"-h", "--help"} & set(argv) else announce
         self._groups: dict[str, argparse._SubParsersAction] = {
             "": self.parser.add_subparsers(dest="command", required=True)}
 
@@ -41,6 +45,10 @@ class CommandParser:
         parser_options.setdefault("description", help)
         parser = self._groups[" ".join(group)].add_parser(name, help=help, **parser_options)
         if wanted:
+            # What the command does, as its first line: importing its modules, loading a model or
+            # building a kernel before its own output can take minutes on a slow machine.
+            if self._announce is not None:
+                self._announce(f"{self.parser.prog} {path}: {help}")
             fill(parser)
 
     def wants(self, path: str) -> bool:

@@ -39,6 +39,17 @@ def coserve_options() -> tuple[Option, ...]:
     return options_of(CoServeConfig, "coserve")
 
 
+# The serving options a one-off command takes beside the engine's, as `serve` does.
+MODEL_SERVING_OPTIONS = ("max_model_len",)
+
+
+def model_serving_options() -> tuple[Option, ...]:
+    from backfill.options import options_of
+    from backfill.serving.config import ServingConfig
+
+    return tuple(o for o in options_of(ServingConfig, "serving") if o.name in MODEL_SERVING_OPTIONS)
+
+
 def add_engine_args(p: argparse.ArgumentParser, several: tuple[str, ...] = ()) -> None:
     """The engine's options; those named in `several` take one or more values (a benchmark compares
     them) and land in args.<name>_compared, so they never reach the config directly."""
@@ -59,7 +70,7 @@ def serving_config(args: argparse.Namespace, **changes) -> ServingConfig:
     from backfill.options import build, given
     from backfill.serving.config import ServingConfig
 
-    values = given(args, engine_options() + coserve_options()) | changes
+    values = given(args, engine_options() + coserve_options() + model_serving_options()) | changes
     if getattr(args, "random_weights", False) or getattr(args, "shape", None) is not None:
         values["model"] = model_from_args(args)
     return build(ServingConfig, values)

@@ -172,6 +172,18 @@ def _load_model(args: argparse.Namespace, **serving_changes):
     return serving, loaded
 
 
+PROGRESS_EVERY_S = 5.0
+
+
+def _time_left(job, first_step: float, elapsed_s: float) -> str:
+    """The estimate from the pace of this run so far (steps done, a step in flight counted by its pieces)."""
+    done = job.progress_steps - first_step
+    if done <= 0:
+        return "time left: measuring"
+    left_s = (job.total_steps - job.progress_steps) * elapsed_s / done
+    return f"about {left_s / 60:.1f} min left" if left_s >= 90 else f"about {left_s:.0f} s left"
+
+
 def cmd_finetune_run(args: argparse.Namespace) -> int:
     from backfill.finetune.job import FinetuneJob
     from backfill.serving.build import build_runner
@@ -184,11 +196,19 @@ def cmd_finetune_run(args: argparse.Namespace) -> int:
     print(f"finetuning {loaded.config.name}: {len(job.samples)} examples, {job.total_steps} steps "
           f"(from step {job.steps_done}), rank {config.rank}, targets {','.join(config.target_modules)}", flush=True)
     started, printed = time.perf_counter(), len(job.events)
+    first_step, shown = job.progress_steps, time.perf_counter()
     while job.run_unit():
+        now = time.perf_counter()
         for event in job.events[printed:]:
-            rate = (event["step"] - printed) * config.batch_size / (time.perf_counter() - started)
-            print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  {rate:.2f} samples/s", flush=True)
+            rate = (event["step"] - printed) * config.batch_size / (now - started)
+            print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  {rate:.2f} samples/s  "
+                  f"{_time_left(job, first_step, now - started)}", flush=True)
+            shown = now
         printed = max(printed, len(job.events)) if job.events else printed
+        if now - shown >= PROGRESS_EVERY_S:  # a step takes minutes on a slow CPU: show it moving
+            print(f"step {job.steps_done + 1:5d}/{job.total_steps}  {100 * (job.progress_steps % 1):.0f}% of its "
+                  f"layer pieces done  {_time_left(job, first_step, now - started)}", flush=True)
+            shown = now
     print(f"adapter: {args.out / 'adapter'}")
     return 0
 

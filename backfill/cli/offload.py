@@ -26,7 +26,10 @@ def _fill_bench_burst(p: argparse.ArgumentParser) -> None:
 
     d = BurstScenario()
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--rate", type=float, default=d.steady_rate_per_s, help="steady requests per second")
+    p.add_argument("--rate", type=float, default=None,
+                   help="steady requests per second (default: --steady-load of this machine's measured capacity)")
+    p.add_argument("--steady-load", type=float, default=d.steady_load,
+                   help="the steady rate as a share of what this machine serves (measured first)")
     p.add_argument("--burst-factor", type=float, default=d.burst_factor)
     p.add_argument("--steady-s", type=float, default=d.steady_s, help="seconds of steady load before the burst")
     p.add_argument("--burst-s", type=float, default=d.burst_s, help="burst window (AQUA: 60 s)")
@@ -85,7 +88,8 @@ def cmd_bench_burst(args: argparse.Namespace) -> None:
     scenario = BurstScenario(args.rate, args.burst_factor, args.steady_s, args.burst_s, args.after_s, args.prompt_len,
                              args.output_len, args.kv_cache_gb, args.slice_iterations, args.rounds, args.seed,
                              args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s,
-                             args.decode_attention, args.threads, args.producer_idle_s, not args.no_pin)
+                             args.decode_attention, args.threads, args.producer_idle_s, not args.no_pin,
+                             args.steady_load)
     result = run_burst_bench(scenario, tuple(args.modes), checkpoint=lambda partial: save(partial, args.json))
     print(format_table(result))
     save(result, args.json)

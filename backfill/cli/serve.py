@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from backfill.cli.command_parser import CommandParser
-from backfill.cli.engine_args import add_engine_args, scenario_from_args, serving_config
+from backfill.cli.engine_args import add_engine_args, model_serving_options, scenario_from_args, serving_config
+from backfill.errors import InvalidRequestError
 
 
 def add_commands(commands: CommandParser) -> None:
@@ -36,26 +38,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """backfill's main job in one short run: online traffic alone, then with offline work harvested."""
-    from backfill.bench.coserve_bench import headline, run_coserve_bench
+    from backfill.bench.coserve_bench import (MIN_ONLINE_REQUESTS, headline, load_and_profile, online_rate_per_s,
+                                              run_coserve_bench, size_offline_to_machine)
 
     # A shorter warm-up than the bench's: the demo is a short run (see backfill/bench/coserve_bench.py).
     scenario = scenario_from_args(args, offline_concurrency=32, warmup_s=20.0)
     serving = serving_config(args)
-    print(f"backfill demo: {scenario.duration_s:.0f} s of online traffic (gamma arrivals, 30% load) served alone, "
-          "then co-served with a backlog of offline batch requests (after a 20 s warm-up).\n")
-    results = run_coserve_bench(scenario, serving, ("online-only", "coserve"), args.out, log=lambda *a: None,
-                                progress=not args.quiet)
+    print(f"backfill demo: {scenario.duration_s:.0f} s of online traffic (gamma arrivals, "
+          f"{scenario.online_load:.0%} of this machine) served alone, then co-served with a backlog of offline "
+          f"batch requests (after a {scenario.warmup_s:.0f} s warm-up).\nLoading the model and its step-latency "
+          "profile (measured once per machine; its progress shows)...", flush=True)
+    prepared = load_and_profile(serving)
+    expected = online_rate_per_s(scenario, prepared[2]) * scenario.duration_s
+    if expected < MIN_ONLINE_REQUESTS:
+        one_s = scenario.online_load / online_rate_per_s(scenario, prepared[2])
+        raise InvalidRequestError(
+            f"this machine's step-latency profile says one online request takes {one_s:.1f} s alone, so "
+            f"{scenario.online_load:.0%} of it is {expected:.1f} online requests in {scenario.duration_s:.0f} s "
+            f"(the demo needs {MIN_ONLINE_REQUESTS}): give --duration "
+            f"{math.ceil(MIN_ONLINE_REQUESTS * one_s / scenario.online_load)} or more, or, if the machine was busy "
+            "when the profile was measured, measure it again on a quiet one (`backfill profile`)")
+    sized = size_offline_to_machine(scenario, prepared[2])
+    if sized != scenario:
+        print(f"Offline requests sized to this machine's measured speed: prompts {sized.offline_prompt_len}, "
+              f"outputs {sized.offline_output_len} tokens (so that they finish within the window).", flush=True)
+    # The bench's stage lines (warm-up, each mode) show where the run is, as its progress bars do.
+    results = run_coserve_bench(sized, serving, ("online-only", "coserve"), args.out, log=print,
+                                progress=not args.quiet, prepared=prepared)
     print("\n" + headline(results))
-    alone, co = results["online-only"].metrics, results["coserve"].metrics
-    print(f"\nOffline work harvested: {co.offline.tokens_per_s:.0f} tokens/s while online P99 TTFT went "
-          f"{alone.online.ttft_ms.p99:.0f} -> {co.online.ttft_ms.p99:.0f} ms and P99 TPOT "
-          f"{alone.online.tpot_ms.p99:.0f} -> {co.online.tpot_ms.p99:.0f} ms. Full report: {args.out}/report.md")
+    print("\n" + demo_summary(results["online-only"].metrics, results["coserve"].metrics, args.out))
     model = results["coserve"].config["model"]  # the id the server answers to (the request must name it)
     print("\nServe it over HTTP (OpenAI-compatible; offline work via the Batch API or service_tier=flex):\n"
           "  backfill serve --port 8000\n"
           "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     return 0
+
+
+def demo_summary(alone, co, out_dir: str) -> str:
+    """The demo's result in one line: offline tokens harvested, online latency next to online-only's."""
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f} ms"
+
+    harvested = (f"Harvested {co.offline.output_tokens:,} offline tokens ({co.offline.tokens_per_s:,.1f} tokens/s) "
+                 f"in {co.duration_s:.0f} s" if co.offline.output_tokens else
+                 f"Harvested no offline token in {co.duration_s:.0f} s (give a longer --duration)")
+    return (f"{harvested}; online P99 TTFT {ms(co.online.ttft_ms.p99)} (online-only: {ms(alone.online.ttft_ms.p99)}), "
+            f"P99 TPOT {ms(co.online.tpot_ms.p99)} (online-only: {ms(alone.online.tpot_ms.p99)}). "
+            f"Full report: {out_dir}/report.md")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -99,8 +129,11 @@ def _run_server(args: argparse.Namespace) -> int:
 
 
 def _fill_generate(p: argparse.ArgumentParser) -> None:
+    from backfill.options import add_arguments
+
     p.add_argument("prompt")
     add_engine_args(p)
+    add_arguments(p, model_serving_options())   # --max-model-len, as `serve` takes it
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -156,7 +156,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"{self.name} attends within a sliding window of {self.sliding_window} tokens, which backfill "
                 f"does not implement; serve it with max_model_len <= {self.sliding_window} "
-                f"(asked for {max_model_len})")
+                f"(--max-model-len {self.sliding_window}; asked for {max_model_len})")
 
     def rope_inv_freq(self) -> torch.Tensor:
         """RoPE's inverse frequencies [head_dim / 2] in fp64, with the model's scaling applied."""

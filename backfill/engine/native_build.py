@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def cpu_flags() -> set[str]:
@@ -28,9 +31,18 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_key() -> str:
-    """A short hash of the CPU's feature flags: a -march=native build only runs where they match."""
+    """A short hash of the CPU's feature flags and of the ISA PyTorch is held to: a -march=native
+    build only runs where they match, and a build for a lowered ISA is a build of its own."""
     flags = " ".join(sorted(cpu_flags())) or torch.backends.cpu.get_cpu_capability()
+    if isa_capped_below_avx512():
+        flags += " capped:" + torch.backends.cpu.get_cpu_capability()
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def isa_capped_below_avx512() -> bool:
+    """Whether PyTorch is held below AVX-512 on a CPU that has it (ATEN_CPU_CAPABILITY=avx2, e.g. to
+    measure how an AVX2-only machine runs): backfill's own kernels then keep to AVX2 as well."""
+    return "avx512f" in cpu_flags() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def source_digest(source: Path) -> str:
@@ -55,9 +67,11 @@ def vector_capability_flags() -> list[str]:
     """The macros that pick ATen's Vectorized<float> width (as PyTorch's own kernels and inductor do):
     AVX-512 or AVX2 where this CPU and build have them, else the portable scalar version."""
     capability = torch.backends.cpu.get_cpu_capability()
+    # -march=native would still emit AVX-512 where PyTorch is held below it.
+    capped = ["-mno-avx512f"] if isa_capped_below_avx512() else []
     if capability not in ("AVX512", "AVX2"):
-        return ["-DCPU_CAPABILITY=DEFAULT"]
-    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+        return ["-DCPU_CAPABILITY=DEFAULT", *capped]
+    return [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *capped]
 
 
 def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
@@ -71,7 +85,17 @@ def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
     full_name = f"{name}_{cpu_key()}"
     build_dir = Path(cpp_extension._get_build_directory(full_name, verbose=False))
     with exclusive_build(build_dir):
-        return cpp_extension.load(name=full_name, sources=[str(source)], build_directory=str(build_dir),
+        # Compiling takes half a minute or more (ninja decides whether it must: a first use, a
+        # changed source, a checkout in another folder), so say what may be happening.
+        log.info("loading backfill's C++ kernel %s (compiled for this CPU when needed, cached in %s)", name,
+                 build_dir)
+        # Compiled from a copy in the cache, not from the checkout: ninja rebuilds whenever the source
+        # path changes, so two checkouts (a fresh clone beside another) would recompile each other's
+        # build at every switch though the source is the same. The copy changes only with the content.
+        stable = build_dir / source.name
+        if not stable.exists() or stable.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, stable)
+        return cpp_extension.load(name=full_name, sources=[str(stable)], build_directory=str(build_dir),
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
                                                 *vector_capability_flags()],
                                   extra_ldflags=["-fopenmp"], is_python_module=python_module, verbose=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from backfill.engine.native_build import build_cpu_extension, cpu_flags, source_digest
+from backfill.engine.native_build import build_cpu_extension, cpu_flags, isa_capped_below_avx512, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ def kernel_digest() -> str:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+    """AVX-512 BF16 in the CPU's flags, unless PyTorch is held below AVX-512 (ATEN_CPU_CAPABILITY)."""
+    return {"avx512f", "avx512_bf16"} <= cpu_flags() and not isa_capped_below_avx512()
 
 
 @functools.lru_cache(maxsize=1)

@@ -102,8 +102,8 @@ class _Walk:
     only be measured where the job's next units have those kinds (a unit is placed by the kind
     of its first piece; its time is split among the kinds of the pieces it ran)."""
 
-    def __init__(self, runner: ModelRunner, job: FinetuneJob) -> None:
-        self.runner, self.job = runner, job
+    def __init__(self, runner: ModelRunner, job: FinetuneJob, log=None) -> None:
+        self.runner, self.job, self.log = runner, job, log
 
     def measure(self, specs: list[tuple[int, int, float, tuple[str, ...]]], repeats: list[int]) -> list[list[tuple]]:
         job, kv = self.job, self.runner.kv
@@ -118,7 +118,15 @@ class _Walk:
             for chunks in decodes.values():  # untimed: each shape's first step
                 self.runner.execute(chunks)
             left, order, pieces = list(repeats), 0, 0
+            started = shown = time.perf_counter()
+            total = sum(repeats)
             while any(left) and pieces < MAX_PIECES:
+                now = time.perf_counter()
+                if self.log is not None and now - shown >= PROGRESS_EVERY_S:  # minutes on a slow CPU
+                    done = total - sum(left)
+                    eta = f", about {(now - started) * (total - done) / done:.0f} s left" if done else ""
+                    self.log(f"profiling: {done}/{total} intervals measured ({now - started:.0f} s{eta})")
+                    shown = now
                 upcoming = tuple(u[0][0] for u in job.next_units(3))
                 # A solo spec fits anywhere; it is taken only while it is as far from done as the
                 # co-located ones, so solo intervals spread over the walk as theirs do.
@@ -215,6 +223,9 @@ def point_of(samples: list[tuple]) -> tuple:
     return _median(robust_repeats(samples))
 
 
+PROGRESS_EVERY_S = 5.0
+
+
 def measure_robustly(walk: "_Walk", specs: list[tuple], repeats: list[int]) -> tuple[list[list[tuple]], list[int]]:
     """Every spec's repeats, and the indices of those measured again: after the walk, a spec whose
     kept repeats spread more than its stage's limit gets its repeats once more (pooled), up to
@@ -269,7 +280,8 @@ def profile_finetune(runner: ModelRunner, tokenizer, *, repeats: int = 11, model
         grid = [(bs, seq, 1.0, kinds) for bs in BATCHES for seq in SEQLENS for kinds in KIND_SEQUENCES]
         held_specs = [(bs, seq, 1.0, kinds) for bs, seq, kinds in HELD_OUT]
         specs = solo_specs + grid + held_specs
-        measured, again = measure_robustly(_Walk(runner, job), specs, _repeats(specs, repeats))
+        log(f"profiling: {len(specs)} points, co-located and solo, {sum(_repeats(specs, repeats))} intervals")
+        measured, again = measure_robustly(_Walk(runner, job, log), specs, _repeats(specs, repeats))
         rejected = sum(len(m) - len(robust_repeats(m)) for m in measured)
         log(f"measured {sum(map(len, measured))} intervals ({time.perf_counter() - started:.0f} s; "
             f"{len(again)} points measured again for their spread, {rejected} outlying repeats rejected)")

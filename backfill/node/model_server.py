@@ -254,6 +254,9 @@ def main(argv: list[str]) -> int:
     # A node whose host process dies (killed) takes its model processes with it.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Measuring a model's latency profile takes minutes on a slow CPU: its progress lines show.
+    for name in ("backfill.serving.profiler", "backfill.serving.build", "backfill.engine.native_build"):
+        logging.getLogger(name).setLevel(logging.INFO)
     return serve_model(socket_path, db_path, NodeSettings(**json.loads(node_json)),
                        ModelEntry(**json.loads(model_json)), int(models))
 

@@ -15,6 +15,7 @@ from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
+from backfill.engine.native_build import isa_capped_below_avx512
 from backfill.engine.paged_attention import kernel_digest
 from backfill.engine.runner import ModelRunner
 from backfill.engine.small_batch_matmul import load_small_batch_matmul
@@ -44,6 +45,8 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
     kernel += "-mg" if cfg.uses_mixed_graphs else ""  # the profile has a mixed-step table
     kernel += "-triton" if cfg.uses_triton_kernels else ""
+    if device == "cpu" and isa_capped_below_avx512():  # PyTorch held to AVX2 on an AVX-512 CPU: other step times
+        kernel += f"-{torch.backends.cpu.get_cpu_capability().lower()}"
     return root / "profiles" / (f"{safe}-{cfg.resolved_dtype}-{device}-{kernel}-t{torch.get_num_threads()}"
                                 f"-p{PROFILE_FORMAT}.json")
 

@@ -89,3 +89,20 @@ def test_scenario_errors_and_arrivals():
     arrivals = BurstScenario(steady_rate_per_s=2.0, steady_s=50, burst_s=50, after_s=50).arrivals(0)
     steady, burst = ((arrivals < 50).sum(), ((arrivals >= 50) & (arrivals < 100)).sum())
     assert 1.5 < burst / steady < 2.6
+
+
+def test_ratios_from_too_few_requests_are_not_claimed_and_a_negative_loss_is_named():
+    parts = {}
+    for (mode, ttft), rate in zip((("fcfs", 10.0), ("cfs-host", 1.0), ("cfs-lent", 0.5)), (100.0, 100.0, 108.0)):
+        parts[mode] = [ModeRound(records(ttft, n=5), 25.0, (0.0, 25.0), {"producer_tokens_per_s": rate}, 100.0)]
+    table = format_table(report(BurstScenario(steady_s=5, burst_s=10, after_s=5), parts))
+    assert "cfs-lent against FCFS: n/a (too few samples: 5 completed requests" in table
+    assert "1/20" not in table
+    assert "-8.0%" in table and "below zero" in table
+
+
+def test_a_scenario_without_a_rate_is_sized_before_it_makes_arrivals():
+    with pytest.raises(WorkloadError):
+        BurstScenario().arrivals(0)
+    with pytest.raises(WorkloadError):
+        BurstScenario(steady_load=0.0)

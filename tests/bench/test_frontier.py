@@ -34,3 +34,21 @@ def test_table_gives_attainment_offline_rate_and_the_ratio_to_priority():
     assert "| 0.3 | 200 / 15 | 42.0% | 2,000 | 100.0% | 1,900 | 0.950x | 4.0% |" == row
     with pytest.raises(InvalidRequestError):
         frontier_table([])
+
+
+def _alone(ttft_p50, tpot_p50):
+    return {"ttft_p50": ttft_p50, "ttft_p99": 2 * ttft_p50, "tpot_p50": tpot_p50, "tpot_p99": 2 * tpot_p50}
+
+
+def test_an_slo_online_only_misses_alone_is_called_unreachable_with_what_to_give():
+    from backfill.bench.frontier import unreachable_slos
+
+    modes = {"online-only": (None, 0.0), "coserve": (0.0, 100.0)}
+    points = [FrontierPoint(load, 200.0, 15.0, modes, {}, _alone(ttft, 40.0)) for load, ttft in ((0.1, 400.0),
+                                                                                                (0.6, 900.0))]
+    lines = unreachable_slos(points)
+    assert len(lines) == 1 and "SLO 200/15 ms is below what online-only reaches" in lines[0]
+    assert "at load 0.1" in lines[0] and "--slos 960/96" in lines[0]
+    reachable = [FrontierPoint(0.1, 2000.0, 150.0, modes, {}, _alone(400.0, 40.0))]
+    assert unreachable_slos(reachable) == []
+    assert unreachable_slos([FrontierPoint(0.1, None, None, modes, {}, _alone(400.0, 40.0))]) == []

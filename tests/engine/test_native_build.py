@@ -4,6 +4,9 @@ import subprocess
 import sys
 import threading
 
+from torch.utils import cpp_extension
+
+from backfill.engine import native_build
 from backfill.engine.native_build import exclusive_build
 
 
@@ -35,3 +38,23 @@ def test_the_lock_dies_with_a_killed_holder(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_two_checkouts_of_one_source_compile_the_same_cached_copy(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "cache" / name))
+    compiled = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: compiled.append(kw["sources"]))
+    sources = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        sources.append(tmp_path / checkout / "k.cpp")
+        sources[-1].write_text("int x;\n")
+    native_build.build_cpu_extension("k", sources[0])
+    copy = compiled[0][0]
+    stamp = (tmp_path / "cache").glob("*/k.cpp").__next__().stat().st_mtime_ns
+    native_build.build_cpu_extension("k", sources[1])
+    assert compiled[1] == [copy] and str(tmp_path / "cache") in copy
+    assert next((tmp_path / "cache").glob("*/k.cpp")).stat().st_mtime_ns == stamp   # not rewritten: no rebuild
+    sources[1].write_text("int y;\n")
+    native_build.build_cpu_extension("k", sources[1])
+    assert open(copy).read() == "int y;\n"

@@ -116,6 +116,27 @@ def test_a_cpu_without_avx512_bf16_gets_no_kernel(monkeypatch):
     assert small_batch_matmul.load_small_batch_matmul.__wrapped__() is False  # the uncached loader
 
 
+def test_pytorch_held_to_avx2_holds_the_kernels_to_avx2_too():
+    """ATEN_CPU_CAPABILITY=avx2 (how an AVX2-only machine is measured on an AVX-512 one) turns off the
+    AVX-512 kernel and gives native builds a cache key of their own."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from backfill.engine import native_build, small_batch_matmul as m; "
+            "print(torch.backends.cpu.get_cpu_capability(), m.cpu_has_avx512_bf16(), native_build.cpu_key())")
+    out = {}
+    for isa in ("avx2", "default"):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if isa != "default":
+            env["ATEN_CPU_CAPABILITY"] = isa
+        out[isa] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                  check=True).stdout.split()
+    assert out["avx2"][:2] == ["AVX2", "False"]
+    if out["default"][0] == "AVX512":
+        assert out["avx2"][2] != out["default"][2]
+
+
 @needs_kernel
 def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
     """Batches of 9 to 33 sequences run in the smallest bucket that holds them, zero rows padded:

@@ -126,6 +126,22 @@ def tpot_percentiles_ms(done: list[dict]) -> tuple[float, float]:
     return float(np.percentile(tpots, 50)), float(np.percentile(tpots, 99))
 
 
+def qos_verdict(rounds: list[dict], p99_tpot_ms: float, target_ms: float) -> dict:
+    """A mode's decode QoS verdict: its P99 TPOT (median over rounds) against the target, judged only
+    when every round has enough finished online requests behind its P99."""
+    from backfill.bench.verdict import MIN_SAMPLES_P99, Verdict
+
+    return Verdict("decode P99 TPOT, ms", p99_tpot_ms, target_ms,
+                   samples=min((int(r.get("completed", 0)) for r in rounds), default=0), min_samples=MIN_SAMPLES_P99,
+                   sample_unit="online requests (fewest of a round)").as_dict()
+
+
+def qos_text(row: dict) -> str:
+    """met / MISSED / n/a (too few samples: N), as a table cell."""
+    met = row["meets_qos"]
+    return row["qos"]["met_text"] if met is None else ("met" if met else "MISSED")
+
+
 def add_harli_ratios(table: dict) -> dict:
     """harli's finetune throughput over each baseline's, as x_<baseline> in harli's row."""
     if "harli" in table:

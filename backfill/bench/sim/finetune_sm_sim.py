@@ -22,7 +22,8 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from backfill.bench.sim.finetune_sim import SimRequest, add_harli_ratios, decode_token, online_requests, tpot_percentiles_ms
+from backfill.bench.sim.finetune_sim import (SimRequest, add_harli_ratios, decode_token, online_requests, qos_text,
+                                             qos_verdict, tpot_percentiles_ms)
 from backfill.bench.sim.sm_config import SmDeviceConfig, SmSimScenario
 from backfill.bench.sim.sm_device import SimulatedDevice
 from backfill.bench.sim.sm_device_profile import NoisyDevice, profile_device
@@ -136,7 +137,8 @@ def table(rounds: dict[str, list[dict]], target_ms: float) -> dict:
                      "p99_tpot_ms": statistics.median(r["p99_tpot_ms"] for r in rs),
                      "ft_share_while_busy": statistics.median(r["ft_share_while_busy"] for r in rs),
                      "busy_share": statistics.median(r["busy_share"] for r in rs)}
-        out[mode]["meets_qos"] = out[mode]["p99_tpot_ms"] <= target_ms
+        out[mode]["qos"] = qos_verdict(rs, out[mode]["p99_tpot_ms"], target_ms)
+        out[mode]["meets_qos"] = out[mode]["qos"]["met"]
     return add_harli_ratios(out)
 
 
@@ -147,7 +149,7 @@ def markdown(result: dict) -> str:
         t = load["table"]
         for mode, row in t.items():
             lines.append(f"| {load['online_load']} | {mode} | {row['samples_per_s']:.2f} | {row['p99_tpot_ms']:.2f} | "
-                         f"{load['tpot_target_ms']:.2f} | {'met' if row['meets_qos'] else 'MISSED'} | "
+                         f"{load['tpot_target_ms']:.2f} | {qos_text(row)} | "
                          f"{row['busy_share']:.0%} | {row['ft_share_while_busy']:.2f} |")
     lines.append("")
     for load in result["loads"]:
@@ -175,10 +177,11 @@ def sensitivity(config: SmDeviceConfig, scenario: SmSimScenario, loads: tuple[fl
             rows.append({"parameter": name, "value": getattr(cfg, name) if value is not None else None,
                          "online_load": load, "tpot_target_ms": r["tpot_target_ms"],
                          "harli_samples_per_s": h["samples_per_s"], "harli_p99_tpot_ms": h["p99_tpot_ms"],
-                         "harli_meets_qos": h["meets_qos"], "x_pause_only": h.get("x_pause-only", 0.0),
-                         "x_static": h.get("x_static", 0.0), "static_meets_qos": r["table"]["static"]["meets_qos"]})
+                         "harli_meets_qos": h["meets_qos"], "harli_qos_text": qos_text(h), "x_pause_only": h.get("x_pause-only", 0.0),
+                         "x_static": h.get("x_static", 0.0), "static_meets_qos": r["table"]["static"]["meets_qos"],
+                         "static_qos_text": qos_text(r["table"]["static"])})
             log(f"   {name}={rows[-1]['value']} load {load}: harli/pause-only {rows[-1]['x_pause_only']:.2f}x, "
-                f"harli/static {rows[-1]['x_static']:.2f}x, harli QoS {'met' if h['meets_qos'] else 'MISSED'}")
+                f"harli/static {rows[-1]['x_static']:.2f}x, harli QoS {qos_text(h)}")
     return rows
 
 
@@ -189,8 +192,7 @@ def sensitivity_markdown(rows: list[dict]) -> str:
         value = "stated" if r["value"] is None else f"{r['value']:g}"
         lines.append(f"| {r['parameter']} | {value} | {r['online_load']} | {r['harli_samples_per_s']:.2f} | "
                      f"{r['x_pause_only']:.2f}x | "
-                     f"{r['x_static']:.2f}x | {'met' if r['harli_meets_qos'] else 'MISSED'} | "
-                     f"{'met' if r['static_meets_qos'] else 'MISSED'} |")
+                     f"{r['x_static']:.2f}x | {r['harli_qos_text']} | {r['static_qos_text']} |")
     return "\n".join(lines)
 
 

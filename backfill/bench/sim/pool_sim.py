@@ -12,12 +12,12 @@ be compared over many seeds and long horizons before a real run.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from backfill.errors import PolicyInputError
-from backfill.bench.node_bench import NodeBenchConfig, make_trace
+from backfill.bench.node_bench import REFERENCE_ARRIVALS, NodeBenchConfig, make_trace
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool
 from backfill.policy.miad import MIADReservation
 
@@ -42,6 +42,8 @@ def simulate_pool(config: NodeBenchConfig = NodeBenchConfig(), *, step_s: float 
     run on the default model."""
     if not step_s > 0:
         raise PolicyInputError(f"step_s must be > 0, got {step_s}")
+    if config.arrivals is None:  # no machine to size to: the rate the benchmark's docs figures ran at
+        config = replace(config, arrivals=REFERENCE_ARRIVALS)
     online_trace, _ = make_trace(config, vocab_size)
     requests = [(t, len(d["prompt_token_ids"]), d["max_tokens"]) for t, d in online_trace]
     num_handles, blocks_per_handle, block_size = config.num_handles, config.blocks_per_handle, config.block_size

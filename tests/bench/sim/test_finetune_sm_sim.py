@@ -109,3 +109,17 @@ def test_the_online_trace_is_the_coserve_generator_scaled_to_the_load():
     # ~40 output tokens x 5 ms + 10 ms a request: 0.21 s alone, so about load / 0.21 s arrivals a second
     assert 2.5 < len(heavy) / len(light) < 6
     assert 0.5 < len(heavy) / 200.0 * 0.21 / 0.8 < 1.5
+
+
+def test_a_qos_verdict_needs_enough_online_requests_in_every_round():
+    from backfill.bench.sim.finetune_sm_sim import table
+
+    rounds = {"harli": [{"samples_per_s": 1.0, "p99_tpot_ms": 10.0, "ft_share_while_busy": 0.5, "busy_share": 0.5,
+                         "completed": 40},
+                        {"samples_per_s": 1.0, "p99_tpot_ms": 10.0, "ft_share_while_busy": 0.5, "busy_share": 0.5,
+                         "completed": 3}]}
+    row = table(rounds, target_ms=20.0)["harli"]
+    assert row["meets_qos"] is None and row["qos"]["met_text"] == "n/a (too few samples: 3)"
+    rounds["harli"][1]["completed"] = 40
+    assert table(rounds, target_ms=20.0)["harli"]["meets_qos"] is True
+    assert table(rounds, target_ms=5.0)["harli"]["meets_qos"] is False
