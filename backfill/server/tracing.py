@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from backfill.server.config import ServerConfig
 
 OTEL_SWITCHES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-# Names of the kinds of preemption, on the "preempted" event's backfill.preemption.kind.
-STEP_ABORTED = "step_aborted"          # ConServe §4.3: its step yielded at a safepoint
-REQUEST_PREEMPTED = "request_preempted"  # ConServe §4.4: its KV blocks were freed
 
 
 def tracing_wanted(config: ServerConfig, environ: Mapping[str, str] = os.environ) -> bool:
@@ -72,7 +69,8 @@ class RequestTracer:
         return span
 
     def preempted(self, request_id: str, kind: str, at_s: float) -> None:
-        """The scheduler took request_id off the device (any thread)."""
+        """The scheduler preempted request_id (kind: serving/preemption.py's STEP_ABORTED or
+        REQUEST_PREEMPTED), on its thread."""
         span = self._open.get(request_id)
         if span is not None:
             span.add_event("preempted", {"backfill.preemption.kind": kind, "backfill.request_id": request_id},

@@ -24,7 +24,7 @@ from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.interface import SchedulerState, SchedulingPolicy, SeqView, StepPlan
 from backfill.policy.latency_model import BatchShape
 from backfill.serving.api import FinishReason, GenerationRequest, RequestClass, TokenEvent
-from backfill.serving.preemption import RequestPreemption, StepPreemption
+from backfill.serving.preemption import REQUEST_PREEMPTED, STEP_ABORTED, RequestPreemption, StepPreemption
 from backfill.serving.sequence import Detokenizer, Sequence, SeqStatus
 from backfill.serving.stats import SchedulerStats
 
@@ -170,7 +170,7 @@ class Scheduler:
             self.step_preemption.drop()  # the plan reschedules its sequences: the step is redone
         for seq_id in plan.preempt:
             self.request_preemption.preempt(self.seqs[seq_id])
-            self._tell_preempted(seq_id, "request_preempted")
+            self._tell_preempted(seq_id, REQUEST_PREEMPTED)
         chunks: list[SeqChunk] = []
         shape = BatchShape()
         for item in plan.scheduled:
@@ -196,7 +196,7 @@ class Scheduler:
             self.policy.observe_step(shape, out.duration_s * 1e3)
         if out.aborted:
             for chunk in chunks:
-                self._tell_preempted(chunk.seq_id, "step_aborted")
+                self._tell_preempted(chunk.seq_id, STEP_ABORTED)
             return []
         offline_kv_grew = False
         for chunk in chunks:
@@ -244,7 +244,7 @@ class Scheduler:
         for seq in list(self.seqs.values()):
             if lost.intersection(seq.block_table):
                 self.request_preemption.preempt(seq, save_tail=False)
-                self._tell_preempted(seq.seq_id, "request_preempted")
+                self._tell_preempted(seq.seq_id, REQUEST_PREEMPTED)
         self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:
