@@ -218,7 +218,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         request.state.request_class = request_class
         predicted_ms = state.admit(prepared)
         try:
-            generation = service.submit(prepared)
+            generation = service.submit(prepared, trace_carrier=request.headers)
         except BaseException:
             state.release(request_class)
             raise

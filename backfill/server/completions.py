@@ -244,11 +244,13 @@ class CompletionService:
 
     # --- running ---------------------------------------------------------------------------------
 
-    def submit(self, prepared: Prepared, trace_attributes: Mapping[str, Any] | None = None) -> "Generation":
-        """Queue on the engine (typed errors raise here, before any response starts); trace_attributes
-        go on the request's span when traces are exported."""
+    def submit(self, prepared: Prepared, trace_attributes: Mapping[str, Any] | None = None,
+               trace_carrier: Mapping[str, str] | None = None) -> "Generation":
+        """Queue on the engine (typed errors raise here, before any response starts). When traces are
+        exported, trace_attributes go on the request's span, and a `traceparent` among
+        trace_carrier's headers makes it part of the caller's trace."""
         try:
-            return Generation(self, prepared, trace_attributes)
+            return Generation(self, prepared, trace_attributes, trace_carrier)
         except ContextLengthError as exc:
             raise context_error(prepared.kind, exc) from None
 
@@ -339,7 +341,8 @@ class Generation:
     loop's CPU per token runs on the cores the engine's step needs)."""
 
     def __init__(self, service: CompletionService, prepared: Prepared,
-                 trace_attributes: Mapping[str, Any] | None = None) -> None:
+                 trace_attributes: Mapping[str, Any] | None = None,
+                 trace_carrier: Mapping[str, str] | None = None) -> None:
         self.requests = prepared.requests
         self.request = prepared.request
         self._engine = service.engine
@@ -356,7 +359,7 @@ class Generation:
         self.first_of: list[float | None] = [None] * len(self.requests)
         # Begun before the engine sees the requests: a preemption may reach the span at once.
         self._tracer = service.tracer
-        self._span = self._tracer.begin(self, trace_attributes) if self._tracer is not None else None
+        self._span = self._tracer.begin(self, trace_attributes, trace_carrier) if self._tracer is not None else None
         opened = 0
         try:
             for request in self.requests:

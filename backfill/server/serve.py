@@ -3,8 +3,8 @@
 The database is opened first and the port bound next, so a bad --db or a taken port fails fast
 with a one-line message (exit 2); while the model loads the port answers /health 200 and /ready
 503 (server/health.py), and a bad --model exits 2 the same way. SIGTERM / SIGINT drain
-gracefully: new requests get 503, in-flight online requests and batch lines may finish within --drain-timeout-s, every finished
-batch line is already committed, and the process exits 0.
+gracefully: new requests get 503, in-flight online requests and batch lines may finish within
+--drain-timeout-s, every finished batch line is already committed, and the process exits 0.
 """
 
 from __future__ import annotations

@@ -52,11 +52,16 @@ class RequestTracer:
     def wall_ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._epoch_offset_ns
 
-    def begin(self, generation: Generation, attributes: Mapping[str, Any] | None = None) -> Span:
-        """The request's span, started at its arrival; call before its requests reach the engine."""
+    def begin(self, generation: Generation, attributes: Mapping[str, Any] | None = None,
+              carrier: Mapping[str, str] | None = None) -> Span:
+        """The request's span, started at its arrival; call before its requests reach the engine.
+        carrier: the HTTP request's headers; a W3C `traceparent` there makes the span its child."""
+        from opentelemetry.propagate import extract
+
         request = generation.request
         kind = "batch_line" if attributes and "backfill.batch_id" in attributes else "llm_request"
-        span = self.tracer.start_span(kind, start_time=self.wall_ns(request.arrival_time), attributes={
+        parent = extract(carrier) if carrier is not None and "traceparent" in carrier else None
+        span = self.tracer.start_span(kind, context=parent, start_time=self.wall_ns(request.arrival_time), attributes={
             "backfill.request_class": request.request_class.value,
             "backfill.request_id": request.request_id,
             "gen_ai.request.max_tokens": request.sampling.max_tokens,

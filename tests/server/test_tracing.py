@@ -99,6 +99,20 @@ def test_a_preempted_requests_trace_carries_its_spans_and_the_preemption(tmp_pat
     assert winner.start_time <= preemptions[0].timestamp
 
 
+def test_a_caller_traceparent_makes_the_request_part_of_its_trace(tmp_path):
+    exporter = InMemorySpanExporter()
+    trace_id, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with traced_server(tmp_path, exporter, policy="coserve") as server:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                              headers={"traceparent": f"00-{trace_id}-{caller_span}-01"})
+        assert response.status_code == 200
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    first, second = [span for span in exporter.get_finished_spans() if span.name == "llm_request"]
+    assert format(first.context.trace_id, "032x") == trace_id
+    assert format(first.parent.span_id, "016x") == caller_span
+    assert second.parent is None and second.context.trace_id != first.context.trace_id
+
+
 def test_batch_lines_get_spans_of_their_own(tmp_path):
     exporter = InMemorySpanExporter()
     with traced_server(tmp_path, exporter, policy="coserve") as server:
