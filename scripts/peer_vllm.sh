@@ -59,10 +59,10 @@ trap 'exit 143' INT TERM   # the EXIT trap stops the server
 
 free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
-wait_healthy() {  # URL LOG TIMEOUT_S
+wait_healthy() {  # URL LOG TIMEOUT_S [PROBE_PATH, default /health]
     for _ in $(seq "$3"); do
         kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited; see $2" >&2; tail -5 "$2" >&2; return 1; }
-        curl -sf "$1/health" >/dev/null 2>&1 && return 0
+        curl -sf "$1${4:-/health}" >/dev/null 2>&1 && return 0
         sleep 1
     done
     echo "server not healthy after $3 s; see $2" >&2
@@ -96,7 +96,7 @@ start_backfill() {  # LOG_SUFFIX [serve flags...]; sets URL
     setsid "$BF" serve --host 127.0.0.1 --port "$PORT" $ENGINE_FLAGS --db "$OUT/backfill-serve.db" --fresh-db \
         --max-online-queue 100000 --admission-ttft-share inf --log-level warning "$@" > "$log" 2>&1 &
     SERVER_PID=$!
-    wait_healthy "$URL" "$log" 600   # /health is 200 once compiled decode's buckets are built
+    wait_healthy "$URL" "$log" 600 /ready   # /ready is 200 once compiled decode's buckets are built
 }
 
 if [[ -x $ROOT/.venv/bin/backfill ]]; then :; else echo "run scripts/setup.sh first" >&2; exit 2; fi

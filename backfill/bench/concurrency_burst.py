@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         from backfill.serving.build import build_engine
 
         engine = build_engine(serving)
-        engine.wait_until_warm()   # as the server's /health waits for it
+        engine.wait_until_warm()   # as the server's /ready waits for it
 
         async def go() -> list[LevelResult]:
             await engine.start()

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     from backfill.serving.build import build_engine, build_tiny_engine
 
     engine = build_tiny_engine(serving) if args.tiny else build_engine(serving)
-    engine.wait_until_warm()   # as the server's /health waits for it
+    engine.wait_until_warm()   # as the server's /ready waits for it
 
     async def go() -> list[dict]:
         await engine.start()

@@ -1,6 +1,6 @@
 """`backfill serve` in a child process, for benchmarks that measure it over HTTP.
 
-The server binds a free port on 127.0.0.1, is used only once /health answers, and is always
+The server binds a free port on 127.0.0.1, is used only once /ready answers 200, and is always
 stopped on the way out: SIGTERM first (its graceful drain), SIGKILL when the drain takes too long.
 """
 
@@ -34,7 +34,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> 
         if proc.poll() is not None:
             raise BackfillError(f"server exited with code {proc.returncode} before it was healthy")
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            response = httpx.get(f"{url}/ready", timeout=2.0)
+            if response.status_code == 404:   # a server from before /ready (an older checkout)
+                response = httpx.get(f"{url}/health", timeout=2.0)
+            if response.status_code == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -100,7 +100,7 @@ class ModelRunner:
 
     def wait_until_warm(self, timeout_s: float | None = None) -> None:
         """Block until the background compile ends: a measurement then starts as a server that
-        reports ready (/health) does."""
+        reports ready (/ready) does."""
         if self.model.compiled_decode is not None:
             self.model.compiled_decode.wait_for_buckets(timeout_s)
 

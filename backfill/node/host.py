@@ -11,6 +11,10 @@
                    generated (lines in progress included), offline tokens/s per job (batch)
                    of each model (recorded lines)
     GET /node      the same as JSON, with the free-memory trace of the window (m_n(t))
+    GET /health    200 while the node process runs (from before the models load)
+    GET /ready     200 once every model answers its own /ready with 200, else 503
+    GET /dashboard the live page (server/dashboard.py's), of every model and the node's gate and memory;
+                   GET /dashboard/data is its JSON: each model's /dashboard/data and the node's snapshot
 
 The node samples every node.sample_interval_s: online busy, whether the gate lets offline work
 run, free handles, and the offline output tokens the models report generating (counted per engine
@@ -44,6 +48,7 @@ from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.model_server import command_line
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.policy.gate import LifecycleGate, TimesliceGate
+from backfill.server.static import dashboard_html
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,7 @@ class Node:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._metrics_server: ThreadingHTTPServer | None = None
+        self._started = threading.Event()   # every model answered /ready once
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -90,23 +96,58 @@ class Node:
         os.makedirs(self.db_dir, exist_ok=True)
         self.runtime.start()
         try:
+            # Bound first: probes see the node alive (/health) and not ready (/ready) while models load.
+            self._metrics_server = ThreadingHTTPServer((self.config.node.host, self.config.node.metrics_port),
+                                                       _handler(self))
+            self._metrics_server.daemon_threads = True
+            self._start_thread(self._metrics_server.serve_forever)
             for entry in self.config.models:
                 self.processes[entry.name] = subprocess.Popen(
                     command_line(self.runtime.socket_path, self.db_path(entry.name), self.config.node, entry,
                                  len(self.config.models)),
                     env=_child_env())
             self._wait_ready(timeout_s)
-            self._metrics_server = ThreadingHTTPServer((self.config.node.host, self.config.node.metrics_port),
-                                                       _handler(self))
-            self._metrics_server.daemon_threads = True
-            for target in (self._metrics_server.serve_forever, self._sample_loop):
-                t = threading.Thread(target=target, daemon=True, name="node-" + target.__name__)
-                t.start()
-                self._threads.append(t)
+            self._started.set()
+            self._start_thread(self._sample_loop)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_thread(self, target) -> None:
+        t = threading.Thread(target=target, daemon=True, name="node-" + target.__name__)
+        t.start()
+        self._threads.append(t)
+
+    def ready(self) -> tuple[bool, dict[str, int | None]]:
+        """Whether every model answers /ready with 200 now; each model's answer (None: no answer)."""
+        answers: dict[str, int | None] = {}
+        with httpx.Client(timeout=2.0) as client:
+            for entry in self.config.models:
+                try:
+                    answers[entry.name] = client.get(self.url(entry.name) + "/ready").status_code
+                except httpx.HTTPError:
+                    answers[entry.name] = None
+        return self._started.is_set() and all(code == 200 for code in answers.values()), answers
+
+    def dashboard_data(self, query: str) -> dict[str, Any]:
+        """The live page's data: each model's own /dashboard/data and the node's gate and memory."""
+        models = []
+        with httpx.Client(timeout=5.0) as client:
+            for entry in self.config.models:
+                try:
+                    response = client.get(self.url(entry.name) + "/dashboard/data?" + query)
+                    response.raise_for_status()
+                    model = response.json()["models"][0]
+                except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                    model = {"error": f"no data from {self.url(entry.name)}: {exc}"}
+                models.append({**model, "name": entry.name})
+        snapshot = self.snapshot()
+        node = {k: snapshot[k] for k in ("idle_fraction", "online_busy", "offline_open_fraction",
+                                         "offline_generated_tokens_per_s", "free_handles", "num_handles",
+                                         "free_memory_fraction", "free_memory_trace")}
+        node.update(gate=self.config.node.gate, window_s=self.config.node.window_s)
+        return {"kind": "node", "models": models, "node": node}
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,7 +159,7 @@ class Node:
                     if code is not None:
                         raise NodeError(f"model {name!r} exited with status {code} while starting")
                     try:
-                        if client.get(self.url(name) + "/health").status_code == 200:
+                        if client.get(self.url(name) + "/ready").status_code == 200:
                             waiting.discard(name)
                     except httpx.HTTPError:
                         pass
@@ -280,14 +321,26 @@ def _child_env() -> dict[str, str]:
 def _handler(node: Node) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            if self.path == "/metrics":
+            path, _, query = self.path.partition("?")
+            status, kind = 200, "application/json"
+            if path == "/metrics":
                 body, kind = node.prometheus_text().encode(), "text/plain; version=0.0.4"
-            elif self.path == "/node":
-                body, kind = json.dumps(node.snapshot()).encode(), "application/json"
+            elif path == "/node":
+                body = json.dumps(node.snapshot()).encode()
+            elif path == "/health":
+                body = json.dumps({"status": "alive"}).encode()
+            elif path == "/ready":
+                ok, models = node.ready()
+                status, body = (200 if ok else 503), json.dumps({"status": "ok" if ok else "starting",
+                                                                   "models": models}).encode()
+            elif path == "/dashboard":
+                body, kind = dashboard_html().encode(), "text/html; charset=utf-8"
+            elif path == "/dashboard/data":
+                body = json.dumps(node.dashboard_data(query)).encode()
             else:
                 self.send_error(404)
                 return
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -28,14 +28,17 @@ from backfill.server.access_log import AccessLogMiddleware
 from backfill.server.batches import BatchWorker
 from backfill.server.completions import CompletionService, Generation, Kind, Prepared
 from backfill.server.config import ServerConfig
+from backfill.server.dashboard import add_dashboard_routes
 from backfill.server.errors import APIError, bad_request, install_error_handlers, not_found
 from backfill.server.fine_tuning import FINE_TUNE_PURPOSE, FineTuningWorker, add_fine_tuning_routes
 from backfill.server.fine_tuning_store import FineTuningStore
+from backfill.server.health import add_health_routes
 from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.multipart import parse_multipart
 from backfill.server.schemas import BatchCreateBody, parse_json, validate_body
 from backfill.server.sse import DONE
 from backfill.server.store import Store
+from backfill.server.tracing import install_tracing
 from backfill.types import RequestClass
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
@@ -142,6 +145,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     served_model = config.served_model_name or engine.model_name
     metrics = ServerMetrics(engine)
     service = CompletionService(engine, metrics, served_model)
+    install_tracing(engine, service, config)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
     metrics.batch_lines_in_flight = lambda: worker.in_flight
     metrics.backlog = store.backlog
@@ -155,9 +159,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         await engine.start()
         worker.start()
         fine_tuning.start()
+        dashboard.start()
         try:
             yield
         finally:
+            await dashboard.stop()
             state.begin_drain()
             await fine_tuning.stop()
             await worker.stop(state.drain_deadline_s)
@@ -180,18 +186,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
     limit_bytes = int(config.max_body_mb * 2**20)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        store_health = await asyncio.to_thread(store.health)
-        store_health["unwritable_batch_lines"] = len(worker.unwritable)
-        ok = engine.running and not state.draining and store_health["status"] != "error"
-        # Ready, as vLLM reports it, only after warm-up: requests are served meanwhile, but the
-        # background compile shares the cores with every step until it ends.
-        warming = ok and engine.warming_up
-        status = "warming_up" if warming else "ok" if ok else "unavailable"
-        return JSONResponse({"status": status, "engine": "running" if engine.running else "stopped",
-                             "draining": state.draining, "store": store_health},
-                            status_code=200 if ok and not warming else 503)
+    add_health_routes(app, state)
+    dashboard = add_dashboard_routes(app, state)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -222,7 +218,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
         request.state.request_class = request_class
         predicted_ms = state.admit(prepared)
         try:
-            generation = service.submit(prepared)
+            generation = service.submit(prepared, trace_carrier=request.headers)
         except BaseException:
             state.release(request_class)
             raise

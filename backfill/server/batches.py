@@ -298,7 +298,9 @@ class BatchWorker:
         """(ok, record, input tokens, output tokens), or None to leave the line pending."""
         try:
             prepared = self.service.prepare(_KIND[line.endpoint], json.loads(line.body), RequestClass.OFFLINE)
-            outcome = await self.service.run(prepared)
+            outcome = await self.service.run(prepared, {"backfill.batch_id": line.batch_id,
+                                                        "backfill.batch_line": line.line,
+                                                        "backfill.custom_id": line.custom_id})
             if outcome.finish_reason is FinishReason.CANCELLED:
                 return None  # the engine is stopping; run it again later
             check_outcome(outcome.finish_reason)

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import AsyncGenerator, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Literal, Mapping, Sequence
 
 from backfill.engine.grammar import GrammarCompiler, InvalidGrammarError
 from backfill.sampling_params import SamplingParams, TokenLogprob
@@ -25,6 +25,9 @@ from backfill.server.tool_calls import (ToolCallStream, call_text, forced_gramma
 from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.event_queue import EventQueue
+
+if TYPE_CHECKING:
+    from backfill.server.tracing import RequestTracer
 
 Kind = Literal["chat", "text"]
 # Like vLLM, temperatures this small mean greedy: dividing logits by e.g. 1e-300 overflows to inf.
@@ -87,6 +90,7 @@ class CompletionService:
         self.metrics = metrics
         self.served_model = served_model
         self._grammars: GrammarCompiler | None = None
+        self.tracer: RequestTracer | None = None   # set by server/tracing.py when traces are exported
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -240,16 +244,19 @@ class CompletionService:
 
     # --- running ---------------------------------------------------------------------------------
 
-    def submit(self, prepared: Prepared) -> "Generation":
-        """Queue on the engine (typed errors raise here, before any response starts)."""
+    def submit(self, prepared: Prepared, trace_attributes: Mapping[str, Any] | None = None,
+               trace_carrier: Mapping[str, str] | None = None) -> "Generation":
+        """Queue on the engine (typed errors raise here, before any response starts). When traces are
+        exported, trace_attributes go on the request's span, and a `traceparent` among
+        trace_carrier's headers makes it part of the caller's trace."""
         try:
-            return Generation(self, prepared)
+            return Generation(self, prepared, trace_attributes, trace_carrier)
         except ContextLengthError as exc:
             raise context_error(prepared.kind, exc) from None
 
-    async def run(self, prepared: Prepared) -> Outcome:
+    async def run(self, prepared: Prepared, trace_attributes: Mapping[str, Any] | None = None) -> Outcome:
         """Submit and run to the end (the batch worker's path)."""
-        generation = self.submit(prepared)
+        generation = self.submit(prepared, trace_attributes)
         try:
             return await collect(prepared, generation)
         finally:
@@ -333,13 +340,26 @@ class Generation:
     event loop resumes one coroutine here, not a generator per choice plus a merging one (the
     loop's CPU per token runs on the cores the engine's step needs)."""
 
-    def __init__(self, service: CompletionService, prepared: Prepared) -> None:
+    def __init__(self, service: CompletionService, prepared: Prepared,
+                 trace_attributes: Mapping[str, Any] | None = None,
+                 trace_carrier: Mapping[str, str] | None = None) -> None:
         self.requests = prepared.requests
         self.request = prepared.request
         self._engine = service.engine
         self._metrics = service.metrics
         self._queue: EventQueue[TokenEvent] = EventQueue()
         self._index = {request.request_id: index for index, request in enumerate(self.requests)}
+        self._closed = False
+        self._unfinished = len(self.requests)
+        self.finish_reasons: list[FinishReason | None] = [None] * len(self.requests)
+        self.output_tokens: list[int] = [0] * len(self.requests)
+        self.scheduled_s: float | None = None   # when a step first ran it
+        self.first_token_s: float | None = None
+        self.last_token_s: list[float | None] = [None] * len(self.requests)
+        self.first_of: list[float | None] = [None] * len(self.requests)
+        # Begun before the engine sees the requests: a preemption may reach the span at once.
+        self._tracer = service.tracer
+        self._span = self._tracer.begin(self, trace_attributes, trace_carrier) if self._tracer is not None else None
         opened = 0
         try:
             for request in self.requests:
@@ -348,16 +368,11 @@ class Generation:
         except BaseException:
             for request in self.requests[:opened]:
                 service.engine.close(request.request_id, finished=False)
+            if self._span is not None:
+                self._tracer.end(self._span, self)
             raise
         self._class = prepared.request.request_class.value
         self._metrics.in_flight.labels(self._class).inc()
-        self._closed = False
-        self._unfinished = len(self.requests)
-        self.finish_reasons: list[FinishReason | None] = [None] * len(self.requests)
-        self.output_tokens: list[int] = [0] * len(self.requests)
-        self.first_token_s: float | None = None
-        self.last_token_s: list[float | None] = [None] * len(self.requests)
-        self.first_of: list[float | None] = [None] * len(self.requests)
 
     @property
     def num_output_tokens(self) -> int:
@@ -382,6 +397,8 @@ class Generation:
             if self.first_of[index] is None:
                 self.first_of[index] = event.time
             if event.scheduled_s is not None:
+                if self.scheduled_s is None:
+                    self.scheduled_s = event.scheduled_s
                 self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
                                                                       0.0))
             self.last_token_s[index] = event.time
@@ -403,6 +420,8 @@ class Generation:
         self._metrics.in_flight.labels(self._class).dec()
         self._metrics.observe_request(self._class, len(self.request.prompt_token_ids),
                                       time.monotonic() - self.request.arrival_time)
+        if self._span is not None:
+            self._tracer.end(self._span, self)
 
 
 async def collect(prepared: Prepared, generation: Generation) -> Outcome:

@@ -65,6 +65,10 @@ class ServerConfig:
                             "installed", group="server", choices=HTTP_PARSERS)
     event_loop: str = knob("auto", "event loop: uvloop or asyncio's own; auto: uvloop where installed",
                            group="server", choices=EVENT_LOOPS)
+    otlp_traces_endpoint: str | None = knob(None, "export OpenTelemetry traces of requests and batch lines over "
+                                            "OTLP/HTTP to this URL (e.g. http://localhost:4318/v1/traces); the "
+                                            "OTEL_EXPORTER_OTLP_* variables also turn it on (docs/operations.md)",
+                                            group="server")
     serving: ServingConfig | None = None   # the engine config (config_from_args fills it)
 
     def __post_init__(self) -> None:

@@ -131,6 +131,8 @@ class _EngineCollector(Collector):
             ("backfill_recomputed_tokens", "Tokens of KV recomputed after preemption", stats.recomputed_tokens),
             ("backfill_resumed_steps", "Aborted steps continued from their safepoint", stats.resumed_steps),
             ("backfill_wasted_tokens", "Tokens of aborted steps that were redone", stats.wasted_tokens),
+            ("backfill_online_busy_seconds", "Time in steps that carried online tokens (1 - its rate: the idle "
+             "share left for offline work, Valve §6)", stats.online_busy_s),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

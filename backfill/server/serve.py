@@ -1,9 +1,10 @@
 """Run the server: `python -m backfill.server [options]`, or `backfill serve` through run_server().
 
-The model and the database are opened before the port is bound, so a bad --model or --db fails
-fast with a one-line message (exit 2). SIGTERM / SIGINT drain gracefully: new requests get 503,
-in-flight online requests and batch lines may finish within --drain-timeout-s, every finished
-batch line is already committed, and the process exits 0.
+The database is opened first and the port bound next, so a bad --db or a taken port fails fast
+with a one-line message (exit 2); while the model loads the port answers /health 200 and /ready
+503 (server/health.py), and a bad --model exits 2 the same way. SIGTERM / SIGINT drain
+gracefully: new requests get 503, in-flight online requests and batch lines may finish within
+--drain-timeout-s, every finished batch line is already committed, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -43,17 +44,22 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def serve(config: ServerConfig) -> int:
-    from backfill.server.app import create_app
     from backfill.server.http_timeouts import header_timeout_protocol, resolve_event_loop
+    from backfill.server.health import StartupResponder, bind_listener
     from backfill.server.store import Store
-    from backfill.serving.build import build_engine, build_tiny_engine
 
     logging.basicConfig(level=logging.INFO if config.log_level in ("info", "debug", "trace") else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = resolve_event_loop(config.event_loop)   # a missing uvloop fails before the model loads
     http = header_timeout_protocol(config.header_timeout_s, config.http_parser)
     store = Store(config.db_path, fresh=config.fresh_db)
+    # Bound before the model loads: /health answers (and /ready says 503) while it does (health.py).
+    listener = bind_listener(config.host, config.port)
+    starting = StartupResponder(listener).start()
     try:
+        from backfill.server.app import create_app
+        from backfill.serving.build import build_engine, build_tiny_engine
+
         engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
         app = create_app(engine, config, store)
         log.info("serving %s on http://%s:%d (database %s; %s, %s loop)", config.served_model_name or engine.model_name,
@@ -62,12 +68,15 @@ def serve(config: ServerConfig) -> int:
                                         timeout_graceful_shutdown=config.drain_timeout_s, lifespan="on",
                                         access_log=False, http=http, loop=loop)
         server = DrainingServer(uvicorn_config, on_exit=app.state.backfill.begin_drain)
+        starting.stop()   # the app takes the socket over; connections meanwhile wait in its backlog
         try:
-            server.run()
-        except SystemExit as exc:   # uvicorn exits 3 when it cannot bind or start
+            server.run(sockets=[listener])
+        except SystemExit as exc:   # uvicorn exits 3 when it cannot start
             return exc.code if isinstance(exc.code, int) else 1
         return 0 if server.started else 1
     finally:
+        starting.stop()
+        listener.close()
         store.close()
 
 

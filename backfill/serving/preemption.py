@@ -29,6 +29,10 @@ from backfill.policy.latency_model import BatchShape
 from backfill.serving.sequence import HostCheckpoint, Sequence, SeqStatus
 from backfill.serving.stats import PreemptionRecord, SchedulerStats
 
+# What a preemption did to a request, as the scheduler tells its preemption_listener.
+STEP_ABORTED = "step_aborted"            # ConServe §4.3: a step carrying it yielded at a safepoint
+REQUEST_PREEMPTED = "request_preempted"  # ConServe §4.4: its KV blocks were freed
+
 
 class StepPreemption:
     """Runs steps abortably and keeps the one an arrival aborted (ConServe §4.3, Algorithm 2)."""

@@ -25,7 +25,7 @@ from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.interface import SchedulerState, SchedulingPolicy, SeqView, StepPlan
 from backfill.policy.latency_model import BatchShape
 from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
-from backfill.serving.preemption import RequestPreemption, StepPreemption
+from backfill.serving.preemption import REQUEST_PREEMPTED, STEP_ABORTED, RequestPreemption, StepPreemption
 from backfill.serving.sequence import Detokenizer, Sequence, SeqStatus
 from backfill.serving.stats import SchedulerStats
 
@@ -51,6 +51,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self.step_preemption = StepPreemption(policy, self.stats, clock)
         self.request_preemption = RequestPreemption(self.kv, self.stats, checkpoint_policy)
+        # Told (request id, kind, time) of each request a preemption touches, on this thread: the
+        # server's traces record them (server/tracing.py). None: nothing is told.
+        self.preemption_listener: Callable[[str, str, float], None] | None = None
 
     # The step preemption consults the policy and reads the clock; a simulator swaps the clock in.
     @property
@@ -168,6 +171,7 @@ class Scheduler:
             self.step_preemption.drop()  # the plan reschedules its sequences: the step is redone
         for seq_id in plan.preempt:
             self.request_preemption.preempt(self.seqs[seq_id])
+            self._tell_preempted(seq_id, REQUEST_PREEMPTED)
         chunks: list[SeqChunk] = []
         shape = BatchShape()
         for item in plan.scheduled:
@@ -192,6 +196,8 @@ class Scheduler:
         if not out.aborted and resume is None:
             self.policy.observe_step(shape, out.duration_s * 1e3)
         if out.aborted:
+            for chunk in chunks:
+                self._tell_preempted(chunk.seq_id, STEP_ABORTED)
             return []
         offline_kv_grew = False
         for chunk in chunks:
@@ -209,6 +215,10 @@ class Scheduler:
             # of every sequence) keeps it out of online-only steps.
             self.request_preemption.checkpoint_selected(self.snapshot, self.seqs)
         return events
+
+    def _tell_preempted(self, seq_id: str, kind: str) -> None:
+        if self.preemption_listener is not None:
+            self.preemption_listener(seq_id, kind, self.clock())
 
     # --- per-request bookkeeping --------------------------------------------------------------
 
@@ -235,6 +245,7 @@ class Scheduler:
         for seq in list(self.seqs.values()):
             if lost.intersection(seq.block_table):
                 self.request_preemption.preempt(seq, save_tail=False)
+                self._tell_preempted(seq.seq_id, REQUEST_PREEMPTED)
         self.kv.retire([b for b in lost if not self.kv.is_allocated(b)])
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> TokenEvent:

@@ -56,6 +56,8 @@ class SchedulerStats:
     finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     last_step_mode: str = "idle"
     busy_s: float = 0.0                 # in forward passes (runner.execute), aborted ones included
+    # Steps that carried online tokens, whole (Valve §6: what online leaves idle is the rest).
+    online_busy_s: float = 0.0
     # Per plan mode (co-serving, offline-batching, priority, ...): step time, checkpoint and
     # restore copies included, and the offline tokens its steps produced.
     mode_busy_s: dict[str, float] = field(default_factory=dict)
@@ -74,6 +76,8 @@ class SchedulerStats:
                    before: StepMark) -> None:
         """Charge one finished scheduler step, begun at `before`, to its plan's mode and log it."""
         self.mode_busy_s[mode] = self.mode_busy_s.get(mode, 0.0) + busy_s
+        if online_tokens:
+            self.online_busy_s += busy_s
         self.mode_offline_tokens[mode] = (self.mode_offline_tokens.get(mode, 0)
                                           + self.output_tokens["offline"] - before.offline_tokens)
         self.step_log.append(StepRecord(started_s, mode, online_tokens, fed_tokens - online_tokens, busy_s * 1e3,

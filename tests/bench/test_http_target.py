@@ -115,7 +115,7 @@ def backfill_server(tmp_path_factory):
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{url}/ready", timeout=1) as resp:
                     if resp.status == 200:
                         break
             except OSError:

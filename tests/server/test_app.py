@@ -189,7 +189,9 @@ def test_api_key_required_on_v1(tmp_path):
 def test_draining_server_refuses_new_work(tmp_path):
     with live_server(tmp_path) as srv:
         srv.state.begin_drain()
-        assert httpx.get(f"{srv.url}/health").status_code == 503
+        ready = httpx.get(f"{srv.url}/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        assert httpx.get(f"{srv.url}/health").status_code == 200   # alive: not a reason to restart it
         assert_error(httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}), 503,
                      code="service_unavailable")
 

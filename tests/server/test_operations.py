@@ -146,12 +146,12 @@ def test_metrics_tokens_latency_and_backlog(tmp_path):
         assert "backfill_batch_lines_waiting 0.0" in text
 
 
-def test_health_says_warming_up_while_decode_buckets_compile(tmp_path):
+def test_ready_says_warming_up_while_decode_buckets_compile(tmp_path):
     from backfill.engine.compiled_decode import CompiledDecode
 
     with live_server(tmp_path) as server:
         model = server.state.engine.scheduler.runner.model
-        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/ready").status_code == 200
         # A compile thread still running, as compile_buckets(background=True) leaves one after load.
         done = threading.Event()
         compiled = CompiledDecode.__new__(CompiledDecode)
@@ -159,12 +159,13 @@ def test_health_says_warming_up_while_decode_buckets_compile(tmp_path):
         compiled._bucket_thread.start()
         model.compiled_decode = compiled
         try:
-            response = httpx.get(f"{server.url}/health")
+            response = httpx.get(f"{server.url}/ready")
             assert response.status_code == 503 and response.json()["status"] == "warming_up"
+            assert httpx.get(f"{server.url}/health").status_code == 200
             # Requests are served meanwhile: only readiness waits for the warm-up.
             assert httpx.get(f"{server.url}/v1/models").status_code == 200
         finally:
             done.set()
             compiled._bucket_thread.join(5)
             model.compiled_decode = None
-        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        assert httpx.get(f"{server.url}/ready").json()["status"] == "ok"

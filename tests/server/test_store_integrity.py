@@ -109,7 +109,7 @@ def test_unstorable_result_marks_the_line_failed_after_bounded_retries(tmp_path)
         errors = client.files.content(batch.error_file_id).text
         assert errors.count("result_not_stored") == 2
         assert offline_runs(server) == 2    # each line ran once: nothing re-ran
-        health = httpx.get(f"{server.url}/health").json()
+        health = httpx.get(f"{server.url}/ready").json()
         assert health["store"]["status"] == "degraded" and "disk I/O error" in health["store"]["error"]
 
 
@@ -126,11 +126,11 @@ def test_store_refusing_everything_does_not_loop_inference(tmp_path):
         time.sleep(1.5)   # three worker polls: a looping worker would have run the line again
         assert offline_runs(server) == 1
         assert client.batches.retrieve(batch.id).request_counts.completed == 0   # nothing was claimed done
-        health = httpx.get(f"{server.url}/health").json()
+        health = httpx.get(f"{server.url}/ready").json()
         assert health["store"]["unwritable_batch_lines"] == 1
 
 
-def test_store_damaged_while_serving_is_503_store_error_and_health_says_so(tmp_path):
+def test_store_damaged_while_serving_is_503_store_error_and_ready_says_so(tmp_path):
     import io
     import sqlite3
 
@@ -149,8 +149,9 @@ def test_store_damaged_while_serving_is_503_store_error_and_health_says_so(tmp_p
             file.write(os.urandom(db.stat().st_size - 4096 * 3))
         with httpx.Client(base_url=server.url, timeout=60) as http:
             assert_error(http.get("/v1/files", params={"limit": 10000}), 503, code="store_error")
-            health = http.get("/health")
+            health = http.get("/ready")
             assert health.status_code == 503 and health.json()["store"]["status"] == "error"
+            assert http.get("/health").status_code == 200   # alive all the same
             # Online completions do not need the store: they go on.
             chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 2})

@@ -1,0 +1,187 @@
+"""The live page: /dashboard/data's numbers are /metrics' (as Prometheus computes them), and the
+page itself, rendered in headless Chromium against a real server under online and offline load,
+shows them."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from backfill.server.dashboard import quantile
+from server_helpers import ServerProcess, assert_error, chat_line, live_server, openai_client, upload, wait_final
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def prometheus_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """histogram_quantile() as Prometheus documents it, written out independently of the product's."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1]
+    if total == 0:
+        return None
+    rank = q * total
+    for i, (upper, count) in enumerate(buckets):
+        if count >= rank:
+            lower, below = (0.0, 0.0) if i == 0 else buckets[i - 1]
+            if math.isinf(upper):
+                return lower
+            return upper if count == below else lower + (upper - lower) * (rank - below) / (count - below)
+    return None
+
+
+def from_metrics(text: str) -> dict[str, float | None]:
+    """The numbers the page shows, from a /metrics scrape of a server younger than the page's window."""
+    buckets: dict[str, list[tuple[float, float]]] = {"ttft": [], "tpot": []}
+    values: dict[str, float] = {}
+    online_requests = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            online = sample.labels.get("class") == "online"
+            if sample.name == "backfill_time_to_first_token_seconds_bucket" and online:
+                buckets["ttft"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "backfill_time_per_output_token_seconds_bucket" and online:
+                buckets["tpot"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "backfill_requests_total" and online:
+                online_requests += sample.value
+            elif sample.name == "backfill_output_tokens_total":
+                values[sample.labels["class"] + "_tokens"] = sample.value
+            elif not sample.labels:
+                values[sample.name] = sample.value
+            elif sample.name == "backfill_queue_length":
+                values["queue_" + sample.labels["class"]] = sample.value
+
+    def ms(q: float, kind: str) -> float | None:
+        value = prometheus_quantile(q, buckets[kind])
+        return None if value is None else value * 1e3
+
+    return {"ttft_p50_ms": ms(0.5, "ttft"), "ttft_p99_ms": ms(0.99, "ttft"), "tpot_p50_ms": ms(0.5, "tpot"),
+            "tpot_p99_ms": ms(0.99, "tpot"), "online_requests": online_requests,
+            "online_tokens": values["online_tokens"], "offline_tokens": values["offline_tokens"],
+            "preemptions": values["backfill_preemptions_total"],
+            "online_busy_s": values["backfill_online_busy_seconds_total"],
+            "queue_online": values["queue_online"], "queue_offline": values["queue_offline"],
+            "kv_usage_pct": values["backfill_kv_cache_usage_ratio"] * 100,
+            "batch_lines_waiting": values["backfill_batch_lines_waiting"]}
+
+
+def test_quantile_follows_histogram_quantile():
+    inf = math.inf
+    buckets = ((0.1, 2.0), (0.2, 6.0), (0.5, 10.0), (inf, 10.0))
+    assert quantile(0.5, buckets) == pytest.approx(0.175)       # 0.1 + 0.1 * (5 - 2) / (6 - 2)
+    assert quantile(0.99, buckets) == pytest.approx(0.4925)
+    assert quantile(0.99, ((0.1, 1.0), (inf, 5.0))) == 0.1        # past the last bound: the bound
+    assert quantile(0.5, ((0.1, 0.0), (inf, 0.0))) is None         # no observations: no number
+    for q in (0.5, 0.9, 0.99):
+        assert quantile(q, buckets) == pytest.approx(prometheus_quantile(q, list(buckets)))
+
+
+def online_and_flex_load(url: str, seconds: float, online_tokens: int = 8, flex_tokens: int = 24) -> None:
+    """Online requests back to back beside flex (offline-class) ones, from two threads each."""
+    stop = time.monotonic() + seconds
+
+    def client(body: dict) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while time.monotonic() < stop:
+                response = http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+
+    bodies = [{"prompt": "hello there", "max_tokens": online_tokens, "ignore_eos": True}] * 2 + \
+             [{"prompt": "summarise this", "max_tokens": flex_tokens, "ignore_eos": True, "service_tier": "flex"}] * 2
+    threads = [threading.Thread(target=client, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_dashboard_data_is_what_metrics_says(tmp_path):
+    with live_server(tmp_path) as server:
+        online_and_flex_load(server.url, 2.0)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            data = http.get("/dashboard/data").json()
+            expected = from_metrics(http.get("/metrics").text)
+            model = data["models"][0]
+            window = model["window"]
+            for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+                assert window[key] == pytest.approx(expected[key], rel=1e-9), key
+            for key in ("online_requests", "online_tokens", "offline_tokens", "preemptions"):
+                assert window[key] == expected[key], key
+            assert window["online_requests"] > 0 and window["offline_tokens"] > 0
+            assert window["offline_tokens_per_s"] == pytest.approx(window["offline_tokens"] / window["duration_s"])
+            assert window["idle_share"] == pytest.approx(1 - expected["online_busy_s"] / window["duration_s"],
+                                                         abs=0.02)
+            assert model["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 100.0}
+            assert model["series"] and all(p["t_s"] <= 0 for p in model["series"])
+            page = http.get("/dashboard")
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "dashboard/data" in page.text
+            assert_error(http.get("/dashboard/data", params={"window_s": "soon"}), 400, param="window_s")
+            assert_error(http.get("/dashboard/data", params={"window_s": "1"}), 400, param="window_s")
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--hide-scrollbars", "--virtual-time-budget=8000", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def page_numbers(dom: str, model: str = "0") -> dict[str, float | None]:
+    shown = re.findall(r'<span data-model="([^"]+)" data-metric="([^"]+)">([^<]*)</span>', dom)
+    return {name: (None if text == "–" else float(text)) for owner, name, text in shown if owner == model}
+
+
+def render(url: str, screenshot: Path | None = None) -> str:
+    done = chromium("--dump-dom", url)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'data-loaded="true"' in done.stdout, done.stdout[-2000:]
+    if screenshot is not None:
+        shot = chromium("--window-size=1280,900", f"--screenshot={screenshot}", url)
+        assert shot.returncode == 0, shot.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs a chromium binary (Debian: apt-get install chromium)")
+def test_page_in_headless_chromium_shows_what_metrics_says(tmp_path):
+    server = ServerProcess(tmp_path / "s.db").wait_ready()
+    try:
+        client = openai_client(server.url)
+        lines = [chat_line(f"line-{i}", f"request {i}", max_tokens=24, ignore_eos=True) for i in range(24)]
+        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        loader = threading.Thread(target=online_and_flex_load, args=(server.url, 6.0))
+        loader.start()
+        # Under load: the page renders, with work on the device.
+        during = page_numbers(render(f"{server.url}/dashboard"))
+        loader.join()
+        assert wait_final(client, batch.id, timeout_s=120).status == "completed"
+        assert during["online_requests"] is not None
+        # Quiet: every number the page shows is the one /metrics gives.
+        dom = render(f"{server.url}/dashboard", screenshot=tmp_path / "dashboard.png")
+        shown = page_numbers(dom)
+        expected = from_metrics(httpx.get(f"{server.url}/metrics").text)
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            assert shown[key] == pytest.approx(expected[key], abs=0.051), key   # shown to 0.1 ms
+        for key in ("online_requests", "online_tokens", "offline_tokens", "preemptions", "queue_online",
+                    "queue_offline", "batch_lines_waiting"):
+            assert shown[key] == expected[key], key
+        assert shown["kv_usage_pct"] == pytest.approx(expected["kv_usage_pct"], abs=0.051)
+        assert shown["online_requests"] > 0 and shown["offline_tokens"] >= 24 * 24
+        # Both shown to 0.1: the rate within its rounding and the window's.
+        assert shown["offline_tokens_per_s"] == pytest.approx(shown["offline_tokens"] / shown["window_s"],
+                                                              rel=0.01, abs=0.06)
+        assert shown["idle_share_pct"] == pytest.approx(100 * (1 - expected["online_busy_s"] / shown["window_s"]),
+                                                        abs=1.0)
+        assert f'data-batch="{batch.id}"' in dom and "24/24" in dom
+        png = (tmp_path / "dashboard.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    finally:
+        server.stop()
