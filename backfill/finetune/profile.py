@@ -326,6 +326,7 @@ PARTITION_SEQLENS = (32, 256)
 
 
 def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, repeats: int = 7, passes: int = 2,
+                       batches: tuple[int, ...] = PARTITION_BATCHES, seqlens: tuple[int, ...] = PARTITION_SEQLENS,
                        model_name: str = "", log=print) -> HarliLatencyModel:
     """HARLI's two-stage predictor over the partitions' realisable splits (§5, as §8.8 profiles SM
     shares), measured on this thread, which must be the one decode runs on.
@@ -337,7 +338,7 @@ def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, rep
     interleave the three kinds of point, so a burst of outside load reaches all of them."""
 
     kv = runner.kv
-    shapes = [(bs, seq) for bs in PARTITION_BATCHES for seq in PARTITION_SEQLENS]
+    shapes = [(bs, seq) for bs in batches for seq in seqlens]
     chunks = {}
     for bs, seq in shapes:
         tables = [kv.allocate(kv.blocks_needed(seq + 1)) for _ in range(bs)]
@@ -361,11 +362,15 @@ def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, rep
     thread = threading.Thread(target=finetune, name="backfill-profile-finetune", daemon=True)
     thread.start()
 
+    cuda = runner.device.type == "cuda"
+
     def steps(key: tuple, into: dict, n: int) -> None:
         runner.execute(chunks[key[:2]])  # untimed: the step after a change of partition
         for _ in range(n):
             start = time.perf_counter()
             runner.execute(chunks[key[:2]])
+            if cuda:  # this thread's stream only: the finetuning partition's work runs on
+                torch.cuda.current_stream().synchronize()
             into.setdefault(key, []).append((time.perf_counter() - start) * 1e3)
 
     per_pass = -(-repeats // passes)

@@ -181,8 +181,8 @@ def test_partitioned_driver_finetunes_on_its_own_core_beside_decode(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("core partitions need two cores")
-    data = write_chat_file(tmp_path / "t.jsonl")
-    requests = _requests(4, 40, 24)
+    data = write_chat_file(tmp_path / "t.jsonl", n=4)
+    requests = _requests(3, 24, 16)
     reference = _engine()
 
     async def serve(engine, handle_factory=None):
@@ -198,7 +198,7 @@ def test_partitioned_driver_finetunes_on_its_own_core_beside_decode(tmp_path):
 
     _, want = asyncio.run(serve(reference))
     engine = _engine()
-    job = FinetuneJob(engine.scheduler.runner.model, TOKENIZER, data, CONFIG, tmp_path / "colo")
+    job = FinetuneJob(engine.scheduler.runner.model, TOKENIZER, data, replace(CONFIG, max_steps=2), tmp_path / "colo")
     partitions = CorePartitions(cores[:2], max_threads=1)
     # Decode beside finetuning is predicted well under the target: the plan is one core each.
     latency = HarliLatencyModel((SoloFit(0.5, 1.0, 2.0, 0.0), SoloFit(1.0, 0.5, 1.0, 0.0)), b1=1.0, k1=1.0)
