@@ -122,7 +122,7 @@ class DutyCycle:
         self.runner, self.device = runner, device
         self.period_s, self.busy = period_s, busy
         self.batch, self.context = batch, context
-        self.max_steps = 4096
+        self.max_steps = 512  # positions wrap after this many steps: the KV a run needs stays bounded
         kv = runner.kv
         self.tables = [kv.allocate(kv.blocks_needed(context + self.max_steps + 1)) for _ in range(batch)]
         self.chunk = lambda step: [SeqChunk(f"d{i}", [5 + i], context + step % self.max_steps, t, want_logits=True)
@@ -211,7 +211,7 @@ def run_mode(mode: str, cycle: DutyCycle, job, partitions, policy, target_ms: fl
     def on_step(decoding: bool, step: int) -> None:
         if ft is None:
             return
-        state = ColoState(time.monotonic(), cycle.batch if decoding else 0, 0, float(cycle.context + step % 4096),
+        state = ColoState(time.monotonic(), cycle.batch if decoding else 0, 0, float(cycle.context + step % cycle.max_steps),
                           target_ms, True, job.next_unit_estimate_ms())
         plan = policy.plan(state)
         split = partitions.apply(plan.share_infer, plan.share_ft)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--period-s", type=float, default=1.0)
     p.add_argument("--busy", type=float, default=0.6, help="share of each period decode runs")
     p.add_argument("--target-x-solo", type=float, default=1.5)
-    p.add_argument("--kv-gb", type=float, default=4.0)
+    p.add_argument("--kv-gb", type=float, default=8.0)
     p.add_argument("--dry-run", action="store_true", help="say what would run, run nothing")
     args = p.parse_args(argv)
     what = (f"HARLI on {args.device}: {args.shape} random weights, decode batch {args.batch} at context "
