@@ -25,9 +25,16 @@ def _renice(args: argparse.Namespace) -> None:
 def cmd_disb(args: argparse.Namespace) -> int:
     from backfill.realtime.bench import ALL_MODELS, run_disb, write_json
 
+    from backfill.realtime.config import MODE_CONFIGS
+
     _renice(args)
     all_models = tuple(m for m in ALL_MODELS if m not in args.exclude)
-    report = run_disb([w.upper() for w in args.workload], args.modes, args.duration, args.rounds, args.seed,
+    modes = args.modes
+    if args.device == "cuda" and modes == list(MODE_CONFIGS):  # the default list: the modes CUDA has
+        from backfill.realtime.cuda_scheduler import CUDA_MODES
+
+        modes = list(CUDA_MODES)
+    report = run_disb([w.upper() for w in args.workload], modes, args.duration, args.rounds, args.seed,
                       _scales(args), all_models, args.file, Path(args.metadata_dir) if args.metadata_dir else None,
                       rt_load_scale=args.rt_load_scale, device=args.device)
     report["size"] = args.size
