@@ -55,3 +55,14 @@ def test_reef_part_runs_on_the_cpu(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert any(r["measure"].startswith("REEF DISB A reef") for r in summary["rows"])
     assert any("DISB Z" in s for s in summary["skipped"])  # a bad workload is reported, not fatal
+
+
+@pytest.mark.skipif(os.environ.get("BACKFILL_TEST_DEVICE", "cpu") != "cuda",
+                    reason="green contexts need a CUDA device (BACKFILL_TEST_DEVICE=cuda)")
+def test_harli_part_runs_on_green_contexts(tmp_path):
+    assert harli_device.main(["--out", str(tmp_path), "--device", "cuda", "--shape", "llama3.1-tiny", "--batch", "4",
+                              "--context", "64", "--seconds", "2", "--kv-gb", "0.5"]) == 0
+    result = json.loads((tmp_path / "harli_device.json").read_text())
+    assert "error" not in result, result.get("error")
+    assert result["partitions"]["form"] == "green-context" and result["partitions"]["path"] in ("driver", "torch")
+    assert result["partitioned"]["decode_steps"] > 0 and result["partitioned"]["finetune_steps"] > 0
