@@ -87,7 +87,7 @@ class HarliSmPolicy:
             return SmSplit(1.0, 0.0, solo, "pause: decode alone is predicted over the target")
         best = SmSplit(1.0, 0.0, solo, "pause: any finetuning share is predicted over the target")
         for share_ft in self.ft_shares:
-            share_infer = round(1.0 - share_ft, 6)
+            share_infer = 1.0 - share_ft  # unrounded: a realised share (k / SMs) and its rest sum to 1
             predicted = self.latency.colo_ms(batch, seqlen, share_infer, share_ft)
             if predicted <= target and predicted >= best.predicted_ms:
                 best = SmSplit(share_infer, share_ft, predicted, "split closest below the target")

@@ -123,3 +123,15 @@ def test_the_split_re_plans_per_token_as_the_batch_grows():
 def test_unrealisable_shares_are_refused(shares):
     with pytest.raises(PolicyInputError):
         HarliSmPolicy(CORES_MODEL, ft_shares=shares)
+
+
+def test_plans_over_sm_group_shares_stay_on_the_device():
+    """H200 shares (k / 132 SMs) are not round tenths: a split and its rest must still sum to 1."""
+    from backfill.engine.green_context import planned_ft_sms
+
+    shares = tuple(k / 132 for k in planned_ft_sms(132, 8, 0.1))
+    policy = HarliSmPolicy(MODEL, headroom=0.0, ft_shares=shares)
+    for target in (7.8, 9.5, 14.0, 40.0):
+        plan = policy.plan(state(target=target))
+        assert plan.share_ft in shares + (0.0,)
+        assert plan.share_infer + plan.share_ft == pytest.approx(1.0)
