@@ -188,6 +188,9 @@ class FinetuneThread:
                     return
                 self.partitions.enter("finetune")
                 self.job.run_unit()
+                # The next unit may run on another partition's stream: this one's work ends first.
+                if torch.cuda.is_available() and getattr(self.partitions, "form", "") == "green-context":
+                    torch.cuda.current_stream().synchronize()
                 self.units += 1
         except BaseException as exc:  # reported by the run, which keeps going
             self.error = exc

@@ -358,6 +358,8 @@ def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, rep
             partitions.enter("finetune")
             if not job.run_unit():
                 raise LatencyProfileError("the profiling job ran out of steps")
+            if runner.device.type == "cuda":  # the next unit may run on another partition's stream
+                torch.cuda.current_stream().synchronize()
 
     thread = threading.Thread(target=finetune, name="backfill-profile-finetune", daemon=True)
     thread.start()
