@@ -7,7 +7,7 @@
 #   --dry-run   list the parts, their caps and commands, and check that the Python side imports
 #               without the server's dependencies; runs nothing on a device.
 # Environment: PYTHON (default .venv/bin/python where it exists, else python3), BACKFILL_TOKENIZER (a tokenizer.json for random-weight
-#   shapes; default .gpu/tokenizer when present), GPU_CHECK_TOTAL_S (overall deadline, default 570),
+#   shapes; default .gpu/tokenizer when present), GPU_CHECK_TOTAL_S (overall deadline, default 585),
 #   GPU_CHECK_PARTS (space-separated subset of the part names, default all).
 set -uo pipefail
 DRY_RUN=0
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # the checkout's venv where there is one (a development machine), else the image's python3 (the device)
 if [ -x .venv/bin/python ]; then PY=${PYTHON:-$PWD/.venv/bin/python}; else PY=${PYTHON:-python3}; fi
 export PYTHON=$PY  # the parts' own scripts run the same interpreter
-TOTAL_S=${GPU_CHECK_TOTAL_S:-570}
+TOTAL_S=${GPU_CHECK_TOTAL_S:-585}
 if [ -z "${BACKFILL_TOKENIZER:-}" ] && [ -f .gpu/tokenizer/tokenizer.json ]; then
   export BACKFILL_TOKENIZER=$PWD/.gpu/tokenizer
 fi
@@ -27,8 +27,8 @@ MODEL_8B=(--random-weights --shape llama3-8b)
 # name | cap in seconds | what it measures | command (OUT/<name> is $P)
 PARTS=(
   "engine|130|engine decode at batch 1/8/32/64 against the weight-read floor, torch vs triton kernels, graphs vs eager, mixed-step graphs (Llama-3-8B shape, bf16)|$PY -m backfill.cli bench engine ${MODEL_8B[*]} --device cuda --dtypes bfloat16 --no-hf --mixed-graphs --batches 1 8 32 64 --cuda-kernels torch triton --json \$P/engine-bench.json"
-  "coserve|130|co-serving at SLOs 200/15 ms and online load 0.3: online-only, priority, coserve (Llama-3-8B shape, bf16, 24 GiB KV)|$PY -m backfill.cli bench coserve ${MODEL_8B[*]} --dtype bfloat16 --device cuda --kv-cache-gb 24 --duration 20 --rounds 1 --warmup-s 5 --online-load 0.3 --slos 200/15 --modes online-only priority coserve --out \$P"
-  "harli-reef|120|HARLI: decode + LoRA finetuning on green-context SM partitions vs pause-only at the decode QoS; REEF: DISB A RT P99 against RT-only on prioritized streams|bash scripts/gpu_check_harli_reef.sh \$P"
+  "coserve|140|co-serving at SLOs 200/15 ms and online load 0.3: online-only, priority, coserve (Llama-3-8B shape, bf16, 24 GiB KV)|$PY -m backfill.cli bench coserve ${MODEL_8B[*]} --dtype bfloat16 --device cuda --kv-cache-gb 24 --duration 20 --rounds 1 --warmup-s 5 --online-load 0.3 --slos 200/15 --modes online-only priority coserve --out \$P"
+  "harli-reef|150|HARLI: decode + LoRA finetuning on green-context SM partitions vs pause-only at the decode QoS; REEF: DISB A RT P99 against RT-only on prioritized streams|HARLI_TIMEOUT_S=75 REEF_TIMEOUT_S=70 bash scripts/gpu_check_harli_reef.sh \$P"
   "node-burst|140|Valve: online and offline engine processes on one GPU (alone / valve / fifo); AQUA: 2x burst, CFS vs FCFS paging, transfer GB/s against the PCIe peak|bash scripts/gpu_check_node_burst.sh \$P"
   "cuda-tests|40|the engine's CUDA tests: Triton kernels, device sampler, CUDA graphs|$PY -m pytest -q -p no:cacheprovider --junitxml=\$P/cuda-tests.xml tests/engine/test_triton_kernels.py tests/engine/test_device_sampler.py tests/engine/test_cuda_graphs.py"
 )

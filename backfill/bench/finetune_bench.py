@@ -8,6 +8,11 @@ gamma trace, online only):
   static      StaticMode: a fixed time split, inference at 60% whatever the load
   pause-only  finetuning only while no decode runs
   harli       HARLI's QoS scheduler (policy/harli.py) with the fitted two-stage predictor
+  partitioned HARLI on compute partitions (engine/compute_partition.py; on a CPU, cores):
+              decode on the engine's thread and finetuning on a thread of its own, each pinned to
+              its cores, at the same time; the SM-share scheduler (policy/harli_sm.py) re-plans
+              the split at every decode step over the splits the partitions realise, with the
+              two-stage predictor profiled on those partitions before the first round
 
 Each round first runs the trace alone (solo, no finetuning): unless --tpot-target-ms is given, the
 decode QoS target is --tpot-target-x-solo times the first round's solo P99 TPOT, so the target is
@@ -34,7 +39,7 @@ from pathlib import Path
 
 from backfill.policy.harli import ColocationPolicy, ColoPlan, ColoState
 
-MODES = ("separate", "static", "pause-only", "harli")
+MODES = ("separate", "static", "pause-only", "harli", "partitioned")
 SOLO = "solo"  # the reference: the online trace with no finetuning
 
 
@@ -94,12 +99,14 @@ def run_bench_finetune(args, serving, config) -> int:
     data = synthetic_training_file(tmp / "train.jsonl", loaded.tokenizer, num=64)
     threads = torch.get_num_threads()
     results: dict[str, list[dict]] = {}
+    partitioned = _Partitioned.build(args, runner, loaded, data, config, tmp) if "partitioned" in modes else None
     for k in range(args.rounds):
         scenario = CoserveScenario(duration_s=args.duration, online_load=args.online_load, seed=k, warmup_s=0.0)
         workload = make_workload(scenario, loaded.tokenizer, step_latency, with_offline=False)
         for mode in (SOLO, *modes):
             print(f"== round {k + 1}/{args.rounds} {mode}: {len(workload.requests)} online requests", flush=True)
-            r = _run_mode(mode, args, runner, loaded, workload, data, config, latency, tmp / f"{mode}-{k}", threads)
+            r = _run_mode(mode, args, runner, loaded, workload, data, config, latency, tmp / f"{mode}-{k}", threads,
+                          partitioned)
             results.setdefault(mode, []).append(r)
             if mode == SOLO and args.tpot_target_ms is None:
                 args.tpot_target_ms = args.tpot_target_x_solo * r["p99_tpot_ms"]
@@ -110,18 +117,56 @@ def run_bench_finetune(args, serving, config) -> int:
     table = _table(results, args.tpot_target_ms)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    extra = partitioned.describe() if partitioned else {}
     (out / "result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
-                                                 "rounds": results, "table": table}, indent=1))
+                                                 "rounds": results, "table": table, **extra}, indent=1))
     print(_markdown(table, args))
     print(f"wrote {out / 'result.json'}")
     return 0
 
 
-def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency, job_dir: Path, threads: int) -> dict:
+class _Partitioned:
+    """The partitioned mode's partitions and its predictor, profiled once on them before the rounds."""
+
+    def __init__(self, partitions, latency) -> None:
+        self.partitions, self.latency = partitions, latency
+
+    @classmethod
+    def build(cls, args, runner, loaded, data: Path, config, tmp: Path) -> "_Partitioned":
+        from backfill.engine.partitions import make_partitions
+        from backfill.finetune.job import FinetuneJob
+        from backfill.finetune.profile import profile_partitions
+        from backfill.serving.torch_thread import run_on_torch_thread
+
+        partitions = make_partitions(runner.device.type)
+        job = FinetuneJob(runner.model, loaded.tokenizer, data, config, tmp / "partition-profile")
+
+        def profile():
+            while job.steps_done == 0:
+                job.run_unit()
+            return profile_partitions(runner, job, partitions, model_name=loaded.config.name)
+
+        return cls(partitions, run_on_torch_thread(profile))
+
+    def policy(self):
+        from backfill.policy.harli_sm import HarliSmPolicy
+
+        return HarliSmPolicy(self.latency, ft_shares=self.partitions.ft_shares())
+
+    def describe(self) -> dict:
+        lat = self.latency
+        return {"partitions": {"form": self.partitions.form, "ft_shares": list(self.partitions.ft_shares()),
+                               "cores": list(getattr(self.partitions, "cores", []))},
+                "partition_predictor": {"solo": [f.__dict__ for f in lat.solo], "b1": lat.b1, "k1": lat.k1,
+                                        "errors": lat.errors}}
+
+
+def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency, job_dir: Path, threads: int,
+              partitioned: "_Partitioned | None" = None) -> dict:
     from backfill.bench.inprocess_target import InProcessTarget
     from backfill.bench.metrics import compute_metrics
     from backfill.bench.driver import run_workload
-    from backfill.finetune.colocate import attach_finetune
+    from backfill.finetune.colocate import attach_finetune, attach_finetune_partitioned
     from backfill.finetune.job import FinetuneJob
     from backfill.policy.harli import make_colo_policy
     from backfill.serving.config import ServingConfig
@@ -144,7 +189,10 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
         await engine.start()
         handle = None
         try:
-            if mode not in ("separate", SOLO):
+            if mode == "partitioned":
+                handle = attach_finetune_partitioned(engine, job, partitioned.policy(), partitioned.partitions,
+                                                     tpot_target_ms=args.tpot_target_ms)
+            elif mode not in ("separate", SOLO):
                 policy = make_colo_policy(mode, latency, args.static_share_infer)
                 handle = attach_finetune(engine, job, policy, tpot_target_ms=args.tpot_target_ms)
             started_progress = job.progress_steps if handle else 0.0
@@ -182,6 +230,8 @@ def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency,
         s = handle.stats
         out.update(units=s.units, units_during_decode=s.units_during_decode, paused_gaps=s.paused_gaps,
                    unit_ms=s.unit_ms, abandoned_steps=s.abandoned_steps, reasons=s.reasons)
+        if mode == "partitioned":
+            out["splits"] = dict(s.splits)
     return out
 
 
@@ -229,6 +279,10 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
         table[mode]["qos"] = qos_verdict(rounds, table[mode]["p99_tpot_ms"], target_ms)
         table[mode]["meets_qos"] = table[mode]["qos"]["met"]
+    if "partitioned" in table:
+        for base in ("pause-only", "static", "separate", "harli"):
+            if base in table and table[base]["samples_per_s"] > 0:
+                table["partitioned"][f"x_{base}"] = table["partitioned"]["samples_per_s"] / table[base]["samples_per_s"]
     return add_harli_ratios(table)
 
 
@@ -240,9 +294,10 @@ def _markdown(table: dict, args) -> str:
     for mode, row in table.items():
         lines.append(f"| {mode} | {row['samples_per_s']:.3f} | {row['p99_tpot_ms']:.1f} | {row['p99_itl_ms']:.1f} | "
                      f"{qos_text(row)} |")
-    if "harli" in table:
-        ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table["harli"].items() if k.startswith("x_"))
-        lines.append(f"\nharli's finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
+    for mode in ("harli", "partitioned"):
+        if mode in table:
+            ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table[mode].items() if k.startswith("x_"))
+            lines.append(f"\n{mode}'s finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
     return "\n".join(lines)
 
 

@@ -91,8 +91,11 @@ class DisbSource:
             self.pending.append(self._be(request.client, request.model, now_s))
 
 
-def load_models(names: set[str], scales: dict[str, float], metadata_dir: Path | None) -> dict[str, ServedModel]:
-    """Build, analyse (or load the saved idempotence map) and profile each model."""
+def load_models(names: set[str], scales: dict[str, float], metadata_dir: Path | None,
+                device: str = "cpu") -> dict[str, ServedModel]:
+    """Build, analyse (or load the saved idempotence map) and profile each model; on a CUDA
+    device the model moves there after its analysis on the CPU (the same ops and buffers) and
+    its standalone time is measured there."""
     out = {}
     for name in sorted(names):
         model = build_model(name, scales[name])
@@ -108,6 +111,10 @@ def load_models(names: set[str], scales: dict[str, float], metadata_dir: Path | 
             if path is not None:
                 imap.save(path)
         out[name] = profile(model, imap)
+        if device != "cpu":
+            from backfill.realtime.cuda_scheduler import profile_on_device
+
+            out[name] = profile_on_device(ServedModel(model.on_device(device), imap, out[name].op_s, out[name].solo_s))
     return out
 
 
@@ -136,10 +143,16 @@ def mode_config(mode: str) -> TaskSchedulerConfig:
 
 
 def run_once(workload: DisbWorkload, mode: str, models: dict[str, ServedModel], duration_s: float,
-             seed: int) -> RunResult:
+             seed: int, device: str = "cpu") -> RunResult:
     config = mode_config(mode)
     be = {c.name: c.model for c in workload.clients if c.priority == "best-effort"}
-    with Scheduler(config, models, be) as sched:
+    if device == "cpu":
+        scheduler = Scheduler(config, models, be)
+    else:
+        from backfill.realtime.cuda_scheduler import CudaScheduler
+
+        scheduler = CudaScheduler(config, models, be)
+    with scheduler as sched:
         t0 = time.perf_counter() + 0.05
         source = DisbSource(workload, models, t0, duration_s, seed, with_be=config.mode != "rt-only")
         sched.run(source, t0 + duration_s)
@@ -178,8 +191,11 @@ def summarize(results: list[RunResult], workload: DisbWorkload, models: dict[str
 
 
 def _timed_inference(served: ServedModel) -> float:
+    cuda = served.model.example_input.device.type == "cuda"
     start = time.perf_counter()
     served.model.infer(served.model.example_input)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -192,9 +208,17 @@ def _latency_stats(pre: list[tuple[str, float, float]]) -> dict:
 def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: int, seed: int = 0,
              scales: dict[str, float] | None = None, all_models: tuple[str, ...] = ALL_MODELS,
              workload_file: str | None = None, metadata_dir: Path | None = None, log=print,
-             rt_load_scale: float = 1.0) -> dict:
+             rt_load_scale: float = 1.0, device: str = "cpu") -> dict:
     for m in modes:
         mode_config(m)
+    if device != "cpu":
+        from backfill.realtime.cuda_scheduler import CUDA_MODES
+
+        bad = [m for m in modes if mode_config(m).mode not in CUDA_MODES or mode_config(m).pad]
+        if bad:
+            raise RealtimeError(f"modes {bad} have no CUDA form; on {device} choose among {', '.join(CUDA_MODES)}")
+        if not torch.cuda.is_available():
+            raise RealtimeError(f"device {device!r}: CUDA is not available")
     _check_rt_load_scale(rt_load_scale)  # before the models load
     if rounds < 1 or duration_s <= 0:
         raise RealtimeError("rounds must be >= 1 and duration positive")
@@ -205,12 +229,13 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
     unknown = needed - set(scales)
     if unknown:
         raise RealtimeError(f"DISB clients use models without a DNN definition: {sorted(unknown)}")
-    models = load_models(needed, scales, metadata_dir)
+    models = load_models(needed, scales, metadata_dir, device)
     log("models (standalone ms): " + ", ".join(f"{n} {m.solo_s * 1e3:.1f} ({len(m.model)} ops)"
                                                 for n, m in models.items()))
     report = {"models": {n: {"solo_ms": m.solo_s * 1e3, "ops": len(m.model), "scale": scales[n]}
                          for n, m in models.items()},
-              "duration_s": duration_s, "rounds": rounds, "rt_load_scale": rt_load_scale, "workloads": {}}
+              "duration_s": duration_s, "rounds": rounds, "rt_load_scale": rt_load_scale, "device": device,
+              "workloads": {}}
     for letter in ([custom.name or "custom"] if custom else letters):
         wl = custom or dnn_preset(letter, {n: m.solo_s for n, m in models.items()}, duration_s, all_models,
                                           rt_load_scale)
@@ -220,7 +245,7 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
             for n, m in models.items():  # standalone times re-measured beside the modes, round by round
                 solo_runs[n] += [_timed_inference(m) for _ in range(3)]
             for mode in modes:
-                results.append(run_once(wl, mode, models, duration_s / rounds, seed + k))
+                results.append(run_once(wl, mode, models, duration_s / rounds, seed + k, device))
         solo = {n: replace(m, solo_s=float(np.median(solo_runs[n]))) for n, m in models.items()}
         rows = summarize(results, wl, solo)
         report["workloads"][wl.name] = {"solo_ms": {n: m.solo_s * 1e3 for n, m in solo.items()}}

@@ -25,11 +25,18 @@ def _renice(args: argparse.Namespace) -> None:
 def cmd_disb(args: argparse.Namespace) -> int:
     from backfill.bench.realtime_bench import ALL_MODELS, run_disb, write_json
 
+    from backfill.realtime.config import MODE_CONFIGS
+
     _renice(args)
     all_models = tuple(m for m in ALL_MODELS if m not in args.exclude)
-    report = run_disb([w.upper() for w in args.workload], args.modes, args.duration, args.rounds, args.seed,
+    modes = args.modes
+    if args.device == "cuda" and modes == list(MODE_CONFIGS):  # the default list: the modes CUDA has
+        from backfill.realtime.cuda_scheduler import CUDA_MODES
+
+        modes = list(CUDA_MODES)
+    report = run_disb([w.upper() for w in args.workload], modes, args.duration, args.rounds, args.seed,
                       _scales(args), all_models, args.file, Path(args.metadata_dir) if args.metadata_dir else None,
-                      rt_load_scale=args.rt_load_scale)
+                      rt_load_scale=args.rt_load_scale, device=args.device)
     report["size"] = args.size
     write_json(report, args.json)
     return 0
@@ -93,6 +100,9 @@ def _fill_disb(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rt-load-scale", type=float, default=1.0,
                    help="multiply every preset's RT rate (a share of the RT model's solo maximum) by this, for "
                         "all modes alike, e.g. 0.8 where B's 100%% saturates RT-only on this machine")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: RT and BE on CUDA streams with priorities, BE launches in an in-flight window of "
+                        "events (modes rt-only, seq, concurrent, reef)")
     p.add_argument("--exclude", nargs="*", default=[], choices=list(ALL_MODELS),
                    help="models left out of the 5-model (\"ALL\") clients of C-E")
     _common(p)

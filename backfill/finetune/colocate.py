@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class ColoStats:
     abandoned_steps: int = 0        # steps dropped to give memory back
     blocks_given_back: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    splits: dict[str, int] = field(default_factory=dict)  # partitioned: "share_infer/share_ft" -> plans
 
 
 class FinetuneHandle:
@@ -157,6 +159,137 @@ def attach_finetune(engine, job: FinetuneJob, policy: ColocationPolicy | None = 
     return handle
 
 
+class _PartitionedDriver:
+    """HARLI on a partitioned device (§5-§6): decode on the engine's thread in its partition,
+    finetuning units on a thread of their own in theirs, at the same time. At each decode step
+    boundary (and while idle) the engine's thread plans a split over the partitions' realisable
+    shares and applies it; the finetuning thread reads the split before each unit and runs it in
+    its partition, or waits while its share is 0 (a unit in flight finishes where it started, as
+    a kernel keeps its SMs until it ends)."""
+
+    def __init__(self, engine, job: FinetuneJob, policy, partitions, lease: KVLease, tpot_target_ms: float,
+                 handle: FinetuneHandle, future: Future) -> None:
+        self.engine, self.job, self.policy, self.partitions, self.lease = engine, job, policy, partitions, lease
+        self.tpot_target_ms = tpot_target_ms
+        self.handle, self.future = handle, future
+        self._cond = threading.Condition()
+        self._share_ft = 0.0
+        self._decoding = False
+        self._abandon = False                    # the engine's thread asks for the step in flight to go
+        self._stop = False
+        self._thread = threading.Thread(target=self._finetune_loop, name="backfill-finetune", daemon=True)
+        self._thread.start()
+
+    # --- the engine's thread --------------------------------------------------------------------
+
+    def __call__(self) -> bool:
+        handle, job, stats = self.handle, self.job, self.handle.stats
+        if handle.cancelled or job.finished or handle.error is not None:
+            self._finish()
+            return False
+        snapshot = self.engine.scheduler.snapshot()
+        demand = inference_demand_blocks(snapshot)
+        with self._cond:
+            abandoning = self._abandon
+        if self.lease.must_give_back(demand) and not abandoning:
+            with self._cond:  # the finetuning thread drops its step before its next unit
+                self._abandon, self._share_ft = True, 0.0
+            stats.abandoned_steps += 1
+            abandoning = True
+        if abandoning:
+            with self._cond:
+                still = self._abandon
+            if still:
+                return False  # not yet dropped: keep its blocks accounted until it is
+            stats.blocks_given_back += self.lease.give_back()
+        ready = self.lease.try_hold(job.memory_bytes(), demand)
+        if not ready:
+            stats.stalled_calls += 1
+        decoding = [s for s in snapshot.seqs if s.running]
+        waiting = len(snapshot.seqs) - len(decoding)
+        seqlen = sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0
+        state = ColoState(time.monotonic(), len(decoding), waiting, seqlen, self.tpot_target_ms, ready,
+                          job.next_unit_estimate_ms())
+        plan = self.policy.plan(state)
+        split = self.partitions.apply(plan.share_infer, plan.share_ft)
+        stats.reasons[plan.reason] = stats.reasons.get(plan.reason, 0) + 1
+        key = f"{split.share_infer:.2f}/{split.share_ft:.2f}"
+        stats.splits[key] = stats.splits.get(key, 0) + 1
+        if decoding and split.share_ft == 0:
+            stats.paused_gaps += 1
+        self.partitions.enter("decode")  # the next decode step runs in decode's partition
+        with self._cond:
+            self._share_ft = split.share_ft if ready else 0.0
+            self._decoding = bool(decoding or waiting)
+            self._cond.notify_all()
+        return False  # nothing ran on this thread: an idle engine waits for its next wake-up
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+        self.partitions.apply(1.0, 0.0)
+        self.partitions.enter("decode")
+        self.lease.give_back()
+        if self.engine.background is self:
+            self.engine.background = None
+        if not self.future.done():
+            if self.handle.error is not None:
+                self.future.set_exception(self.handle.error)
+            else:
+                self.future.set_result(None)
+
+    # --- the finetuning thread ------------------------------------------------------------------
+
+    def _finetune_loop(self) -> None:
+        job, stats = self.job, self.handle.stats
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self._abandon and self._share_ft <= 0:
+                        self._cond.wait(timeout=0.05)
+                    if self._stop:
+                        return
+                    if self._abandon:
+                        job.abandon_step()
+                        self._abandon = False
+                        continue
+                    decoding = self._decoding
+                if self.handle.cancelled or job.finished:
+                    return
+                self.partitions.enter("finetune")
+                started = time.perf_counter()
+                if not job.run_unit():
+                    return
+                stats.units += 1
+                stats.unit_ms += (time.perf_counter() - started) * 1e3
+                stats.units_during_decode += decoding
+        except Exception as exc:  # the job fails; the engine keeps serving
+            log.exception("finetuning job failed")
+            self.handle.error = exc
+            job.abandon_step()
+
+
+def attach_finetune_partitioned(engine, job: FinetuneJob, policy, partitions, *, tpot_target_ms: float,
+                                max_batch: int = DEFAULT_MAX_BATCH) -> FinetuneHandle:
+    """Run job beside engine's decode on compute partitions (engine/compute_partition.py) under an
+    SM-share policy (policy/harli_sm.py: HarliSmPolicy built with partitions.ft_shares(), or a
+    baseline). Cancel with handle.cancel(); the driver then stops its thread at the next call."""
+    if engine.background is not None:
+        raise FinetuneError("this engine already runs a finetuning job")
+    kv = engine.scheduler.kv
+    reserve = reserve_blocks(job.next_unit_estimate_ms(default_ms=tpot_target_ms), tpot_target_ms, max_batch,
+                             kv.block_size)
+    future: Future = Future()
+    handle = FinetuneHandle(job, future)
+    engine.background = _PartitionedDriver(engine, job, policy, partitions, KVLease(kv, min(reserve, kv.num_usable)),
+                                           tpot_target_ms, handle, future)
+    engine._wake.set()
+    return handle
+
+
 def harli_profile_path(model_name: str) -> Path:
     import os
 
@@ -180,4 +313,4 @@ def load_saved_latency(model_name: str) -> HarliLatencyModel | None:
     return latency
 
 
-__all__ = ["FinetuneHandle", "attach_finetune", "harli_profile_path", "load_saved_latency"]
+__all__ = ["FinetuneHandle", "attach_finetune", "attach_finetune_partitioned", "harli_profile_path", "load_saved_latency"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import tempfile
 import time
 from dataclasses import dataclass
@@ -329,3 +330,98 @@ def step_time_by_kind(job: FinetuneJob, unit_ms: dict[str, float]) -> dict[str, 
     for kind in job.kinds_of_step(job.steps_done):
         out[kind] = out.get(kind, 0.0) + unit_ms.get(kind, 0.0)
     return out
+
+
+# --- the predictor on compute partitions (HARLI §5 on a partitioned device) ------------------------
+
+PARTITION_BATCHES = (1, 2, 4)
+PARTITION_SEQLENS = (32, 256)
+
+
+def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, repeats: int = 7, passes: int = 2,
+                       batches: tuple[int, ...] = PARTITION_BATCHES, seqlens: tuple[int, ...] = PARTITION_SEQLENS,
+                       model_name: str = "", log=print) -> HarliLatencyModel:
+    """HARLI's two-stage predictor over the partitions' realisable splits (§5, as §8.8 profiles SM
+    shares), measured on this thread, which must be the one decode runs on.
+
+    Stage 1: decode steps at every batch x context with decode on its partition of each realisable
+    split, finetuning idle (and on the whole device, share 1). Stage 2: the same steps while a
+    finetuning thread runs the job's units on its partition, at every split; the whole-device
+    solo steps join them as splits with no finetuning, so b1 and k1 are told apart. The passes
+    interleave the three kinds of point, so a burst of outside load reaches all of them."""
+
+    kv = runner.kv
+    shapes = [(bs, seq) for bs in batches for seq in seqlens]
+    chunks = {}
+    for bs, seq in shapes:
+        tables = [kv.allocate(kv.blocks_needed(seq + 1)) for _ in range(bs)]
+        chunks[(bs, seq)] = [SeqChunk(f"p{i}", [5], seq, t, want_logits=True) for i, t in enumerate(tables)]
+    splits = [(round(1 - f, 6), f) for f in partitions.ft_shares()]
+    if not splits:
+        raise LatencyProfileError(f"the {partitions.form} partitions realise no split to profile")
+    solo: dict[tuple, list[float]] = {}
+    colo: dict[tuple, list[float]] = {}
+    running = threading.Event()
+    stop = threading.Event()
+
+    def finetune() -> None:
+        while not stop.is_set():
+            if not running.wait(timeout=0.05):
+                continue
+            partitions.enter("finetune")
+            if not job.run_unit():
+                raise LatencyProfileError("the profiling job ran out of steps")
+            if runner.device.type == "cuda":  # the next unit may run on another partition's stream
+                torch.cuda.current_stream().synchronize()
+
+    thread = threading.Thread(target=finetune, name="backfill-profile-finetune", daemon=True)
+    thread.start()
+
+    cuda = runner.device.type == "cuda"
+
+    def steps(key: tuple, into: dict, n: int) -> None:
+        runner.execute(chunks[key[:2]])  # untimed: the step after a change of partition
+        for _ in range(n):
+            start = time.perf_counter()
+            runner.execute(chunks[key[:2]])
+            if cuda:  # this thread's stream only: the finetuning partition's work runs on
+                torch.cuda.current_stream().synchronize()
+            into.setdefault(key, []).append((time.perf_counter() - start) * 1e3)
+
+    per_pass = -(-repeats // passes)
+    started = time.perf_counter()
+    try:
+        for _ in range(passes):
+            for share_infer, share_ft in [(1.0, 0.0)] + splits:
+                partitions.apply(share_infer, share_ft)
+                partitions.enter("decode")
+                for shape in shapes:
+                    steps((*shape, share_infer), solo, per_pass)
+                if share_ft:
+                    running.set()
+                    time.sleep(0.05)  # the finetuning thread is inside a unit
+                    for shape in shapes:
+                        steps((*shape, share_infer, share_ft), colo, per_pass)
+                    running.clear()
+    finally:
+        stop.set()
+        running.clear()
+        thread.join(timeout=60)
+        partitions.apply(1.0, 0.0)
+        partitions.enter("decode")
+        for cs in chunks.values():
+            for c in cs:
+                kv.free(c.block_table)
+    solo_points = [(share, bs, seq, statistics.median(v)) for (bs, seq, share), v in solo.items()]
+    colo_points = [(bs, seq, s_inf, s_ft, statistics.median(v)) for (bs, seq, s_inf, s_ft), v in colo.items()]
+    colo_points += [(bs, seq, 1.0, 0.0, ms) for share, bs, seq, ms in solo_points if share == 1.0]
+    latency = HarliLatencyModel(HarliLatencyModel.fit_solo(solo_points, runner.decode_run_batches),
+                                model_name=model_name, device=f"{runner.device.type}-{partitions.form}",
+                                run_batches=runner.decode_run_batches)
+    latency.fit_colo(colo_points)
+    latency.errors = {"solo": latency.solo_errors(solo_points), "colo": latency.relative_errors(colo_points),
+                      "points": {"solo": solo_points, "colo": colo_points}}
+    log(f"partition predictor: {len(solo_points)} solo and {len(colo_points)} co-located points in "
+        f"{time.perf_counter() - started:.0f} s; stage 1 max {latency.errors['solo']['max']:.1%}, "
+        f"stage 2 max {latency.errors['colo']['max']:.1%}")
+    return latency

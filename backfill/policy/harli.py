@@ -16,8 +16,8 @@ CUDA-graph buckets, or the rows a CPU pads a small batch to; the engine says whi
 ModelRunner.decode_run_batches): `run(bs)*b0 + c0 + bs*k0*seqlen`. HARLI's form holds inside each
 such regime; a step of 17 sequences replayed as a 32-sequence graph costs what 32 cost in its
 weight term, while attention still reads 17 contexts (§5.1 sees the same padding steps).
-The device form (SM partitions via CUDA green contexts) uses the same policy with SM shares;
-it needs a GPU and is not built yet.
+The partitioned forms (CPU cores, SM partitions via CUDA green contexts: engine/compute_partition.py)
+plan with policy/harli_sm.py over the shares the partitions realise.
 
 The policies here are plain objects: `plan(ColoState) -> ColoPlan`, so the engine's background
 slot (backfill/finetune/colocate.py), tests on constructed states and the simulator drive them alike.

@@ -46,6 +46,13 @@ def share_grid(step: float = SHARE_STEP) -> tuple[float, ...]:
     return tuple(round(k * step, 6) for k in range(1, n))
 
 
+def _checked_shares(shares: tuple[float, ...]) -> tuple[float, ...]:
+    out = tuple(sorted(float(x) for x in shares))
+    if any(not 0 < x < 1 for x in out):
+        raise PolicyInputError(f"finetuning shares must lie in (0, 1), got {shares!r}")
+    return out
+
+
 class HarliSmPolicy:
     """§6.2: predict the co-located decode step for each split, take the one predicted closest
     below the target (the largest finetuning share while predictions grow with it), pause
@@ -53,14 +60,17 @@ class HarliSmPolicy:
 
     name = "harli"
 
-    def __init__(self, latency: HarliLatencyModel, headroom: float = 0.05, step: float = SHARE_STEP) -> None:
+    def __init__(self, latency: HarliLatencyModel, headroom: float = 0.05, step: float = SHARE_STEP,
+                 ft_shares: tuple[float, ...] | None = None) -> None:
         if not 0 <= headroom < 1:
             raise PolicyInputError(f"headroom must be in [0, 1), got {headroom}")
         self.latency = latency
         # Plan against the target less this share: the predictor errs by a few percent and the
         # QoS is a P99 (HARLI §8.4 reports < 5% mean error for stage 2).
         self.headroom = headroom
-        self.ft_shares = share_grid(step)
+        # The finetuning shares the device realises (engine/compute_partition.py: whole cores, SM
+        # groups), so a plan is made among the splits the mechanism will give, rounding known.
+        self.ft_shares = share_grid(step) if ft_shares is None else _checked_shares(ft_shares)
 
     def plan(self, state: ColoState) -> SmSplit:
         if not state.finetune_ready:
@@ -77,7 +87,7 @@ class HarliSmPolicy:
             return SmSplit(1.0, 0.0, solo, "pause: decode alone is predicted over the target")
         best = SmSplit(1.0, 0.0, solo, "pause: any finetuning share is predicted over the target")
         for share_ft in self.ft_shares:
-            share_infer = round(1.0 - share_ft, 6)
+            share_infer = 1.0 - share_ft  # unrounded: a realised share (k / SMs) and its rest sum to 1
             predicted = self.latency.colo_ms(batch, seqlen, share_infer, share_ft)
             if predicted <= target and predicted >= best.predicted_ms:
                 best = SmSplit(share_infer, share_ft, predicted, "split closest below the target")
@@ -120,11 +130,12 @@ class SoloSmPolicy:
 
 
 def make_sm_policy(name: str, latency: HarliLatencyModel | None = None, static_share_infer: float = 0.6,
-                   headroom: float = 0.05):
+                   headroom: float = 0.05, ft_shares: tuple[float, ...] | None = None):
+    """ft_shares: the finetuning shares the partitions realise (default: HARLI's 10% grid)."""
     if name == "harli":
         if latency is None:
             raise PolicyInputError("the harli policy needs a fitted latency model")
-        return HarliSmPolicy(latency, headroom)
+        return HarliSmPolicy(latency, headroom, ft_shares=ft_shares)
     if name == "pause-only":
         return PauseOnlySmPolicy()
     if name == "static":

@@ -75,9 +75,23 @@ class OpModel:
             at += -(-spec.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         return offsets, max(at, _ALIGN_BYTES)
 
-    def workspace(self, block: memoryview | bytearray | None = None) -> "Workspace":
-        """Buffers over `block` (e.g. a SharedMemory's buf), or over fresh private memory."""
+    def on_device(self, device: str | torch.device) -> "OpModel":
+        """The same model with its weights (the tensors its ops close over) on `device`; the ops,
+        their order and buffers are unchanged, so its idempotence map holds there too."""
+        memo: dict[int, torch.Tensor] = {}
+        ops = [Op(op.name, _fn_on_device(op.fn, torch.device(device), memo), op.inputs, op.output) for op in self.ops]
+        return OpModel(self.name, ops, self.buffers, self.input_name, self.output_name,
+                       self.example_input.to(device), dict(self.info, device=str(device)))
+
+    def workspace(self, block: memoryview | bytearray | None = None, device: str | torch.device | None = None) -> "Workspace":
+        """Buffers over `block` (e.g. a SharedMemory's buf), or over fresh private memory (on
+        `device`, default the example input's)."""
         offsets, size = self.layout()
+        device = torch.device(device) if device is not None else self.example_input.device
+        if block is None and device.type != "cpu":
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            return Workspace(self, {name: flat[offsets[name]: offsets[name] + spec.nbytes].view(spec.dtype).view(spec.shape)
+                                    for name, spec in self.buffers.items()})
         if block is None:
             block = bytearray(size)
         if len(block) < size:
@@ -99,6 +113,31 @@ class OpModel:
         ws.set_input(x)
         self.run(ws)
         return ws.output().clone()
+
+
+def _fn_on_device(fn: Callable, device: torch.device, memo: dict[int, torch.Tensor]) -> Callable:
+    """fn rebuilt with every tensor it closes over (or takes as a default) on device, recursively
+    through the functions it closes over (a conv's lambda, a block's helpers)."""
+    import types
+
+    def moved(value):
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = value.to(device)
+            return memo[id(value)]
+        if isinstance(value, types.FunctionType):
+            return _fn_on_device(value, device, memo)
+        if isinstance(value, (list, tuple)):
+            return type(value)(moved(v) for v in value)
+        return value
+
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    cells = tuple(types.CellType(moved(c.cell_contents)) for c in fn.__closure__ or ())
+    defaults = tuple(moved(d) for d in fn.__defaults__) if fn.__defaults__ else fn.__defaults__
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, cells or None)
+    out.__kwdefaults__ = {k: moved(v) for k, v in fn.__kwdefaults__.items()} if fn.__kwdefaults__ else None
+    return out
 
 
 class Workspace:

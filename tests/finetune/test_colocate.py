@@ -166,3 +166,57 @@ def test_saved_profiles_of_the_old_format_load_and_bad_ones_are_ignored(tmp_path
     with caplog.at_level(logging.WARNING):
         assert load_saved_latency("m") is None
     assert "format 9" in caplog.text
+
+
+def test_partitioned_driver_finetunes_on_its_own_core_beside_decode(tmp_path):
+    """HARLI on core partitions, for real: decode on the engine's thread and the job on its own,
+    each on its core while decode runs, re-planned per step; outputs as without finetuning."""
+    import os
+    import pytest
+
+    from backfill.engine.compute_partition import CorePartitions
+    from backfill.finetune.colocate import attach_finetune_partitioned
+    from backfill.policy.harli_sm import HarliSmPolicy
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("core partitions need two cores")
+    data = write_chat_file(tmp_path / "t.jsonl", n=4)
+    requests = _requests(3, 24, 16)
+    reference = _engine()
+
+    async def serve(engine, handle_factory=None):
+        await engine.start()
+        try:
+            handle = handle_factory(engine) if handle_factory else None
+            outs = await _serve(engine, requests, gap_s=0.02)
+            if handle is not None:
+                await asyncio.wait_for(handle.wait(), 120)
+            return handle, outs
+        finally:
+            await engine.stop()
+
+    _, want = asyncio.run(serve(reference))
+    engine = _engine()
+    job = FinetuneJob(engine.scheduler.runner.model, TOKENIZER, data, replace(CONFIG, max_steps=2), tmp_path / "colo")
+    partitions = CorePartitions(cores[:2], max_threads=1)
+    # Decode beside finetuning is predicted well under the target: the plan is one core each.
+    latency = HarliLatencyModel((SoloFit(0.5, 1.0, 2.0, 0.0), SoloFit(1.0, 0.5, 1.0, 0.0)), b1=1.0, k1=1.0)
+    unit_cores: list[tuple[list[int], bool]] = []
+    run_unit = job.run_unit
+
+    def recorded_unit() -> bool:  # where each unit really ran, and whether decode held a core then
+        unit_cores.append((sorted(os.sched_getaffinity(0)), partitions.current.share_infer > 0))
+        return run_unit()
+
+    job.run_unit = recorded_unit
+    policy = HarliSmPolicy(latency, ft_shares=partitions.ft_shares())
+    handle, got = asyncio.run(serve(engine, lambda e: attach_finetune_partitioned(
+        e, job, policy, partitions, tpot_target_ms=500.0)))
+    assert handle.done and handle.error is None and job.finished
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want]  # decode unchanged by the job beside it
+    assert handle.stats.splits.get("0.50/0.50", 0) > 0, handle.stats.splits
+    beside = [c for c, decoding in unit_cores if decoding]
+    assert beside and all(c == [cores[1]] for c in beside), unit_cores  # finetuning kept off decode's core
+    assert (tmp_path / "colo" / "adapter" / "adapter_model.safetensors").exists()
+    assert engine.background is None

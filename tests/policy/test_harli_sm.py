@@ -91,3 +91,47 @@ def test_share_grid_is_harlis_ten_percent_steps():
 def test_bad_input_is_a_typed_error(bad):
     with pytest.raises(PolicyInputError):
         bad()
+
+
+# --- plans over the splits a partitioned device realises (engine/compute_partition.py) -----------
+
+# Two cores: decode on one core is 1.6x its step on two; beside finetuning on the other, 1.1x more.
+CORES_MODEL = HarliLatencyModel((SoloFit(0.5, 0.8, 16.0, 0.003), SoloFit(1.0, 0.5, 10.0, 0.002)), b1=1.0, k1=1.2)
+
+
+def test_harli_plans_only_the_shares_the_partitions_realise():
+    policy = HarliSmPolicy(CORES_MODEL, headroom=0.0, ft_shares=(0.5,))
+    assert policy.ft_shares == (0.5,)
+    roomy = policy.plan(state(batch=2, seqlen=100.0, target=40.0))
+    assert (roomy.share_infer, roomy.share_ft) == (0.5, 0.5)
+    assert roomy.predicted_ms == pytest.approx(CORES_MODEL.colo_ms(2, 100.0, 0.5, 0.5))
+    # The co-located step (1.1 x 18.2 ms at batch 2) is over a 19 ms target: decode gets both cores.
+    tight = policy.plan(state(batch=2, seqlen=100.0, target=19.0))
+    assert (tight.share_infer, tight.share_ft) == (1.0, 0.0) and tight.reason.startswith("pause")
+    assert policy.plan(state(batch=0, target=20.0)).share_ft == 1.0       # idle: finetuning on every core
+    assert policy.plan(state(batch=2, waiting=1, target=40.0)).share_ft == 0.0  # arrivals' prefill first
+
+
+def test_the_split_re_plans_per_token_as_the_batch_grows():
+    policy = HarliSmPolicy(CORES_MODEL, headroom=0.05, ft_shares=(0.5,))
+    shares = [policy.plan(state(batch=b, seqlen=200.0, target=30.0)).share_ft for b in (1, 2, 4, 8, 16)]
+    # Predicted co-located steps 19.1 / 20.7 / 23.8 / 29.9 / 42.2 ms against 28.5: pause from batch 8.
+    assert shares == [0.5, 0.5, 0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("shares", [(0.0, 0.5), (0.5, 1.0), (1.5,)])
+def test_unrealisable_shares_are_refused(shares):
+    with pytest.raises(PolicyInputError):
+        HarliSmPolicy(CORES_MODEL, ft_shares=shares)
+
+
+def test_plans_over_sm_group_shares_stay_on_the_device():
+    """H200 shares (k / 132 SMs) are not round tenths: a split and its rest must still sum to 1."""
+    from backfill.engine.green_context import planned_ft_sms
+
+    shares = tuple(k / 132 for k in planned_ft_sms(132, 8, 0.1))
+    policy = HarliSmPolicy(MODEL, headroom=0.0, ft_shares=shares)
+    for target in (7.8, 9.5, 14.0, 40.0):
+        plan = policy.plan(state(target=target))
+        assert plan.share_ft in shares + (0.0,)
+        assert plan.share_infer + plan.share_ft == pytest.approx(1.0)
