@@ -224,7 +224,7 @@ def measure_capacity(runner, scenario: BurstScenario, prompts: PromptSource, ple
     workload = build_workload(prompts, np.zeros(CAPACITY_REQUESTS), plen, olen, scenario.seed + 2000,
                               name="capacity")
     scheduler = run_on_torch_thread(_scheduler, runner, "fcfs", scenario, None, tokenizer)
-    records, _, (started, ended) = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload))
+    records, _, (started, ended) = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload, progress=True))
     done = [r for r in records if r.end_s is not None and r.error is None]
     if not done:
         raise WorkloadError("the consumer finished none of the capacity-measuring requests")
