@@ -36,8 +36,15 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backfill.policy.harli import ColocationPolicy, ColoPlan, ColoState
+
+if TYPE_CHECKING:
+    import argparse
+
+    from backfill.finetune.config import FinetuneConfig
+    from backfill.serving.config import ServingConfig
 
 MODES = ("separate", "static", "pause-only", "harli", "partitioned")
 SOLO = "solo"  # the reference: the online trace with no finetuning
@@ -60,7 +67,7 @@ def shipped_latency(model_name: str):
         return HarliLatencyModel.load(path)
 
 
-def run_bench_finetune(args, serving, config) -> int:
+def run_bench_finetune(args: argparse.Namespace, serving: ServingConfig, config: FinetuneConfig) -> int:
     """The bench's modes in rounds; serving: the engine's config (policy fcfs), config: the job's
     FinetuneConfig (never ending within a mode). args: the command's other flags (bench finetune)."""
     import torch
@@ -70,7 +77,6 @@ def run_bench_finetune(args, serving, config) -> int:
     from backfill.errors import InvalidRequestError
     from backfill.finetune.colocate import harli_profile_path, load_saved_latency
     from backfill.finetune.profile import synthetic_training_file
-    from backfill.serving.config import ServingConfig
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if unknown := [m for m in modes if m not in MODES]:

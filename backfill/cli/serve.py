@@ -23,7 +23,6 @@ def add_commands(commands: CommandParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from backfill.sampling_params import SamplingParams
-    from backfill.serving.config import ServingConfig
     from backfill.serving.llm import LLM
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
