@@ -37,36 +37,36 @@ FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")   # vLLM's guided_decoding_backend values served here
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     def check_supported(self) -> None:
         """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
 
 
-class _Open(_Strict):
+class OpenBody(StrictBody):
     """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictBody):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictBody):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -81,23 +81,23 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's newer spelling of the guided_* fields."""
 
     json_: dict | str | None = Field(None, alias="json")
@@ -107,28 +107,28 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictBody):
     name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class _GenerationBody(_Open):
+class _GenerationBody(OpenBody):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -283,7 +283,7 @@ class CompletionBody(_GenerationBody):
         return prompt[0]
 
 
-class BatchCreateBody(_Strict):
+class BatchCreateBody(StrictBody):
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"]
@@ -300,7 +300,7 @@ class BatchCreateBody(_Strict):
                                   param="metadata")
 
 
-class BatchLine(_Strict):
+class BatchLine(StrictBody):
     """One line of a batch input file."""
 
     custom_id: str = Field(min_length=1, max_length=512)
@@ -330,7 +330,7 @@ def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def validate_body(model: type[_Strict], data: object) -> _Strict:
+def validate_body(model: type[StrictBody], data: object) -> StrictBody:
     """A JSON object -> a validated request model, or a 400 naming the first bad field."""
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
