@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 
 from backfill.server.access_log import AccessLogMiddleware
 from backfill.server.batches import BatchWorker
+from backfill.server.browser_guard import BrowserGuard, BrowserGuardMiddleware
 from backfill.server.completions import CompletionService
 from backfill.server.config import ServerConfig
 from backfill.server.errors import APIError, install_error_handlers
@@ -65,7 +66,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     app = ServingApp(title="backfill", version="0.1.0", lifespan=lifespan,
                      description="OpenAI-compatible co-serving of online and offline LLM requests")
     app.state.backfill = state
-    app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(BrowserGuardMiddleware,
+                       guard=BrowserGuard(config.host, config.allowed_hosts, config.allowed_origins))
+    app.add_middleware(AccessLogMiddleware)   # outermost: refused requests are logged too
     install_error_handlers(app)
 
     async def authorize(request: Request) -> None:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
           409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 DEFAULT_RETRY_AFTER_S = 1
@@ -39,8 +39,10 @@ class APIError(BackfillError):
         super().__init__(message)
         self.headers = dict(headers or {})
         if status_code == 429:
-            # Every 429 says when to come back (clients such as openai-python honour it).
+            # Every 429 says when to come back (clients such as openai-python honour it, reading
+            # retry-after-ms first).
             self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
+            self.headers.setdefault("retry-after-ms", str(1000 * int(self.headers["Retry-After"])))
         self.status_code = status_code
         self.message = message
         self.param = param

@@ -50,8 +50,9 @@ def require_media_type(request: Request, expected: str) -> None:
     media_type, _ = header_params(raw)
     if media_type != expected:
         got = f"content-type {raw!r}" if raw else "no content-type"
-        raise APIError(415, f"this endpoint takes {expected} bodies only, got {got} (a web page on another "
-                            f"site can send other types without asking; there is no flag to allow them)",
+        raise APIError(415, f"this endpoint takes {expected} bodies only, got {got}; send content-type: "
+                            f"{expected} (no option allows others: a web page on another site can send them "
+                            f"through a browser without asking)",
                        code="unsupported_media_type")
 
 
@@ -82,11 +83,13 @@ async def read_body(request: Request, limit_bytes: int, timeout_s: float | None 
 
 async def read_json(request: Request, limit_bytes: int, timeout_s: float | None = None) -> object:
     """An application/json body parsed (415 for another media type, 400 for malformed JSON)."""
+    require_media_type(request, JSON_MEDIA_TYPE)
     return parse_json(await read_body(request, limit_bytes, timeout_s))
 
 
 async def read_multipart(request: Request, limit_bytes: int, timeout_s: float | None = None) -> dict[str, Part]:
     """A multipart/form-data body's parts by name (415 for another media type, 400 when malformed)."""
+    require_media_type(request, MULTIPART_MEDIA_TYPE)
     body = await read_body(request, limit_bytes, timeout_s)
     return parse_multipart(body, request.headers.get("content-type", ""))
 
