@@ -45,6 +45,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     worker = BatchWorker(store, service, config.max_offline_in_flight)
     metrics.batch_lines_in_flight = lambda: worker.in_flight
     metrics.backlog = store.backlog
+    metrics.damaged_reads = lambda: store.damaged_reads
     fine_tuning = FineTuningWorker(FineTuningStore(store), store, engine, served_model,
                                    config.db_path.with_name(config.db_path.name + ".fine_tuning"))
     state = ServerState(engine, config, store, service, metrics, worker, fine_tuning,

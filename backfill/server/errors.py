@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backfill.errors import (AdapterLoadError, BackfillError, ContextLengthError, EngineStoppedError,
                              InvalidRequestError, UnknownAdapterError)
 
+from backfill.server.store_integrity import DamagedContentError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -77,6 +79,9 @@ def from_backfill_error(exc: BackfillError) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, DamagedContentError):   # the server's fault, said plainly: never the damaged bytes
+        log.error("%s", exc)
+        return APIError(500, str(exc), code="stored_content_damaged", type="server_error")
     if isinstance(exc, EngineStoppedError):
         return APIError(503, "the server is shutting down", code="service_unavailable")
     log.error("unexpected %s at the HTTP edge: %s", type(exc).__name__, exc)
