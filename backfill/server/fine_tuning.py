@@ -13,7 +13,7 @@ attach_finetune (backfill/finetune/colocate.py). A job's row in SQLite is its du
 adapter checkpoints live under `<db>.fine_tuning/<job id>/`, so after a crash or kill -9 a
 restarted server resumes a running job from its newest checkpoint (FinetuneJob redoes the steps
 after it, with the same data, so no step is lost or doubled). A succeeded job's adapter is loaded
-into the engine's adapter registry and served as `<base-model>:ft-<job id>`.
+into the engine's adapter registry and served as `<base-model>:ft-<job id>` (`<base-model>:ft-<suffix>-<job id>` with a suffix).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from backfill.errors import BackfillError, FinetuneConfigError, FinetuneError
 from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
@@ -41,9 +41,17 @@ log = logging.getLogger(__name__)
 FINE_TUNE_PURPOSE = "fine-tune"
 RESULTS_PURPOSE = "fine-tune-results"
 SEED_MAX = 2**31 - 1  # OpenAI's range for a job's seed
+SUFFIX_PATTERN = r"^[A-Za-z0-9_-]+$"   # part of a model name: no ':' (the name's separator)
 
 
-class Hyperparameters(StrictBody):
+class ClosedBody(StrictBody):
+    """A fine-tuning body part whose unknown keys are refused: a misspelt hyperparameter must not
+    start a job trained with the default instead."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Hyperparameters(ClosedBody):
     """OpenAI's three, plus backfill's training-loop knobs (ignored by OpenAI's own API)."""
 
     n_epochs: Literal["auto"] | int = "auto"
@@ -55,7 +63,7 @@ class Hyperparameters(StrictBody):
     max_seq_len: int | None = None
 
 
-class LoraOptions(StrictBody):
+class LoraOptions(ClosedBody):
     """backfill's extension field: the adapter's shape (FinetuneConfig's defaults where left out)."""
 
     rank: int | None = None
@@ -63,11 +71,11 @@ class LoraOptions(StrictBody):
     target_modules: list[str] | None = None
 
 
-class SupervisedMethod(StrictBody):
+class SupervisedMethod(ClosedBody):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(StrictBody):
+class Method(ClosedBody):
     type: Literal["supervised"]
     supervised: SupervisedMethod | None = None
 
@@ -77,7 +85,7 @@ class FineTuningJobCreateBody(StrictBody):
     training_file: str
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    suffix: str | None = Field(default=None, max_length=64)
+    suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=SUFFIX_PATTERN)
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     validation_file: str | None = None
     integrations: list | None = None
@@ -335,7 +343,7 @@ class FineTuningWorker:
         adapter_dir = self.job_dir(job_id) / "adapter"
         if not (adapter_dir / "adapter_model.safetensors").exists():
             await self.engine.call_between_steps(lambda: job.save_adapter(adapter_dir))
-        name = fine_tuned_model_name(row["model"], job_id)
+        name = fine_tuned_model_name(row["model"], job_id, row["suffix"])
         try:
             await self._serve(name, adapter_dir)
         except BackfillError as exc:

@@ -88,7 +88,7 @@ def add_fine_tuning_routes(v1: APIRouter, state: ServerState) -> None:
     async def list_checkpoints(job_id: str, request: Request) -> dict:
         job = await existing_job(job_id)
         limit = int_param(request.query_params.get("limit"), "limit", 10, 1, 100)
-        model = job["fine_tuned_model"] or fine_tuned_model_name(job["model"], job_id)
+        model = job["fine_tuned_model"] or fine_tuned_model_name(job["model"], job_id, job["user_provided_suffix"])
         found, has_more = await asyncio.to_thread(jobs.list_checkpoints, job_id, limit,
                                                   request.query_params.get("after"), model)
         return page(found, has_more)
