@@ -14,6 +14,7 @@ from typing import AsyncGenerator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from backfill.server.errors import APIError, bad_request
@@ -92,6 +93,31 @@ async def read_multipart(request: Request, limit_bytes: int, timeout_s: float | 
     require_media_type(request, MULTIPART_MEDIA_TYPE)
     body = await read_body(request, limit_bytes, timeout_s)
     return parse_multipart(body, request.headers.get("content-type", ""))
+
+
+def json_body_openapi(model: type[BaseModel]) -> dict:
+    """openapi_extra for a route that reads its JSON body itself (read_json): the body's schema in
+    the OpenAPI document, self-contained (its $defs inlined), so clients and fuzzers see it."""
+    schema = model.model_json_schema(by_alias=True)
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline({**definitions[ref[len("#/$defs/"):]], **{k: v for k, v in node.items() if k != "$ref"}})
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {JSON_MEDIA_TYPE: {"schema": inline(schema)}}}}
+
+
+def multipart_body_openapi(fields: dict[str, dict], required: list[str]) -> dict:
+    """openapi_extra for a route that reads a multipart/form-data body itself (read_multipart)."""
+    return {"requestBody": {"required": True, "content": {MULTIPART_MEDIA_TYPE: {"schema": {
+        "type": "object", "properties": fields, "required": required}}}}}
 
 
 def too_large(limit_bytes: int) -> APIError:

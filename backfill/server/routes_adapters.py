@@ -16,7 +16,7 @@ from pydantic import Field
 
 from backfill.errors import AdapterLoadError
 from backfill.server.errors import bad_request, not_found
-from backfill.server.http_helpers import read_json
+from backfill.server.http_helpers import json_body_openapi, read_json
 from backfill.server.schemas import StrictBody, validate_body
 from backfill.server.state import ServerState
 
@@ -34,7 +34,7 @@ def add_adapter_routes(v1: APIRouter, state: ServerState) -> None:
     engine = state.engine
     base_models = (state.served_model, engine.model_name)
 
-    @v1.post("/load_lora_adapter")
+    @v1.post("/load_lora_adapter", openapi_extra=json_body_openapi(LoadAdapterBody))
     async def load_adapter(request: Request) -> PlainTextResponse:
         body = validate_body(LoadAdapterBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
         if body.lora_name in base_models:
@@ -45,7 +45,7 @@ def add_adapter_routes(v1: APIRouter, state: ServerState) -> None:
             raise bad_request(str(exc), param="lora_path", code="invalid_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @v1.post("/unload_lora_adapter")
+    @v1.post("/unload_lora_adapter", openapi_extra=json_body_openapi(UnloadAdapterBody))
     async def unload_adapter(request: Request) -> PlainTextResponse:
         body = validate_body(UnloadAdapterBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
         if body.lora_name not in engine.adapters:

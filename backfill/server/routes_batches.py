@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from backfill.server.errors import APIError, bad_request, not_found
-from backfill.server.http_helpers import int_param, page, read_json
+from backfill.server.http_helpers import int_param, json_body_openapi, page, read_json
 from backfill.server.routes_files import file_not_found
 from backfill.server.schemas import BatchCreateBody, validate_body
 from backfill.server.state import ServerState
@@ -16,7 +16,7 @@ from backfill.server.state import ServerState
 def add_batch_routes(v1: APIRouter, state: ServerState) -> None:
     store, worker = state.store, state.worker
 
-    @v1.post("/batches")
+    @v1.post("/batches", openapi_extra=json_body_openapi(BatchCreateBody))
     async def create_batch(request: Request) -> dict:
         body = validate_body(BatchCreateBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
         file = await asyncio.to_thread(store.get_file, body.input_file_id)

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from backfill.server.completions import Kind
-from backfill.server.http_helpers import EventStreamResponse, read_json, until_disconnected
+from backfill.server.http_helpers import EventStreamResponse, json_body_openapi, read_json, until_disconnected
+from backfill.server.schemas import ChatCompletionBody, CompletionBody
 from backfill.server.state import ServerState
 
 
@@ -42,10 +43,10 @@ def add_completion_routes(v1: APIRouter, state: ServerState) -> None:
         finally:
             await close()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=json_body_openapi(ChatCompletionBody))
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat")
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=json_body_openapi(CompletionBody))
     async def completions(request: Request) -> Response:
         return await generate(request, "text")

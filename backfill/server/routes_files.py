@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from backfill.server.errors import bad_request, not_found
 from backfill.server.fine_tuning import FINE_TUNE_PURPOSE
-from backfill.server.http_helpers import int_param, page, read_multipart
+from backfill.server.http_helpers import int_param, multipart_body_openapi, page, read_multipart
 from backfill.server.state import ServerState
 
 UPLOAD_PURPOSES = ("batch", FINE_TUNE_PURPOSE)
@@ -18,7 +18,9 @@ UPLOAD_PURPOSES = ("batch", FINE_TUNE_PURPOSE)
 def add_file_routes(v1: APIRouter, state: ServerState) -> None:
     store = state.store
 
-    @v1.post("/files")
+    @v1.post("/files", openapi_extra=multipart_body_openapi(
+        {"purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}, "file": {"type": "string", "format": "binary"}},
+        ["purpose", "file"]))
     async def upload_file(request: Request) -> dict:
         parts = await read_multipart(request, state.limit_bytes, state.config.body_timeout_s)
         purpose = parts.get("purpose")

@@ -15,7 +15,7 @@ from backfill.finetune.data import load_training_file
 from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.fine_tuning import FINE_TUNE_PURPOSE, SEED_MAX, FineTuningJobCreateBody, finetune_config
 from backfill.server.fine_tuning_store import ACTIVE_STATUSES, fine_tuned_model_name
-from backfill.server.http_helpers import int_param, page, read_json
+from backfill.server.http_helpers import int_param, json_body_openapi, page, read_json
 from backfill.server.schemas import validate_body
 from backfill.server.state import ServerState
 
@@ -32,7 +32,7 @@ def add_fine_tuning_routes(v1: APIRouter, state: ServerState) -> None:
                             code="fine_tuning_job_not_found")
         return job
 
-    @v1.post("/fine_tuning/jobs")
+    @v1.post("/fine_tuning/jobs", openapi_extra=json_body_openapi(FineTuningJobCreateBody))
     async def create_job(request: Request) -> dict:
         body = validate_body(FineTuningJobCreateBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
         if body.model not in base_models:
