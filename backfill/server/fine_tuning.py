@@ -13,7 +13,8 @@ attach_finetune (backfill/finetune/colocate.py). A job's row in SQLite is its du
 adapter checkpoints live under `<db>.fine_tuning/<job id>/`, so after a crash or kill -9 a
 restarted server resumes a running job from its newest checkpoint (FinetuneJob redoes the steps
 after it, with the same data, so no step is lost or doubled). A succeeded job's adapter is loaded
-into the engine's adapter registry and served as `<base-model>:ft-<job id>` (`<base-model>:ft-<suffix>-<job id>` with a suffix).
+into the engine's adapter registry and served as `<base-model>:ft-<job id>`
+(`<base-model>:ft-<suffix>-<job id>` with a suffix).
 """
 
 from __future__ import annotations

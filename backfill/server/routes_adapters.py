@@ -36,7 +36,8 @@ def add_adapter_routes(v1: APIRouter, state: ServerState) -> None:
 
     @v1.post("/load_lora_adapter", openapi_extra=json_body_openapi(LoadAdapterBody))
     async def load_adapter(request: Request) -> PlainTextResponse:
-        body = validate_body(LoadAdapterBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
+        body = validate_body(LoadAdapterBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         if body.lora_name in base_models:
             raise bad_request(f"{body.lora_name!r} is the base model's name", param="lora_name")
         try:
@@ -47,7 +48,8 @@ def add_adapter_routes(v1: APIRouter, state: ServerState) -> None:
 
     @v1.post("/unload_lora_adapter", openapi_extra=json_body_openapi(UnloadAdapterBody))
     async def unload_adapter(request: Request) -> PlainTextResponse:
-        body = validate_body(UnloadAdapterBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
+        body = validate_body(UnloadAdapterBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         if body.lora_name not in engine.adapters:
             raise not_found(f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name",
                             code="adapter_not_found")

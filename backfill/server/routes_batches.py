@@ -18,7 +18,8 @@ def add_batch_routes(v1: APIRouter, state: ServerState) -> None:
 
     @v1.post("/batches", openapi_extra=json_body_openapi(BatchCreateBody))
     async def create_batch(request: Request) -> dict:
-        body = validate_body(BatchCreateBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
+        body = validate_body(BatchCreateBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         file = await asyncio.to_thread(store.get_file, body.input_file_id)
         if file is None:
             raise file_not_found(body.input_file_id, param="input_file_id")

@@ -34,7 +34,8 @@ def add_fine_tuning_routes(v1: APIRouter, state: ServerState) -> None:
 
     @v1.post("/fine_tuning/jobs", openapi_extra=json_body_openapi(FineTuningJobCreateBody))
     async def create_job(request: Request) -> dict:
-        body = validate_body(FineTuningJobCreateBody, await read_json(request, state.limit_bytes, state.config.body_timeout_s))
+        body = validate_body(FineTuningJobCreateBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         if body.model not in base_models:
             hint = " (a fine-tuned model cannot be fine-tuned again)" if ":ft-" in body.model else ""
             raise not_found(f"the model {body.model!r} does not exist or cannot be fine-tuned here{hint}; "
