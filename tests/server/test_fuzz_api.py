@@ -5,6 +5,7 @@ docs/server.md)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.fuzz
 def load_fuzzer():
     spec = importlib.util.spec_from_file_location("fuzz_api", REPO_ROOT / "scripts" / "fuzz_api.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
