@@ -21,7 +21,8 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 disables top-p.
     stop_token_ids end generation without being shown; stop strings end it and are cut from
-    the text. max_tokens counts output tokens.
+    the text (kept, with what precedes it, when include_stop_str_in_output, as vLLM's field).
+    max_tokens counts output tokens.
 
     Penalties follow vLLM: repetition_penalty (1.0 = off) divides the positive logits and
     multiplies the negative ones of every token already in the prompt or the output;
@@ -38,6 +39,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0

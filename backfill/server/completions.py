@@ -232,6 +232,7 @@ class CompletionService:
             top_k=body.top_k or 0,
             seed=body.seed,
             stop=body.stop_strings(),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
             min_tokens=body.min_tokens or 0,

@@ -40,6 +40,12 @@ class ServerConfig:
                           "$BACKFILL_CACHE_DIR or ~/.cache/backfill", group="server")
     api_key: str | None = knob(None, "require 'Authorization: Bearer KEY' on /v1/* (also env BACKFILL_API_KEY)",
                                group="server")
+    allowed_hosts: str | None = knob(None, "comma-separated Host names served besides the bound address and "
+                                     "localhost / 127.0.0.1 / ::1 ('*': any); others get 403 (DNS rebinding)",
+                                     group="server")
+    allowed_origins: str | None = knob(None, "comma-separated web origins (e.g. https://app.example) allowed to "
+                                       "call the server from a browser, with CORS ('*': any); requests from "
+                                       "other origins get 403", group="server")
     max_online_queue: int = knob(256, "online (and, separately, flex) requests in flight before new ones get 429",
                                  group="server")
     # Half the SLO: under a burst the engine shares the CPU with parsing and refusing the burst, so

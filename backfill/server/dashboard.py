@@ -31,7 +31,7 @@ from backfill.serving.config import ServingConfig
 from backfill.serving.sequence import SeqStatus
 
 if TYPE_CHECKING:
-    from backfill.server.app import ServerState
+    from backfill.server.state import ServerState
 
 SAMPLE_INTERVAL_S = 1.0
 HISTORY_S = 900.0          # the longest window a page may ask for

@@ -19,12 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from backfill.errors import (AdapterLoadError, BackfillError, ContextLengthError, EngineStoppedError,
                              InvalidRequestError, UnknownAdapterError)
 
+from backfill.server.store_integrity import DamagedContentError
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
           409: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
 DEFAULT_RETRY_AFTER_S = 1
@@ -39,8 +41,10 @@ class APIError(BackfillError):
         super().__init__(message)
         self.headers = dict(headers or {})
         if status_code == 429:
-            # Every 429 says when to come back (clients such as openai-python honour it).
+            # Every 429 says when to come back (clients such as openai-python honour it, reading
+            # retry-after-ms first).
             self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
+            self.headers.setdefault("retry-after-ms", str(1000 * int(self.headers["Retry-After"])))
         self.status_code = status_code
         self.message = message
         self.param = param
@@ -75,6 +79,9 @@ def from_backfill_error(exc: BackfillError) -> APIError:
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc))
+    if isinstance(exc, DamagedContentError):   # the server's fault, said plainly: never the damaged bytes
+        log.error("%s", exc)
+        return APIError(500, str(exc), code="stored_content_damaged", type="server_error")
     if isinstance(exc, EngineStoppedError):
         return APIError(503, "the server is shutting down", code="service_unavailable")
     log.error("unexpected %s at the HTTP edge: %s", type(exc).__name__, exc)

@@ -13,7 +13,8 @@ attach_finetune (backfill/finetune/colocate.py). A job's row in SQLite is its du
 adapter checkpoints live under `<db>.fine_tuning/<job id>/`, so after a crash or kill -9 a
 restarted server resumes a running job from its newest checkpoint (FinetuneJob redoes the steps
 after it, with the same data, so no step is lost or doubled). A succeeded job's adapter is loaded
-into the engine's adapter registry and served as `<base-model>:ft-<job id>`.
+into the engine's adapter registry and served as `<base-model>:ft-<job id>`
+(`<base-model>:ft-<suffix>-<job id>` with a suffix).
 """
 
 from __future__ import annotations
@@ -21,22 +22,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from backfill.errors import BackfillError, FinetuneConfigError, FinetuneError
 from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
 from backfill.finetune.data import load_training_file
-from backfill.server.errors import APIError, bad_request, not_found
-from backfill.server.fine_tuning_store import ACTIVE_STATUSES, FineTuningStore, fine_tuned_model_name
-from backfill.server.schemas import _Strict, parse_json, validate_body
+from backfill.server.errors import bad_request
+from backfill.server.fine_tuning_store import FineTuningStore, fine_tuned_model_name
+from backfill.server.schemas import StrictBody
 from backfill.server.store import Store
 from backfill.serving.async_engine import AsyncEngine
 
@@ -45,9 +42,17 @@ log = logging.getLogger(__name__)
 FINE_TUNE_PURPOSE = "fine-tune"
 RESULTS_PURPOSE = "fine-tune-results"
 SEED_MAX = 2**31 - 1  # OpenAI's range for a job's seed
+SUFFIX_PATTERN = r"^[A-Za-z0-9_-]+$"   # part of a model name: no ':' (the name's separator)
 
 
-class Hyperparameters(_Strict):
+class ClosedBody(StrictBody):
+    """A fine-tuning body part whose unknown keys are refused: a misspelt hyperparameter must not
+    start a job trained with the default instead."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Hyperparameters(ClosedBody):
     """OpenAI's three, plus backfill's training-loop knobs (ignored by OpenAI's own API)."""
 
     n_epochs: Literal["auto"] | int = "auto"
@@ -59,7 +64,7 @@ class Hyperparameters(_Strict):
     max_seq_len: int | None = None
 
 
-class LoraOptions(_Strict):
+class LoraOptions(ClosedBody):
     """backfill's extension field: the adapter's shape (FinetuneConfig's defaults where left out)."""
 
     rank: int | None = None
@@ -67,21 +72,21 @@ class LoraOptions(_Strict):
     target_modules: list[str] | None = None
 
 
-class SupervisedMethod(_Strict):
+class SupervisedMethod(ClosedBody):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(_Strict):
+class Method(ClosedBody):
     type: Literal["supervised"]
     supervised: SupervisedMethod | None = None
 
 
-class FineTuningJobCreateBody(_Strict):
+class FineTuningJobCreateBody(StrictBody):
     model: str
     training_file: str
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    suffix: str | None = Field(default=None, max_length=64)
+    suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=SUFFIX_PATTERN)
     seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     validation_file: str | None = None
     integrations: list | None = None
@@ -339,7 +344,7 @@ class FineTuningWorker:
         adapter_dir = self.job_dir(job_id) / "adapter"
         if not (adapter_dir / "adapter_model.safetensors").exists():
             await self.engine.call_between_steps(lambda: job.save_adapter(adapter_dir))
-        name = fine_tuned_model_name(row["model"], job_id)
+        name = fine_tuned_model_name(row["model"], job_id, row["suffix"])
         try:
             await self._serve(name, adapter_dir)
         except BackfillError as exc:
@@ -354,89 +359,3 @@ class FineTuningWorker:
             self.jobs.set_status, job_id, "succeeded", only_from=("running",), fine_tuned_model=name,
             trained_tokens=sum(m["tokens"] or 0 for m in metrics), result_file_id=results["id"],
             message=f"The job has successfully completed; the model is served as {name}")
-
-
-def add_fine_tuning_routes(v1: APIRouter, jobs: FineTuningStore, files: Store, worker: FineTuningWorker,
-                           base_models: tuple[str, ...], limit_bytes: int, is_draining) -> None:
-    """The /v1/fine_tuning routes on the server's /v1 router (create_app calls this)."""
-    from backfill.server.app import int_param, page, read_body
-
-    async def existing_job(job_id: str) -> dict:
-        job = await asyncio.to_thread(jobs.get_job, job_id)
-        if job is None:
-            raise not_found(f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id",
-                            code="fine_tuning_job_not_found")
-        return job
-
-    @v1.post("/fine_tuning/jobs")
-    async def create_job(request: Request) -> dict:
-        body = validate_body(FineTuningJobCreateBody, parse_json(await read_body(request, limit_bytes)))
-        if body.model not in base_models:
-            hint = " (a fine-tuned model cannot be fine-tuned again)" if ":ft-" in body.model else ""
-            raise not_found(f"the model {body.model!r} does not exist or cannot be fine-tuned here{hint}; "
-                            f"this server fine-tunes {base_models[0]!r}", param="model", code="model_not_found")
-        seed = body.seed if body.seed is not None else random.randint(0, SEED_MAX)
-        config, shown = finetune_config(body, seed, body.model)
-        file = await asyncio.to_thread(files.get_file, body.training_file)
-        if file is None:
-            raise not_found(f"no file with id {body.training_file!r}", param="training_file", code="file_not_found")
-        if file["purpose"] != FINE_TUNE_PURPOSE:
-            raise bad_request(f"file {body.training_file!r} has purpose {file['purpose']!r}; upload the training "
-                              f"file with purpose {FINE_TUNE_PURPOSE!r}", param="training_file")
-        if is_draining():
-            raise APIError(503, "the server is shutting down", code="service_unavailable")
-        content = await asyncio.to_thread(files.file_content, body.training_file)
-        staging = worker.root / f".upload-{uuid.uuid4().hex}"
-        staging.mkdir(parents=True)
-        try:
-            path = staging / "training.jsonl"
-            path.write_bytes(content)
-            try:  # a malformed file is the caller's mistake: a 400 naming the line, not a failed job
-                await asyncio.to_thread(load_training_file, path, worker.engine.tokenizer, config.max_seq_len)
-            except FinetuneError as exc:
-                raise bad_request(f"invalid training file {body.training_file}: {exc}", param="training_file",
-                                  code="invalid_training_file") from None
-            job = await asyncio.to_thread(jobs.create_job, body.model, body.training_file, shown, config.to_json(),
-                                          body.suffix, seed, body.metadata)
-            staging.rename(worker.job_dir(job["id"]))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        worker.wake()
-        return job
-
-    @v1.get("/fine_tuning/jobs")
-    async def list_jobs(request: Request) -> dict:
-        limit = int_param(request.query_params.get("limit"), "limit", 20, 1, 100)
-        found, has_more = await asyncio.to_thread(jobs.list_jobs, limit, request.query_params.get("after"))
-        return page(found, has_more)
-
-    @v1.get("/fine_tuning/jobs/{job_id}")
-    async def get_job(job_id: str) -> dict:
-        return await existing_job(job_id)
-
-    @v1.get("/fine_tuning/jobs/{job_id}/events")
-    async def list_events(job_id: str, request: Request) -> dict:
-        await existing_job(job_id)
-        limit = int_param(request.query_params.get("limit"), "limit", 20, 1, 1000)
-        events, has_more = await asyncio.to_thread(jobs.list_events, job_id, limit, request.query_params.get("after"))
-        return {"object": "list", "data": events, "has_more": has_more}
-
-    @v1.get("/fine_tuning/jobs/{job_id}/checkpoints")
-    async def list_checkpoints(job_id: str, request: Request) -> dict:
-        job = await existing_job(job_id)
-        limit = int_param(request.query_params.get("limit"), "limit", 10, 1, 100)
-        model = job["fine_tuned_model"] or fine_tuned_model_name(job["model"], job_id)
-        found, has_more = await asyncio.to_thread(jobs.list_checkpoints, job_id, limit,
-                                                  request.query_params.get("after"), model)
-        return page(found, has_more)
-
-    @v1.post("/fine_tuning/jobs/{job_id}/cancel")
-    async def cancel_job(job_id: str) -> dict:
-        job = await existing_job(job_id)
-        if not await asyncio.to_thread(jobs.set_status, job_id, "cancelled", message="Fine-tuning job cancelled"):
-            job = await existing_job(job_id)
-            raise APIError(409, f"fine-tuning job {job_id} is already {job['status']} and cannot be cancelled",
-                           code="fine_tuning_job_not_cancellable")
-        if job["status"] in ACTIVE_STATUSES:
-            worker.cancel(job_id)
-        return await existing_job(job_id)

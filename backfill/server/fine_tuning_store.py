@@ -219,9 +219,10 @@ def checkpoint_object(row: Row, fine_tuned_model: str) -> dict:
             "step_number": row["step"]}
 
 
-def fine_tuned_model_name(base_model: str, job_id: str) -> str:
-    """The name a finished job's adapter is served under (issue #27: <base-model>:ft-<job id>)."""
-    return f"{base_model}:ft-{job_id}"
+def fine_tuned_model_name(base_model: str, job_id: str, suffix: str | None = None) -> str:
+    """The name a finished job's adapter is served under: <base-model>:ft-<job id>, with the
+    job's suffix before the id (<base-model>:ft-<suffix>-<job id>), as OpenAI puts it before its id."""
+    return f"{base_model}:ft-{suffix}-{job_id}" if suffix else f"{base_model}:ft-{job_id}"
 
 
 def checkpoint_model_name(fine_tuned_model: str, step: int) -> str:

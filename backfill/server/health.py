@@ -13,22 +13,17 @@ refused connection that a liveness probe would restart it for.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
-
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 from backfill.errors import ServerConfigError
 
 if TYPE_CHECKING:
-    from backfill.server.app import ServerState
+    from backfill.server.state import ServerState
 
 LISTEN_BACKLOG = 2048   # uvicorn's default
 
@@ -45,19 +40,6 @@ def readiness(state: ServerState) -> tuple[bool, dict[str, Any]]:
     status = "warming_up" if warming else "ok" if ok else "draining" if state.draining else "unavailable"
     return ok and not warming, {"status": status, "engine": "running" if engine.running else "stopped",
                                 "draining": state.draining, "store": store_health}
-
-
-def add_health_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        # Alive: nothing here may block on the store or the engine (a liveness probe must not
-        # restart a process that is only busy).
-        return JSONResponse({"status": "alive", "uptime_s": int(time.time()) - state.started_at})
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        ok, body = await asyncio.to_thread(readiness, state)
-        return JSONResponse(body, status_code=200 if ok else 503)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -33,6 +33,7 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.batch_lines_in_flight: Callable[[], int] = lambda: 0   # set by the app once its worker exists
         self.backlog: Callable[[], tuple[int, dict[str, int]]] = lambda: (0, {})   # set by the app: the store
+        self.damaged_reads: Callable[[], int] = lambda: 0   # set by the app: the store's refused reads
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft_s = Histogram("backfill_time_to_first_token_seconds", "Time to first token, per request class",
                                 ["class"], buckets=_TTFT_BUCKETS_S, registry=self.registry)
@@ -139,6 +140,8 @@ class _EngineCollector(Collector):
         yield _histogram("backfill_preemption_latency_seconds",
                          "From an online arrival to the offline step yielding at a safepoint (ConServe §4.3)",
                          [ms / 1e3 for ms in list(stats.preemption_latencies_ms)], _PREEMPT_BUCKETS_S)
+        yield CounterMetricFamily("backfill_store_damaged_reads", "Stored files and batch results refused because "
+                                  "their SHA-256 no longer matched (damaged on disk)", value=self.owner.damaged_reads())
         yield GaugeMetricFamily("backfill_batch_lines_in_flight", "Batch API lines submitted to the engine",
                                 value=self.owner.batch_lines_in_flight())
         try:

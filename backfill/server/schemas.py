@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly at the edge.
 
-Strict mode: "5" is not an integer and true is not a number, as in OpenAI's API. Unknown
-fields are ignored (as vLLM does) so clients that send newer OpenAI fields keep working; fields
-OpenAI or vLLM define that backfill cannot honour (prompt logprobs, custom chat templates,
-legacy functions, ...) are refused with a 400 that names them rather than silently ignored.
+Strict mode: "5" is not an integer and true is not a number, as in OpenAI's API. Every field
+of OpenAI's and vLLM's request bodies is honoured or, if backfill cannot honour it (prompt
+logprobs, custom chat templates, legacy functions, ...), refused with a 400 that names it; a
+field of neither API is refused too. Nothing a client sends is silently ignored.
 """
 
 from __future__ import annotations
@@ -20,16 +20,37 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed ac
 MAX_STOP_STRINGS = 16
 MAX_N = 16                  # choices per request
 MAX_LOGPROBS = 20           # OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 too)
-# Fields of OpenAI's or vLLM's API that backfill does not implement, with the values that mean
-# "not used" (anything else is refused with a 400 naming the field, never silently ignored).
-UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "guided_whitespace_pattern": (None,),
+# Every field of OpenAI's and vLLM's completion and chat request bodies is either honoured (a
+# field of the body models below) or refused with a 400 naming it unless it holds one of the
+# values that mean "not used" (below). Fields of neither API are refused too: a misspelt field
+# never runs as if it were absent. docs/server.md's field table lists the same fields and is
+# tested against this (tests/server/test_schemas.py).
+REFUSED_FIELDS: dict[str, tuple[object, ...]] = {
+    # OpenAI
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "echo": (None, False), "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "web_search_options": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "store": (None, False), "metadata": (None,),
+    # vLLM
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,),
     "prompt_logprobs": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "reasoning_effort": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
-    "web_search_options": (None,), "logits_processors": (None, []), "bad_words": (None, []),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "documents": (None,),
+    "add_special_tokens": (None,), "mm_processor_kwargs": (None,), "media_io_kwargs": (None,),
+    "prompt_embeds": (None,), "logits_processors": (None, []), "bad_words": (None, []),
     "allowed_token_ids": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "truncate_prompt_tokens": (None,), "lora_request": (None,),
+    "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "request_id": (None,),
+    "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "lora_request": (None,),
+}
+# Why some fields are refused, where it helps the caller (else: "not supported by this server").
+REFUSAL_HINTS = {
+    "functions": "OpenAI's deprecated form of tools; send tools instead",
+    "function_call": "OpenAI's deprecated form of tool_choice; send tool_choice instead",
+    "priority": "send service_tier \"flex\" for best-effort work",
+    "request_id": "send it as the x-request-id header, which the access log records",
+    "skip_special_tokens": "special tokens are always skipped",
+    "echo": "the output never repeats the prompt",
 }
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # OpenAI's rule for function names.
@@ -37,36 +58,36 @@ FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")   # vLLM's guided_decoding_backend values served here
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     def check_supported(self) -> None:
         """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
 
 
-class _Open(_Strict):
+class OpenBody(StrictBody):
     """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictBody):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictBody):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -81,23 +102,23 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's newer spelling of the guided_* fields."""
 
     json_: dict | str | None = Field(None, alias="json")
@@ -107,28 +128,28 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictBody):
     name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class _GenerationBody(_Open):
+class _GenerationBody(OpenBody):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -148,7 +169,8 @@ class _GenerationBody(_Open):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM extension; 1 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)                # vLLM extension; 0 = off
-    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None                        # only 1 or n: every choice is returned
+    include_stop_str_in_output: bool | None = None    # vLLM extension
     # Structured output: OpenAI's response_format, vLLM's guided_* fields (at most one of them).
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
@@ -159,13 +181,22 @@ class _GenerationBody(_Open):
     structured_outputs: StructuredOutputs | None = None
     # OpenAI's name for the cheaper best-effort tier: "flex" runs as an offline request.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    # Identifiers OpenAI takes for abuse monitoring and cache routing; no effect on the output.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def check_supported(self) -> None:
-        for name in ("functions", "function_call"):
-            if (self.model_extra or {}).get(name) not in (None, [], "none"):
-                raise bad_request(f"{name} is OpenAI's deprecated form of tools / tool_choice, which this "
-                                  "server does not take; send tools and tool_choice instead", param=name)
+        for name, value in (self.model_extra or {}).items():
+            unused = REFUSED_FIELDS.get(name)
+            if unused is None:
+                raise bad_request(f"{name} is not a field of this endpoint (OpenAI's and vLLM's fields are "
+                                  f"listed in docs/server.md); remove it", param=name)
+            if not any(value == u and type(value) is type(u) for u in unused):
+                hint = REFUSAL_HINTS.get(name, "omit it")
+                raise bad_request(f"{name} is not supported by this server ({hint})", param=name)
+        if self.best_of not in (None, 1, self.n or 1):
+            raise bad_request("best_of other than n is not supported (every choice is returned)", param="best_of")
         if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GRAMMAR_BACKENDS:
             raise bad_request(f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; this "
                               f"server decodes with llguidance ({', '.join(map(repr, GRAMMAR_BACKENDS))})",
@@ -173,12 +204,6 @@ class _GenerationBody(_Open):
         if self.response_format is not None and self.response_format.type == "json_schema" \
                 and self.response_format.json_schema is None:
             raise bad_request("response_format of type json_schema needs json_schema", param="response_format")
-        for name, unused in UNSUPPORTED_FIELDS.items():
-            value = (self.model_extra or {}).get(name)
-            if value is not None and not any(value == u and type(value) is type(u) for u in unused):
-                raise bad_request(f"{name} is not supported by this server (omit it)", param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -252,18 +277,6 @@ class ChatCompletionBody(_GenerationBody):
 class CompletionBody(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if self.best_of not in (None, 1, self.n):
-            raise bad_request("best_of other than n is not supported", param="best_of")
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -283,7 +296,7 @@ class CompletionBody(_GenerationBody):
         return prompt[0]
 
 
-class BatchCreateBody(_Strict):
+class BatchCreateBody(StrictBody):
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions"]
     completion_window: Literal["24h"]
@@ -300,7 +313,7 @@ class BatchCreateBody(_Strict):
                                   param="metadata")
 
 
-class BatchLine(_Strict):
+class BatchLine(StrictBody):
     """One line of a batch input file."""
 
     custom_id: str = Field(min_length=1, max_length=512)
@@ -330,7 +343,7 @@ def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def validate_body(model: type[_Strict], data: object) -> _Strict:
+def validate_body(model: type[StrictBody], data: object) -> StrictBody:
     """A JSON object -> a validated request model, or a 400 naming the first bad field."""
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")

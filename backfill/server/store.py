@@ -9,6 +9,11 @@ Crash safety rests on three facts:
 A line whose result is not committed is simply pending, so whatever was in flight at a crash
 runs again on restart.
 
+Every file's content and every line's result carries its SHA-256, checked on each read: a page
+damaged on disk that SQLite's structure check cannot see (the bytes of a BLOB) is refused
+(DamagedContentError; counted in damaged_reads), never served. Rows written before the
+checksums existed (NULL) are read unchecked.
+
 One server process owns a database at a time (an exclusive lock on PATH.lock, released by the
 OS even after kill -9): two workers on one database would run every line twice.
 
@@ -32,7 +37,7 @@ from typing import Iterator
 
 from backfill.errors import ServerConfigError
 from backfill.server import store_integrity
-from backfill.server.store_integrity import StoreIntegrityError
+from backfill.server.store_integrity import DamagedContentError, StoreIntegrityError, sha256_hex
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -42,7 +47,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
-    content BLOB NOT NULL
+    content BLOB NOT NULL,
+    sha256 TEXT
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -86,6 +92,7 @@ CREATE TABLE IF NOT EXISTS batch_results (
     custom_id TEXT NOT NULL,
     ok INTEGER NOT NULL,
     record TEXT NOT NULL,
+    sha256 TEXT,
     PRIMARY KEY (batch_id, line)
 );
 """
@@ -128,6 +135,7 @@ class Store:
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self.last_error: str | None = None   # the last failed read or write, for /health
+        self.damaged_reads = 0   # reads refused because their checksum did not match (a metric)
         try:
             store_integrity.preflight(self.path, fresh)
             try:
@@ -151,6 +159,7 @@ class Store:
         store_integrity.check(conn, self.path)
         try:
             conn.executescript(SCHEMA)
+            store_integrity.add_checksum_columns(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
         if str(mode).lower() != "wal":
@@ -240,8 +249,17 @@ class Store:
         return _file_object(row) if row else None
 
     def file_content(self, file_id: str) -> bytes | None:
-        row = self._conn().execute("SELECT content FROM files WHERE id = ?", (file_id,)).fetchone()
-        return bytes(row["content"]) if row else None
+        """The file's bytes, checked against their checksum; DamagedContentError if they changed on disk."""
+        row = self._conn().execute("SELECT content, sha256 FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None:
+            return None
+        content = bytes(row["content"])
+        if row["sha256"] is not None and sha256_hex(content) != row["sha256"]:
+            self.damaged_reads += 1
+            raise DamagedContentError(f"the stored content of file {file_id} is damaged (its SHA-256 does not "
+                                      f"match the one recorded when it was written); it is not served. Restore "
+                                      f"the database {self.path} from a backup, or upload the file again")
+        return content
 
     def list_files(self, purpose: str | None, limit: int, after: str | None, order: str) -> tuple[list[dict], bool]:
         clauses, args = [], []
@@ -324,8 +342,10 @@ class Store:
                 return False
             conn.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, body) VALUES (?, ?, ?, ?)",
                              [(batch_id, line, custom_id, body) for line, custom_id, body in lines])
-            conn.executemany("INSERT INTO batch_results (batch_id, line, custom_id, ok, record) VALUES (?, ?, ?, 0, ?)",
-                             [(batch_id, f.line, f.custom_id, f.record) for f in failures])
+            conn.executemany("INSERT INTO batch_results (batch_id, line, custom_id, ok, record, sha256) "
+                             "VALUES (?, ?, ?, 0, ?, ?)",
+                             [(batch_id, f.line, f.custom_id, f.record, sha256_hex(f.record.encode()))
+                              for f in failures])
             conn.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ?, total = ?, failed = ? "
                          "WHERE id = ?", (int(time.time()), len(lines) + len(failures), len(failures), batch_id))
             return True
@@ -359,8 +379,9 @@ class Store:
         """Store one line's result and mark the line done, atomically; False if it already had one."""
         with self._write() as conn:
             inserted = conn.execute(
-                "INSERT INTO batch_results (batch_id, line, custom_id, ok, record) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (batch_id, line) DO NOTHING", (batch_id, line, custom_id, int(ok), record)).rowcount
+                "INSERT INTO batch_results (batch_id, line, custom_id, ok, record, sha256) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (batch_id, line) DO NOTHING",
+                (batch_id, line, custom_id, int(ok), record, sha256_hex(record.encode()))).rowcount
             if not inserted:
                 return False
             conn.execute("UPDATE batch_lines SET done = 1 WHERE batch_id = ? AND line = ?", (batch_id, line))
@@ -382,9 +403,22 @@ class Store:
             if row is None or row["status"] not in ACTIVE_STATUSES:
                 return
             file_ids = {}
+            results = conn.execute("SELECT line, custom_id, ok, record, sha256 FROM batch_results "
+                                   "WHERE batch_id = ? ORDER BY line", (batch_id,)).fetchall()
+            by_kind: dict[int, list[str]] = {1: [], 0: []}
+            for r in results:
+                if r["sha256"] is not None and sha256_hex(r["record"].encode()) != r["sha256"]:
+                    # A result damaged on disk goes to the error file as an error, never as output.
+                    self.damaged_reads += 1
+                    by_kind[0].append(json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": r["custom_id"],
+                                                  "response": None, "error": {
+                                                      "code": "result_damaged",
+                                                      "message": f"the stored result of line {r['line']} is "
+                                                                 "damaged (checksum mismatch) and was not served"}}))
+                else:
+                    by_kind[r["ok"]].append(r["record"])
             for ok, name in ((1, "output"), (0, "error")):
-                records = [r["record"] for r in conn.execute(
-                    "SELECT record FROM batch_results WHERE batch_id = ? AND ok = ? ORDER BY line", (batch_id, ok))]
+                records = by_kind[ok]
                 if records:
                     file_ids[name] = f"file-{uuid.uuid4().hex}"
                     _insert_file(conn, file_ids[name], "batch_output", f"{batch_id}_{name}.jsonl",
@@ -395,8 +429,9 @@ class Store:
 
 
 def _insert_file(conn: sqlite3.Connection, file_id: str, purpose: str, filename: str, content: bytes) -> None:
-    conn.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content) VALUES (?, ?, ?, ?, ?, ?)",
-                 (file_id, purpose, filename, len(content), int(time.time()), content))
+    conn.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, sha256) "
+                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (file_id, purpose, filename, len(content), int(time.time()), content, sha256_hex(content)))
 
 
 def _file_object(row: sqlite3.Row) -> dict:

@@ -6,17 +6,25 @@ Two ways a store goes bad without SQLite saying so on open:
   * a 0-byte file (a truncated copy, a full disk, a bad restore): SQLite silently takes it as a
     new empty database, and every earlier file and batch would vanish without a word.
 Both are refused with StoreIntegrityError unless the operator asks for a fresh start, and even
-then the damaged file is moved aside (PATH.damaged-<time>), never deleted.
+then the damaged file is moved aside (PATH.damaged-<time>), never deleted, and a warning says where.
+
+A third, damage inside the bytes of a file's content or a result, keeps the b-tree intact and
+passes quick_check; the store keeps a SHA-256 of each and refuses a read that no longer matches
+(DamagedContentError).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import sqlite3
 import time
 from pathlib import Path
 
-from backfill.errors import ServerConfigError
+from backfill.errors import BackfillError, ServerConfigError
+
+log = logging.getLogger(__name__)
 
 _SIDE_FILES = ("-wal", "-shm")
 QUICK_CHECK_MAX_ERRORS = 5   # enough to say what is wrong without reading a damaged file to its end
@@ -24,6 +32,26 @@ QUICK_CHECK_MAX_ERRORS = 5   # enough to say what is wrong without reading a dam
 
 class StoreIntegrityError(ServerConfigError):
     """The server database is damaged or missing its contents; the server refuses to start on it."""
+
+
+class DamagedContentError(BackfillError):
+    """Stored bytes (a file's content) no longer match the checksum recorded when they were written."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# Tables whose rows carry a checksum; a database made before the checksums gets the column
+# (NULL: that row is read unchecked).
+CHECKSUMMED_TABLES = ("files", "batch_results")
+
+
+def add_checksum_columns(conn: sqlite3.Connection) -> None:
+    for table in CHECKSUMMED_TABLES:
+        columns = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if "sha256" not in columns:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN sha256 TEXT")
 
 
 def preflight(path: Path, fresh: bool) -> None:
@@ -76,4 +104,6 @@ def move_aside(path: Path) -> Path:
                 os.replace(source, target.with_name(target.name + suffix))
             except OSError as exc:
                 raise StoreIntegrityError(f"cannot move the damaged database {source} aside: {exc}") from None
+            log.warning("--fresh-db: moved the damaged database %s aside to %s (nothing deleted); starting "
+                        "with an empty one", source, target.with_name(target.name + suffix))
     return target

@@ -57,9 +57,33 @@ def call_text(name: str, arguments: str) -> str:
     return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{CLOSE}'
 
 
+def closed_schema(schema: object) -> object:
+    """The schema with every object that lists its properties closed to them (additionalProperties
+    false where it says nothing): a forced call then ends when its arguments are complete, instead
+    of a small model adding (or repeating) keys until max_tokens. Its output still validates
+    against the original schema, as OpenAI's strict function calling does."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_schema(value) if key in _SUBSCHEMA_KEYS else value for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: closed_schema(sub) for name, sub in schema[key].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+# Not allOf or not: closing their parts would change what they accept.
+_SUBSCHEMA_KEYS = ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties")
+
+
 def forced_grammar(body: ChatCompletionBody) -> str | None:
-    """A Lark grammar for tool_choice required (one call or more; one if parallel_tool_calls is
-    false) or a named function (exactly one call of it); None when the model chooses."""
+    """A Lark grammar for tool_choice required or a named function: exactly one call, whose block
+    and the turn end as soon as its arguments are complete; required with parallel_tool_calls
+    true allows more calls after it. None when the model chooses."""
     mode = body.tool_choice_mode()
     if mode not in ("required", "named"):
         return None
@@ -68,13 +92,15 @@ def forced_grammar(body: ChatCompletionBody) -> str | None:
         tools = [t for t in tools if t.function.name == body.tool_choice.function.name]
     rules, alternatives = [], []
     for index, tool in enumerate(tools):
-        schema = tool.function.parameters or PARAMETERS_DEFAULT
+        schema = closed_schema(tool.function.parameters or PARAMETERS_DEFAULT)
         prefix = json.dumps('{"name": ' + json.dumps(tool.function.name) + ', "arguments": ')
         rules.append(f"fn{index}: {prefix} args{index} \"}}\"")
         rules.append(f"args{index}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
         alternatives.append(f"fn{index}")
     call = f'call: {json.dumps(OPEN + chr(10))} ({" | ".join(alternatives)}) {json.dumps(chr(10) + CLOSE)}'
-    many = mode == "required" and body.parallel_tool_calls is not False
+    # More calls only when asked for: left to a small model, "another call?" is answered by
+    # repeating the first one until max_tokens.
+    many = mode == "required" and body.parallel_tool_calls is True
     start = 'start: call ("\\n" call)*' if many else "start: call"
     return "\n".join([start, call, *rules])
 

@@ -104,6 +104,8 @@ class Sequence:
         self.append_text([token])
         cut = self.find_stop_string(params.stop, len(self.text) - before)
         if cut is not None:
+            if params.include_stop_str_in_output:   # vLLM's field: the stop string found there is kept
+                cut += max(len(s) for s in params.stop if self.text.startswith(s, cut))
             self.text = self.text[:cut]
             return FinishReason.STOP
         if len(self.output_ids) >= params.max_tokens or self.num_tokens >= max_model_len:

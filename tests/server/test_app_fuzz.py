@@ -101,7 +101,7 @@ batch_lines = st.one_of(
 def client(tmp_path_factory):
     # A 32-token context bounds every generated response, so valid requests stay cheap.
     app = make_app(tmp_path_factory.mktemp("fuzz") / "fuzz.db", max_model_len=32, max_body_mb=1.0)
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         yield c
         batch_ids = [b["id"] for b in c.get("/v1/batches", params={"limit": 100}).json()["data"]]
         deadline = time.monotonic() + 60

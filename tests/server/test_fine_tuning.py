@@ -92,7 +92,8 @@ def test_job_end_to_end_through_the_openai_client(server):
         seen.add(job.status)
     assert job.status == "succeeded", job.error
     assert "running" in seen
-    assert job.fine_tuned_model == f"{base}:ft-{job.id}" and job.finished_at >= job.created_at
+    # The suffix ("capitals") is in the name, before the job id that keeps the name unique.
+    assert job.fine_tuned_model == f"{base}:ft-capitals-{job.id}" and job.finished_at >= job.created_at
     assert job.trained_tokens > 0 and len(job.result_files) == 1
     results = client.files.content(job.result_files[0]).text.splitlines()
     assert results[0] == "step,train_loss,samples,tokens" and len(results) == 9
@@ -153,6 +154,13 @@ def test_bad_input_is_4xx_and_disturbs_nothing(server):
     batch_file = client.files.create(file=("b.jsonl", io.BytesIO(b'{"a": 1}')), purpose="batch")
     assert "fine-tune" in assert_error(create(training_file=batch_file.id), 400, param="training_file")["message"]
     assert_error(create(validation_file=file.id), 400, param="validation_file")
+    # A typo is refused, never a job trained with defaults.
+    assert "bogus" in assert_error(create(hyperparameters={"bogus": 1}), 400,
+                                   param="hyperparameters.bogus")["message"]
+    assert_error(create(method={"type": "supervised", "supervised": {"hyperparameters": {"n_epoch": 2}}}), 400,
+                 param="method.supervised.hyperparameters.n_epoch")
+    assert_error(create(lora={"rnak": 4}), 400, param="lora.rnak")
+    assert_error(create(suffix="a:b"), 400, param="suffix")
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model=f"{base}:ft-ftjob-nope", messages=[{"role": "user", "content": "x"}])
     assert_error(httpx.get(f"{url}/ftjob-nope"), 404, code="fine_tuning_job_not_found")

@@ -46,7 +46,7 @@ def server_process(tmp_path_factory, request):
 
 def test_unfinished_headers_are_closed_after_the_header_timeout(server_process):
     with socket.create_connection(("127.0.0.1", server_process.port)) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # never the blank line
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # never the blank line
         data, took_s = read_until_closed(sock, limit_s=15)
     assert data == b"" and took_s < 10
 
@@ -66,7 +66,7 @@ def test_trickled_headers_do_not_reset_the_deadline(server_process):
 
 def test_an_idle_keep_alive_connection_gets_the_header_deadline_again(server_process):
     with socket.create_connection(("127.0.0.1", server_process.port)) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         data, took_s = read_until_closed(sock, limit_s=15)
     # The response, then the close at the 1 s header deadline, before uvicorn's 5 s keep-alive.
     assert data.startswith(b"HTTP/1.1 200") and took_s < 4
@@ -96,7 +96,7 @@ def test_unknown_or_missing_parser_and_loop_are_config_errors(monkeypatch):
 
 def test_short_body_gets_408_and_the_connection_closes(server_process):
     with socket.create_connection(("127.0.0.1", server_process.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 10\r\n\r\n{\"a\":")   # 5 of the 10 bytes
         data, took_s = read_until_closed(sock, limit_s=15)
     assert data.startswith(b"HTTP/1.1 408") and b"request_timeout" in data and took_s < 10
@@ -129,6 +129,8 @@ def test_every_429_has_retry_after(tmp_path):
             refused = http.post("/v1/chat/completions", json=body)
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
             assert int(refused.headers["retry-after"]) >= 1
+            # openai-python reads retry-after-ms first; the SLO 429 sends it, so must the queue cap.
+            assert int(refused.headers["retry-after-ms"]) == 1000 * int(refused.headers["retry-after"])
 
 
 def test_metrics_tokens_latency_and_backlog(tmp_path):

@@ -4,7 +4,9 @@ that cannot be written)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -37,14 +39,17 @@ def overwrite_middle_pages(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_overwritten_pages_are_refused_then_moved_aside_with_fresh(tmp_path):
+def test_overwritten_pages_are_refused_then_moved_aside_with_fresh(tmp_path, caplog):
     db = tmp_path / "s.db"
     filled_database(db)
     overwrite_middle_pages(db)
     with pytest.raises(StoreIntegrityError, match="is damaged .*--fresh-db"):
         Store(db)
     assert db.read_bytes()[:16] == b"SQLite format 3\x00"    # refusing touched nothing
-    store = Store(db, fresh=True)
+    with caplog.at_level(logging.WARNING, logger="backfill.server.store_integrity"):
+        store = Store(db, fresh=True)
+    moved = [r.getMessage() for r in caplog.records if "moved the damaged database" in r.getMessage()]
+    assert moved and str(db) in moved[0] and "s.db.damaged-" in moved[0]   # the operator is told where
     assert store.list_files(None, 10, None, "desc") == ([], False)
     store.close()
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("s.db.damaged-")]
@@ -156,3 +161,49 @@ def test_store_damaged_while_serving_is_503_store_error_and_ready_says_so(tmp_pa
             chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "max_tokens": 2})
             assert chat.status_code == 200, chat.text
+
+
+def test_damaged_file_content_is_an_error_never_the_damaged_bytes(tmp_path):
+    """4 KB overwritten inside a page that holds a file's content: SQLite's structure check cannot
+    see it (the server starts, /health is ok); the content's checksum does."""
+    db = tmp_path / "server.db"
+    content = b"".join(b'{"line": %d, "text": "%s"}\n' % (i, b"abcdefgh" * 8) for i in range(1000))
+    store = Store(db)
+    file_id = store.create_file("batch", "big.jsonl", content)["id"]
+    store.close()   # checkpoints the WAL into the main file
+    data = bytearray(db.read_bytes())
+    page = data.index(content[40_000:40_200]) // PAGE_BYTES
+    inside = slice(page * PAGE_BYTES + 4, (page + 1) * PAGE_BYTES)   # all but the overflow page's link
+    assert bytes(data[inside]) in content, "the page holds the file's bytes only"
+    data[inside] = b"\xab" * (PAGE_BYTES - 4)
+    db.write_bytes(bytes(data))
+
+    with live_server(tmp_path) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get("/health").status_code == 200   # nothing a structure check finds
+        assert http.get(f"/v1/files/{file_id}").json()["bytes"] == len(content)
+        response = http.get(f"/v1/files/{file_id}/content")
+        assert response.status_code == 500 and b"\xab" * 64 not in response.content
+        error = response.json()["error"]
+        assert error["code"] == "stored_content_damaged" and file_id in error["message"]
+        metrics = http.get("/metrics").text
+        assert "backfill_store_damaged_reads_total 1.0" in metrics, metrics
+
+
+def test_damaged_batch_result_goes_to_the_error_file_not_the_output(tmp_path):
+    db = tmp_path / "s.db"
+    store = Store(db)
+    file_id = store.create_file("batch", "in.jsonl", (chat_line("a") + "\n" + chat_line("b")).encode())["id"]
+    batch_id = store.create_batch(file_id, "/v1/chat/completions", "24h", None)["id"]
+    assert store.start_batch(batch_id, [(0, "a", "{}"), (1, "b", "{}")], [])
+    store.record_result(batch_id, 0, "a", True, '{"custom_id": "a", "response": {"status_code": 200}}')
+    store.record_result(batch_id, 1, "b", True, '{"custom_id": "b", "response": {"status_code": 200}}')
+    with sqlite3.connect(db) as raw:   # the bytes of one stored result change on disk
+        raw.execute("UPDATE batch_results SET record = replace(record, '200', '999') WHERE line = 1")
+    store.finish_batch(batch_id, "completed")
+    batch = store.get_batch(batch_id)
+    output = store.file_content(batch["output_file_id"]).decode()
+    errors = store.file_content(batch["error_file_id"]).decode()
+    assert '"custom_id": "a"' in output and "999" not in output and '"b"' not in output
+    assert "result_damaged" in errors and '"custom_id": "b"' in errors and "999" not in errors
+    assert store.damaged_reads == 1
+    store.close()

@@ -60,3 +60,28 @@ def test_named_tool_call_parses_and_streams(client):
     pieces = [c.function.arguments for chunk in client.chat.completions.create(**request, stream=True)
               for c in chunk.choices[0].delta.tool_calls or () if c.function.arguments]
     assert len(pieces) > 3 and json.loads("".join(pieces)) == arguments   # greedy: the same call, streamed
+
+
+PLAIN_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"},
+                                                      "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                                                      "required": ["city", "unit"]}}}
+CLOSED_WEATHER = {"type": "function", "function": {**PLAIN_WEATHER["function"], "parameters": {
+    **PLAIN_WEATHER["function"]["parameters"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool", [CLOSED_WEATHER, PLAIN_WEATHER], ids=["additional_properties_false", "plain"])
+def test_required_tool_call_is_one_complete_call(client, tool):
+    """Issue 46: tool_choice required gave two identical calls and "<tool_call>" as content (closed
+    schema), or arguments cut off mid-string with a key repeated until max_tokens (plain schema)."""
+    out = client.chat.completions.create(
+        model=None, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=80, temperature=0, tools=[tool], tool_choice="required")
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from backfill.server.schemas import ChatCompletionBody, validate_body
-from backfill.server.tool_calls import ToolCallStream, forced_grammar, parse_tool_calls
+from backfill.server.tool_calls import ToolCallStream, closed_schema, forced_grammar, parse_tool_calls
 
 NAMES = {"get_weather", "get_time"}
 TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", '
@@ -61,7 +61,23 @@ def test_forced_grammar_only_for_required_and_named():
     assert forced_grammar(body(tool_choice="auto")) is None
     assert forced_grammar(body(tool_choice="none")) is None
     required = forced_grammar(body(tool_choice="required"))
-    assert "get_weather" in required and "get_time" in required and "call (" in required
+    assert "get_weather" in required and "get_time" in required
     named = forced_grammar(body(tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert "get_time" in named and "get_weather" not in named
-    assert "call (" not in forced_grammar(body(tool_choice="required", parallel_tool_calls=False))
+    # One call ends the turn unless parallel_tool_calls asks for more.
+    assert required.startswith("start: call\n")
+    assert forced_grammar(body(tool_choice="required", parallel_tool_calls=False)).startswith("start: call\n")
+    assert 'start: call ("\\n" call)*' in forced_grammar(body(tool_choice="required", parallel_tool_calls=True))
+
+
+def test_forced_call_arguments_are_closed_to_the_listed_properties():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
+        "type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}}}}},
+              "required": ["city"]}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["days"]["items"]["additionalProperties"] is False
+    assert schema.get("additionalProperties") is None   # the caller's schema is left alone
+    open_on_purpose = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "string"}}
+    assert closed_schema(open_on_purpose)["additionalProperties"] == {"type": "string"}
+    assert closed_schema({"type": "object"}) == {"type": "object"}   # nothing listed: nothing to close to

@@ -16,23 +16,28 @@ from pydantic import Field
 
 from backfill.errors import AdapterLoadError
 from backfill.server.errors import bad_request, not_found
-from backfill.server.schemas import _Strict, parse_json, validate_body
-from backfill.serving.async_engine import AsyncEngine
+from backfill.server.http_helpers import json_body_openapi, read_json
+from backfill.server.schemas import StrictBody, validate_body
+from backfill.server.state import ServerState
 
 
-class LoadAdapterBody(_Strict):
+class LoadAdapterBody(StrictBody):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadAdapterBody(_Strict):
+class UnloadAdapterBody(StrictBody):
     lora_name: str = Field(min_length=1)
 
 
-def add_adapter_routes(v1: APIRouter, engine: AsyncEngine, base_models: tuple[str, ...]) -> None:
-    @v1.post("/load_lora_adapter")
+def add_adapter_routes(v1: APIRouter, state: ServerState) -> None:
+    engine = state.engine
+    base_models = (state.served_model, engine.model_name)
+
+    @v1.post("/load_lora_adapter", openapi_extra=json_body_openapi(LoadAdapterBody))
     async def load_adapter(request: Request) -> PlainTextResponse:
-        body = validate_body(LoadAdapterBody, parse_json(await request.body()))
+        body = validate_body(LoadAdapterBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         if body.lora_name in base_models:
             raise bad_request(f"{body.lora_name!r} is the base model's name", param="lora_name")
         try:
@@ -41,9 +46,10 @@ def add_adapter_routes(v1: APIRouter, engine: AsyncEngine, base_models: tuple[st
             raise bad_request(str(exc), param="lora_path", code="invalid_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @v1.post("/unload_lora_adapter")
+    @v1.post("/unload_lora_adapter", openapi_extra=json_body_openapi(UnloadAdapterBody))
     async def unload_adapter(request: Request) -> PlainTextResponse:
-        body = validate_body(UnloadAdapterBody, parse_json(await request.body()))
+        body = validate_body(UnloadAdapterBody, await read_json(request, state.limit_bytes,
+                                                  state.config.body_timeout_s))
         if body.lora_name not in engine.adapters:
             raise not_found(f"no LoRA adapter named {body.lora_name!r} is loaded", param="lora_name",
                             code="adapter_not_found")

@@ -1,0 +1,128 @@
+"""The server's shared state: the engine, the store, the workers, and admission of online
+requests (queue caps, predicted TTFT). Every route module reads it; create_app builds it."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from backfill.server.admission import QueuedRequest, TtftAdmission, retry_after_header
+from backfill.server.batches import BatchWorker
+from backfill.server.completions import CompletionService, Generation, Prepared
+from backfill.server.config import ServerConfig
+from backfill.server.errors import APIError
+from backfill.server.fine_tuning import FineTuningWorker
+from backfill.server.metrics import CLASSES, ServerMetrics
+from backfill.server.store import Store
+from backfill.types import RequestClass
+from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.config import ServingConfig
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    store: Store
+    service: CompletionService
+    metrics: ServerMetrics
+    worker: BatchWorker
+    fine_tuning: FineTuningWorker
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    in_flight: dict[str, int] = field(default_factory=lambda: {cls: 0 for cls in CLASSES})
+    draining: bool = False
+    drain_deadline_s: float | None = None
+    # Called with (class, requests in flight) on every change: a node's model server reports its
+    # online lifecycle to the node runtime's gate from here (backfill/node/model_server.py).
+    on_in_flight_change: Callable[[str, int], None] | None = None
+    admission: TtftAdmission | None = None
+    # Admitted online requests and the TTFT predicted for each when it was admitted.
+    online: dict[Generation, float] = field(default_factory=dict)
+
+    @property
+    def served_model(self) -> str:
+        return self.service.served_model
+
+    @property
+    def limit_bytes(self) -> int:
+        """The largest request body (--max-body-mb), bytes."""
+        return int(self.config.max_body_mb * 2**20)
+
+    def check_not_draining(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="service_unavailable")
+
+    def begin_drain(self) -> None:
+        """Stop taking work (SIGTERM): new requests get 503, the batch worker starts no new lines."""
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline_s = time.monotonic() + self.config.drain_timeout_s
+            self.worker.stop_accepting()
+
+    def admit(self, prepared: Prepared) -> float:
+        """Take the request or raise 503 / 429; returns its predicted TTFT (ms; 0 when not predicted)."""
+        request_class = prepared.request.request_class.value
+        self.check_not_draining()
+        if self.in_flight[request_class] >= self.config.max_online_queue:
+            self.metrics.rejected.labels(request_class).inc()
+            raise APIError(429, f"too many {request_class} requests in flight "
+                                f"({self.config.max_online_queue}); retry later", code="queue_full")
+        predicted_ms = 0.0
+        if self.admission is not None and prepared.request.request_class is RequestClass.ONLINE:
+            num_prompt = len(prepared.request.prompt_token_ids) * len(prepared.requests)
+            now = time.monotonic()
+            decision = self.admission.decide(num_prompt, (queued_view(g, predicted, now)
+                                                          for g, predicted in self.online.items()))
+            if not decision.admit:
+                self.metrics.rejected.labels(request_class).inc()
+                raise APIError(429, f"the server is at capacity: this request's time to first token is predicted "
+                                    f"at {decision.predicted_ttft_ms:.0f} ms, over the {self.admission.ttft_slo_ms:g} ms "
+                                    f"SLO; retry after the Retry-After header's seconds", code="slo_overload",
+                               headers=retry_after_header(decision.retry_after_ms))
+            predicted_ms = decision.predicted_ttft_ms
+        self.in_flight[request_class] += 1
+        if self.on_in_flight_change is not None:
+            self.on_in_flight_change(request_class, self.in_flight[request_class])
+        return predicted_ms
+
+    def track(self, generation: Generation, predicted_ms: float) -> None:
+        if generation.request.request_class is RequestClass.ONLINE:
+            self.online[generation] = predicted_ms
+
+    def release(self, request_class: str, generation: Generation | None = None) -> None:
+        self.in_flight[request_class] -= 1
+        if self.on_in_flight_change is not None:
+            self.on_in_flight_change(request_class, self.in_flight[request_class])
+        predicted_ms = self.online.pop(generation, None) if generation is not None else None
+        if predicted_ms and self.admission is not None and generation.first_token_s is not None:
+            self.admission.observe(predicted_ms, (generation.first_token_s - generation.request.arrival_time) * 1e3)
+
+
+def queued_view(generation: Generation, predicted_ttft_ms: float = 0.0,
+                now_s: float | None = None) -> QueuedRequest:
+    now_s = time.monotonic() if now_s is None else now_s
+    unfinished = [i for i, reason in enumerate(generation.finish_reasons) if reason is None]
+    max_tokens = generation.request.sampling.max_tokens
+    return QueuedRequest(len(generation.request.prompt_token_ids) * len(generation.requests),
+                         generation.first_token_s is not None, len(unfinished),
+                         min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0),
+                         (now_s - generation.request.arrival_time) * 1e3, predicted_ttft_ms)
+
+
+def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:
+    """Admission by predicted TTFT (and decode step time) where the policy has a latency profile (coserve);
+    None: queue length only."""
+    latency = engine.policy.latency
+    if latency is None or math.isinf(config.admission_ttft_share):
+        return None
+    serving = config.serving or ServingConfig()
+    limits = serving.limits or serving.coserve.limits
+    correction_for = engine.policy.correction_for
+
+    def estimate_ms(shape, _raw=latency.estimate_ms):  # the profile as the policy corrects it from measured steps
+        return correction_for(shape.num_tokens) * _raw(shape)
+
+    return TtftAdmission(estimate_ms, serving.coserve.slo.ttft_ms, limits.max_batch_tokens,
+                         config.admission_ttft_share, serving.coserve.slo.tpot_ms, limits.max_batch_seqs)
