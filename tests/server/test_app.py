@@ -145,7 +145,7 @@ def test_non_streaming_disconnect_cancels_request(server, model):
     cancelled = metric(server, "backfill_requests_total", **{"class": "online", "finish_reason": "cancelled"})
     body = json.dumps({"model": model, "prompt": "go", "max_tokens": 500, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         _wait_until(lambda: server.state.in_flight["online"] == 1)
     scheduler = server.state.engine.scheduler
