@@ -24,7 +24,8 @@ def test_unknown_modes_are_refused():
 def test_every_mode_runs_and_cfs_pages_into_lent_memory():
     cfg = DeviceBurstConfig(shape="tiny", device="cpu", dtype="float32", kv_blocks=12, block_size=8,
                             prompt_tokens=(16, 32), output_tokens=12, steady_s=0.5, burst_s=1.5, after_s=0.5,
-                            lend_mb=8, transfer_blocks=(4,), transfer_repeats=2, load_of_capacity=1.0)
+                            lend_mb=8, transfer_blocks=(4,), transfer_repeats=2,
+                            steady_rate_per_s=4.0)   # fixed: a loaded machine measures no capacity
     result = run_device_burst(cfg, log=lambda *_: None)
     assert set(result["modes"]) == {"fcfs", "cfs-host", "cfs-lent"}
     for mode in result["modes"].values():
