@@ -192,7 +192,7 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
     from backfill.engine.shapes import shape_config
     from backfill.engine.weights import random_model
     from backfill.memory.elastic import map_segment
-    from backfill.offload.transfer_bench import figures_json, measure_transfers
+    from backfill.bench.transfer_bench import figures_json, measure_transfers
 
     started = time.monotonic()
     dtype = getattr(torch, cfg.dtype)

@@ -1,5 +1,5 @@
 """REEF on a CUDA device, one short check: DISB A (and B-E while time allows) with the same harness
-as on the CPU (realtime/bench.py's run_disb with device="cuda"): RT P99 against RT-only's.
+as on the CPU (bench/realtime_bench.py's run_disb with device="cuda"): RT P99 against RT-only's.
 
     python -m backfill.bench.reef_device --out DIR [--budget-s 60]
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"args": vars(args), "workloads": {}}
     started = time.perf_counter()
     try:
-        from backfill.realtime.bench import run_disb
+        from backfill.bench.realtime_bench import run_disb
         from backfill.realtime.config import ALL_MODELS, DISB_SCALES, TINY_SCALES
 
         scales = dict(TINY_SCALES if args.size == "tiny" else DISB_SCALES)

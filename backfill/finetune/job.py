@@ -45,7 +45,8 @@ class FinetuneJob:
         num_batches = -(-len(self.samples) // config.batch_size)
         self.total_steps = config.max_steps or config.epochs * num_batches
         generator = torch.Generator().manual_seed(config.seed)
-        self.adapter = TrainableLoraAdapter(config, TrainableLoraAdapter.shapes_for(model.config), model.config.num_layers, generator)
+        self.adapter = TrainableLoraAdapter(config, TrainableLoraAdapter.shapes_for(model.config), model.config.num_layers,
+                                            generator, device=model.device)
         self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=config.learning_rate,
                                            betas=config.betas, weight_decay=config.weight_decay)
         self.steps_done = 0
@@ -202,7 +203,7 @@ class FinetuneJob:
         loss_sum = 0.0
         tokens = 0
         for start in range(0, len(batch), c.micro_batch_size):
-            ids, mask = collate(batch[start:start + c.micro_batch_size], self.pad_id)
+            ids, mask = (t.to(model.device) for t in collate(batch[start:start + c.micro_batch_size], self.pad_id))
             tokens += int(ids.numel())
             saved = [embed(model, ids)]
             for li in range(layers):

@@ -61,7 +61,7 @@ class TrainableLoraAdapter:
     """The trainable A [r, in] and B [out, r] of every targeted projection of every layer (fp32)."""
 
     def __init__(self, config: FinetuneConfig, in_out: dict[str, tuple[int, int]], num_layers: int,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, device: str | torch.device = "cpu") -> None:
         self.config = config
         self.num_layers = num_layers
         self.in_out = in_out
@@ -74,6 +74,8 @@ class TrainableLoraAdapter:
                 bound = 1.0 / math.sqrt(fan_in)
                 a = (torch.rand(config.rank, fan_in, generator=generator) * 2 - 1) * bound
                 b = torch.zeros(fan_out, config.rank)
+                # drawn on the CPU (the same values on every device), trained beside the model's weights
+                a, b = a.to(device), b.to(device)
                 self.params[(layer, target)] = (a.requires_grad_(), b.requires_grad_())
 
     @staticmethod
