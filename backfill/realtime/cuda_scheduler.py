@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from backfill.errors import RealtimeError
-from backfill.realtime.config import DEEP_QUEUE, SchedulerConfig
+from backfill.realtime.config import DEEP_QUEUE, TaskSchedulerConfig
 from backfill.realtime.launch_window import LaunchWindow
 from backfill.realtime.models import Workspace
-from backfill.realtime.scheduler import ArrivalSource, Preemption, Request, ServedModel
+from backfill.realtime.task_scheduler import ArrivalSource, Preemption, Request, ServedModel
 
 CUDA_MODES = ("reef", "seq", "concurrent", "rt-only")
 
@@ -59,7 +59,7 @@ class _BEStream:
 
 
 class CudaScheduler:
-    def __init__(self, config: SchedulerConfig, models: dict[str, ServedModel], be_streams: dict[str, str]) -> None:
+    def __init__(self, config: TaskSchedulerConfig, models: dict[str, ServedModel], be_streams: dict[str, str]) -> None:
         if config.mode not in CUDA_MODES:
             raise RealtimeError(f"mode {config.mode!r} has no CUDA form; choose {', '.join(CUDA_MODES)}")
         if config.pad:

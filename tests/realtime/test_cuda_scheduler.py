@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backfill.errors import RealtimeError
-from backfill.realtime.bench import run_disb
+from backfill.bench.realtime_bench import run_disb
 from backfill.realtime.config import TINY_SCALES
 from backfill.realtime.models import build_model
 from tests.conftest import TEST_DEVICE
