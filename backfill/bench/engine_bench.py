@@ -247,8 +247,11 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                             decode_attention=decode_attention, cuda_graphs=cuda_graphs, cuda_kernels=kernels)
         dtype_name = cfg.resolved_dtype
         if kernels != "torch" and not cfg.uses_triton_kernels:
-            log(f"[{dtype_name}] cuda_kernels={kernels} runs on CUDA only: skipped on {device}")
-            continue
+            if "torch" in cuda_kernels:   # compared beside torch: nothing of its own to measure here
+                log(f"[{dtype_name}] cuda_kernels={kernels} runs on CUDA only: skipped on {device}")
+                continue
+            kernels = "torch"   # the default kernel set on a CPU is torch's, whatever the knob says
+            cfg = replace(cfg, cuda_kernels="torch")
         label = dtype_name if kernels == "torch" else f"{dtype_name}+{kernels}"
         runner = build_runner(loaded.config, loaded.weights, cfg)
         floor_ms = runner.model.weight_bytes / (bandwidth * 1e9) * 1e3

@@ -20,9 +20,9 @@ def _serve(*argv: str):
     return config_from_args(parser.parse_args(list(argv))).serving
 
 
-def test_torch_by_default_triton_on_request_and_a_typed_error_otherwise(tmp_path):
-    assert _serve().cuda_kernels == "torch"
-    assert _serve("--cuda-kernels", "triton").cuda_kernels == "triton"
+def test_triton_by_default_torch_on_request_and_a_typed_error_otherwise(tmp_path):
+    assert _serve().cuda_kernels == "triton"
+    assert _serve("--cuda-kernels", "torch").cuda_kernels == "torch"
     toml = tmp_path / "c.toml"
     toml.write_text('cuda-kernels = "cutlass"\n')
     with pytest.raises(InvalidRequestError, match="cuda_kernels must be one of torch, triton"):
@@ -41,6 +41,6 @@ def test_bench_engine_takes_several_kernel_sets():
     parser = build_parser()
     args = parser.parse_args(["bench", "engine", "--cuda-kernels", "torch", "triton"])
     assert args.cuda_kernels_compared == ["torch", "triton"] and not hasattr(args, "cuda_kernels")
-    assert parser.parse_args(["bench", "engine"]).cuda_kernels_compared == ["torch"]
+    assert parser.parse_args(["bench", "engine"]).cuda_kernels_compared == ["triton"]
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "engine", "--cuda-kernels", "cutlass"])
