@@ -175,7 +175,7 @@ def _load_model(args: argparse.Namespace, **serving_changes):
 PROGRESS_EVERY_S = 5.0
 
 
-def _time_left(job, first_step: float, elapsed_s: float) -> str:
+def time_left(job, first_step: float, elapsed_s: float) -> str:
     """The estimate from the pace of this run so far (steps done, a step in flight counted by its pieces)."""
     done = job.progress_steps - first_step
     if done <= 0:
@@ -202,12 +202,12 @@ def cmd_finetune_run(args: argparse.Namespace) -> int:
         for event in job.events[printed:]:
             rate = (event["step"] - printed) * config.batch_size / (now - started)
             print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  {rate:.2f} samples/s  "
-                  f"{_time_left(job, first_step, now - started)}", flush=True)
+                  f"{time_left(job, first_step, now - started)}", flush=True)
             shown = now
         printed = max(printed, len(job.events)) if job.events else printed
         if now - shown >= PROGRESS_EVERY_S:  # a step takes minutes on a slow CPU: show it moving
             print(f"step {job.steps_done + 1:5d}/{job.total_steps}  {100 * (job.progress_steps % 1):.0f}% of its "
-                  f"layer pieces done  {_time_left(job, first_step, now - started)}", flush=True)
+                  f"layer pieces done  {time_left(job, first_step, now - started)}", flush=True)
             shown = now
     print(f"adapter: {args.out / 'adapter'}")
     return 0
