@@ -39,7 +39,7 @@ REFUSED_FIELDS: dict[str, tuple[object, ...]] = {
     "prompt_embeds": (None,), "logits_processors": (None, []), "bad_words": (None, []),
     "allowed_token_ids": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "truncate_prompt_tokens": (None,), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "priority": (None, 0), "request_id": (None,),
+    "spaces_between_special_tokens": (None, True), "request_id": (None,),
     "return_token_ids": (None, False), "return_tokens_as_token_ids": (None, False), "cache_salt": (None,),
     "kv_transfer_params": (None,), "vllm_xargs": (None,), "lora_request": (None,),
 }
@@ -47,7 +47,6 @@ REFUSED_FIELDS: dict[str, tuple[object, ...]] = {
 REFUSAL_HINTS = {
     "functions": "OpenAI's deprecated form of tools; send tools instead",
     "function_call": "OpenAI's deprecated form of tool_choice; send tool_choice instead",
-    "priority": "send service_tier \"flex\" for best-effort work",
     "request_id": "send it as the x-request-id header, which the access log records",
     "skip_special_tokens": "special tokens are always skipped",
     "echo": "the output never repeats the prompt",
@@ -181,6 +180,8 @@ class _GenerationBody(OpenBody):
     structured_outputs: StructuredOutputs | None = None
     # OpenAI's name for the cheaper best-effort tier: "flex" runs as an offline request.
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    # vLLM's: larger is handled later; above 0 it runs as best-effort work, as "flex" does.
+    priority: int | None = None
     # Identifiers OpenAI takes for abuse monitoring and cache routing; no effect on the output.
     user: str | None = None
     safety_identifier: str | None = None
@@ -216,7 +217,7 @@ class _GenerationBody(OpenBody):
 
     @property
     def offline(self) -> bool:
-        return self.service_tier == "flex"
+        return self.service_tier == "flex" or (self.priority or 0) > 0
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -90,10 +90,17 @@ def test_issue_46_fields_are_not_ignored(client):
     chat = MINIMAL["chat"]
     assert_error(client.post("/v1/chat/completions", json={**chat, "best_of": 3}), 400, param="best_of")
     assert client.post("/v1/chat/completions", json={**chat, "n": 2, "best_of": 2}).status_code == 200
-    for name, value in (("echo", True), ("return_token_ids", True), ("request_id", "abc"), ("priority", 5),
+    for name, value in (("echo", True), ("return_token_ids", True), ("request_id", "abc"),
                         ("skip_special_tokens", False)):
         assert_error(client.post("/v1/chat/completions", json={**chat, name: value}), 400, param=name)
         assert_error(client.post("/v1/completions", json={**MINIMAL["completions"], name: value}), 400, param=name)
+
+
+def test_priority_above_zero_runs_offline(client):
+    # vLLM's priority (larger is later), as the benchmark client marks best-effort work for vLLM.
+    for priority, tier in ((5, "flex"), (0, "default"), (-1, "default")):
+        response = client.post("/v1/completions", json={**MINIMAL["completions"], "priority": priority})
+        assert response.json()["service_tier"] == tier, response.text
 
 
 @pytest.mark.parametrize("stream", [False, True])
