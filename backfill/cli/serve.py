@@ -123,7 +123,7 @@ def _run_server(args: argparse.Namespace) -> int:
     if args.config and is_node_config(args.config):  # a [[models]] file: several models on one node
         from backfill.node.host import run_node
 
-        return run_node(args.config, args.device)
+        return run_node(args.config, getattr(args, "device", None))  # a node file alone parses no engine flags
     return run_server(args)
 
 

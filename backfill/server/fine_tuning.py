@@ -178,6 +178,8 @@ class FineTuningWorker:
         self.running: RunningJob | None = None
         self._wake = asyncio.Event()
         self._stopped = False
+        # The adapters of jobs finished before this start are served models: /ready waits for them.
+        self.finished_adapters_loaded = False
         self._main: asyncio.Task | None = None
 
     def job_dir(self, job_id: str) -> Path:
@@ -214,6 +216,8 @@ class FineTuningWorker:
             await self._load_finished_adapters()
         except Exception:
             log.exception("could not load the adapters of finished fine-tuning jobs")
+        finally:
+            self.finished_adapters_loaded = True
         while not self._stopped:
             self._wake.clear()
             try:

@@ -36,7 +36,8 @@ def readiness(state: ServerState) -> tuple[bool, dict[str, Any]]:
     ok = engine.running and not state.draining and store_health["status"] != "error"
     # Ready, as vLLM reports it, only after warm-up: requests are served meanwhile, but the
     # background compile shares the cores with every step until it ends.
-    warming = ok and engine.warming_up
+    # Ready once the background compile ends and finished fine-tuning jobs' adapters (served models) load.
+    warming = ok and (engine.warming_up or not state.fine_tuning.finished_adapters_loaded)
     status = "warming_up" if warming else "ok" if ok else "draining" if state.draining else "unavailable"
     return ok and not warming, {"status": status, "engine": "running" if engine.running else "stopped",
                                 "draining": state.draining, "store": store_health}
