@@ -78,9 +78,14 @@ def run_bench_finetune(args: argparse.Namespace, serving: ServingConfig, config:
     from backfill.finetune.colocate import harli_profile_path, load_saved_latency
     from backfill.finetune.profile import synthetic_training_file
 
-    modes = tuple(m for m in args.modes.split(",") if m)
+    # The simulated clock has no cores to partition (`sim finetune` simulates the device form).
+    simulated = tuple(m for m in MODES if m != "partitioned")
+    modes = tuple(m for m in args.modes.split(",") if m) if args.modes else (simulated if args.sim else MODES)
     if unknown := [m for m in modes if m not in MODES]:
         raise InvalidRequestError(f"unknown modes {unknown}; choose among {', '.join(MODES)}")
+    if args.sim and "partitioned" in modes:
+        raise InvalidRequestError("--sim runs no partitioned mode (it needs real cores): choose among "
+                                  f"{', '.join(simulated)}, or `backfill sim finetune` for SM partitions")
     if args.sim:  # the model's tokenizer and saved profiles only: nothing runs on the model
         from backfill.engine.weights import load_model
 

@@ -68,7 +68,8 @@ def _fill_bench(p: argparse.ArgumentParser) -> None:
                    help="the target as a multiple of the first round's solo P99 TPOT")
     p.add_argument("--static-share-infer", type=float, default=0.6)
     p.add_argument("--ft-threads", type=int, default=1, help="separate: the finetuning process's threads")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default: all; with "
+                   "--sim all but partitioned, which needs real cores)")
     p.add_argument("--out", default="runs/bench-finetune", help="folder for the JSON result")
     p.add_argument("--sim", action="store_true", help="run the modes in the simulator (bench/sim/finetune_sim.py) on the "
                                                       "fitted predictor instead of the real engine")
