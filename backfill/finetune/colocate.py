@@ -28,6 +28,19 @@ DEFAULT_TPOT_TARGET_MS = 100.0
 DEFAULT_MAX_BATCH = 32
 
 
+def release_background(driver) -> None:
+    """A finished co-location driver gives its memory lease back, leaves the engine's background
+    slot, and settles its future with the job's error or None."""
+    driver.lease.give_back()
+    if driver.engine.background is driver:
+        driver.engine.background = None
+    if not driver.future.done():
+        if driver.handle.error is not None:
+            driver.future.set_exception(driver.handle.error)
+        else:
+            driver.future.set_result(None)
+
+
 @dataclass
 class ColoStats:
     units: int = 0
@@ -72,14 +85,7 @@ class _Driver:
         self.handle, self.future = handle, future
 
     def _finish(self) -> None:
-        self.lease.give_back()
-        if self.engine.background is self:
-            self.engine.background = None
-        if not self.future.done():
-            if self.handle.error is not None:
-                self.future.set_exception(self.handle.error)
-            else:
-                self.future.set_result(None)
+        release_background(self)
 
     def __call__(self) -> bool:
         handle, job, stats = self.handle, self.job, self.handle.stats
@@ -232,14 +238,7 @@ class _PartitionedDriver:
             self._thread.join(timeout=60)
         self.partitions.apply(1.0, 0.0)
         self.partitions.enter("decode")
-        self.lease.give_back()
-        if self.engine.background is self:
-            self.engine.background = None
-        if not self.future.done():
-            if self.handle.error is not None:
-                self.future.set_exception(self.handle.error)
-            else:
-                self.future.set_result(None)
+        release_background(self)
 
     # --- the finetuning thread ------------------------------------------------------------------
 
