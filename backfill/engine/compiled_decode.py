@@ -125,6 +125,9 @@ def _lm_head(x, w_head, matmul: Matmul = _gemv):
     return matmul(w_head, x)
 
 
+_COMPILE_LOCK = threading.Lock()
+
+
 def _compile(fn, example_args: tuple[torch.Tensor, ...]):
     """fn traced on the example tensors and compiled by inductor, called with no wrapper in front.
 
@@ -143,9 +146,12 @@ def _compile(fn, example_args: tuple[torch.Tensor, ...]):
         single = not isinstance(out, tuple)  # known once traced
         return (out,) if single else out
 
-    graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)
-    with inductor_config.patch(size_asserts=False):
-        compiled = compile_fx_inner(graph, list(example_args))
+    # make_fx and inductor's config patches keep process-global state: a second model compiling on
+    # another thread (a bucket thread still running, say) would corrupt this trace, so one at a time.
+    with _COMPILE_LOCK:
+        graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)
+        with inductor_config.patch(size_asserts=False):
+            compiled = compile_fx_inner(graph, list(example_args))
     call = compiled.current_callable  # takes the inputs as one list (and may empty it)
     if single:
         return lambda *args: call(list(args))[0]

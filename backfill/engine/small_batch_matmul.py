@@ -1,4 +1,4 @@
-"""x @ W.T for one to eight rows at the speed of a streaming read (CPU, AVX-512; bf16 or fp32).
+"""x @ W.T for one to eight rows at the speed of a streaming read (CPU: AVX-512 BF16 or AVX2; bf16 or fp32).
 
 Decode steps of a few sequences are weight reads. Inductor's dot products (engine/compiled_decode.py)
 read the weights at streaming speed for one sequence, but from four sequences they turn
@@ -9,12 +9,16 @@ sums across lanes are needed; that reads faster than oneDNN with pre-packed weig
 one to eight rows. Above all it runs inside the compiled pieces, so a decode step of up to eight sequences runs in
 compiled code (docs/benchmarks.md).
 fp32 weights take the same layout, one input feature at a time, with fused multiply-adds.
-More than eight rows take eight at a time against a tile of the weight held in cache, so the weight
-is still read from memory once; there the kernel is compute-bound, at about oneDNN's rate, and
-serves the padded decode buckets of compiled_decode.py.
+More rows than one pass serves take them a chunk at a time against a tile of the weight held in
+cache, so the weight is still read from memory once; there the kernel is compute-bound, at about
+oneDNN's rate, and serves the padded decode buckets of compiled_decode.py.
+
+The instruction set follows the CPU (and ATEN_CPU_CAPABILITY, which holds it lower): AVX-512 BF16
+where present, else AVX2 with FMA, where a pass serves four rows (half the registers) and bf16
+weights are widened to fp32 in registers, so they still cross the memory bus at two bytes.
 
 It registers `torch.ops.backfill.packed_matmul`, an operator that inductor calls from the
-compiled decode pieces like any other. It is built only where the CPU has AVX-512 BF16; elsewhere
+compiled decode pieces like any other. On a CPU with neither instruction set
 `load_small_batch_matmul` returns False and callers keep their own matmuls.
 """
 
@@ -45,10 +49,19 @@ def cpu_has_avx512_bf16() -> bool:
     return {"avx512f", "avx512_bf16"} <= cpu_flags() and not isa_capped_below_avx512()
 
 
+def kernel_isa() -> str | None:
+    """The instruction set the kernel is built for here: "avx512-bf16", "avx2", or None (neither)."""
+    if cpu_has_avx512_bf16():
+        return "avx512-bf16"
+    if {"avx2", "fma"} <= cpu_flags():
+        return "avx2"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def load_small_batch_matmul() -> bool:
     """Build and register the operator; False (logged) where this CPU or machine cannot."""
-    if not cpu_has_avx512_bf16():
+    if kernel_isa() is None:
         return False
     try:
         build_cpu_extension("backfill_small_batch_matmul", SOURCE, python_module=False)

@@ -13,9 +13,9 @@ from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, load_sma
                                                 pack_for_small_batches, packed_matmul)
 from tests.conftest import random_weights
 
-# Built for AVX-512 BF16 CPUs only, and only where a C++ toolchain is at hand (as the paged-attention kernel).
+# Built for AVX-512 BF16 or AVX2 CPUs, and only where a C++ toolchain is at hand (as the paged-attention kernel).
 needs_kernel = pytest.mark.skipif(not load_small_batch_matmul(),
-                                  reason="no AVX-512 BF16 on this CPU, or no C++ toolchain to build the kernel")
+                                  reason="neither AVX-512 BF16 nor AVX2 on this CPU, or no C++ toolchain to build the kernel")
 
 
 @pytest.mark.parametrize("dtype,step", [(torch.bfloat16, 2), (torch.float32, 1)])
@@ -108,11 +108,19 @@ def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_
     assert not decode.packed and decode.batch_sizes == DECODE_BATCH_SIZES
 
 
-def test_a_cpu_without_avx512_bf16_gets_no_kernel(monkeypatch):
+def test_the_kernel_follows_the_instruction_set(monkeypatch):
+    """AVX-512 BF16 where the CPU has it, else AVX2 with FMA, else no kernel at all."""
     from backfill.engine import small_batch_matmul
 
+    monkeypatch.setattr(small_batch_matmul, "isa_capped_below_avx512", lambda: False)
+    monkeypatch.setattr(small_batch_matmul, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_bf16"})
+    assert small_batch_matmul.kernel_isa() == "avx512-bf16"
+    monkeypatch.setattr(small_batch_matmul, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})  # AVX-512, no BF16
+    assert small_batch_matmul.kernel_isa() == "avx2"
     monkeypatch.setattr(small_batch_matmul, "cpu_flags", lambda: {"avx2", "fma"})
-    assert not small_batch_matmul.cpu_has_avx512_bf16()
+    assert not small_batch_matmul.cpu_has_avx512_bf16() and small_batch_matmul.kernel_isa() == "avx2"
+    monkeypatch.setattr(small_batch_matmul, "cpu_flags", lambda: {"sse4_2", "avx"})
+    assert small_batch_matmul.kernel_isa() is None
     assert small_batch_matmul.load_small_batch_matmul.__wrapped__() is False  # the uncached loader
 
 
@@ -176,3 +184,36 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
         assert compiled.shape == reference.shape == (3, batch, tiny_config.vocab_size)
         torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
     assert padded == [16] * 3 + [16] * 3 + [48] * 3
+
+
+@needs_kernel  # a toolchain is at hand
+def test_the_avx2_build_matches_fp32_matmul():
+    """Held to AVX2 (as on a CPU without AVX-512), the kernel is built for AVX2 with FMA: a pass serves
+    four rows and bf16 weights are widened in registers. Its products, at one pass, several passes
+    and a ragged last column block, equal fp32 matmuls."""
+    import os
+    import subprocess
+    import sys
+
+    from backfill.engine.native_build import cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 with FMA")
+    code = """
+import torch
+from backfill.engine import small_batch_matmul as m
+assert m.kernel_isa() == "avx2", m.kernel_isa()
+assert m.load_small_batch_matmul(), "the AVX2 kernel did not build"
+for dtype in (torch.bfloat16, torch.float32):
+    for out_features, in_features in ((37, 64), (5, 2), (200, 576)):
+        for rows in (1, 2, 3, 4, 5, 8, 11, 64):
+            g = torch.Generator().manual_seed(rows)
+            weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            out = m.packed_matmul(m.pack_for_small_batches(weight), x, out_features)
+            torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+print("ok")
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -1,4 +1,4 @@
-// x @ W.T for a few rows on AVX-512 CPUs, bf16 or fp32 (backfill/engine/small_batch_matmul.py).
+// x @ W.T for a few rows on x86 CPUs, bf16 or fp32 weights (backfill/engine/small_batch_matmul.py).
 //
 // A decode step of one to eight sequences reads every weight once and does little arithmetic, so
 // it should run at the speed of a streaming read. On the 2-core Zen 5, inductor's dot products
@@ -11,18 +11,31 @@
 // once for all rows. fp32 weights take the same layout with one input feature per step and plain
 // fused multiply-adds. C column blocks are walked together so that one broadcast feeds C products
 // (and C streams keep the memory busy); M * C accumulators stay in registers.
+//
+// The instruction set is the compiler's (-march=native, or -mno-avx512f where PyTorch is held to
+// AVX2): with AVX-512 BF16 a column block is one zmm register; with AVX2 and FMA it is two ymm
+// halves, bf16 weights are widened to fp32 in registers (a shift or a mask per pair: they still
+// cross the memory bus at two bytes), and, with half the registers, a pass serves four rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 namespace {
 
 constexpr int64_t kLanes = 16;     // fp32 outputs per column block
 constexpr int64_t kMaxRows = 8;    // rows one pass over the weight serves
+// Column blocks per pass for more than eight rows: their weight tile (3 x 16 outputs x K inputs,
+// 55 KB at K = 576) stays in L1/L2 while every eight-row chunk of x passes over it.
+constexpr int kTiledColumns = 3;
 
 // bf16: one step is a pair of input features, multiplied and summed in one VDPBF16PS.
 struct Bf16Pairs {
@@ -70,52 +83,159 @@ inline void column_blocks(const typename K::Weight* weight, const typename K::St
   }
 }
 
+// x holds one Step per step of a row (a bf16 pair as one int32, or one float).
+template <typename K>
+constexpr int64_t kXPerStep = 1;
+
+// As many column blocks per pass as leave the accumulators in registers (32 zmm in all).
+template <int M>
+constexpr int columns_per_pass() { return M <= 2 ? 8 : (M <= 6 ? 4 : 3); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // fp32 outputs per column block (the packed layout's)
+
+// AVX2 + FMA: 16 ymm registers. A column block is two 8-lane halves; x is widened to fp32 once per
+// call, so each step broadcasts fp32 features, and a bf16 weight pair is split into its even and odd
+// feature in registers.
+constexpr int64_t kMaxRows = 4;         // rows one pass over the weight serves (8 accumulators at C = 1)
+constexpr int kTiledColumns = 1;        // more rows: a 16-output tile (96 KB at K = 1536) held in L2
+
+struct Fp32Single {
+  using Weight = float;
+  static constexpr int64_t kFeaturesPerStep = 1;
+  // The weight of feature f of this step, lanes [8h, 8h + 8) of the block.
+  static inline void load(const Weight* w, __m256 (&out)[2][2]) {
+    out[0][0] = _mm256_loadu_ps(w);
+    out[1][0] = _mm256_loadu_ps(w + 8);
+  }
+};
+
+struct Bf16Pairs {
+  using Weight = c10::BFloat16;
+  static constexpr int64_t kFeaturesPerStep = 2;
+  static inline void load(const Weight* w, __m256 (&out)[2][2]) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int h = 0; h < 2; ++h) {
+      // Eight 32-bit lanes, each a pair (even feature in the low half, odd in the high half).
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h * 16));
+      out[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      out[h][1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    }
+  }
+};
+
+template <typename K, int M, int C>
+inline void column_blocks(const typename K::Weight* weight, const float* x, float* out, int64_t n_block,
+                          int64_t steps, int64_t out_features) {
+  constexpr int64_t F = K::kFeaturesPerStep;
+  const int64_t in_features = steps * F;
+  __m256 acc[M][C][2];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < C; ++c) acc[m][c][0] = acc[m][c][1] = _mm256_setzero_ps();
+  const int64_t step_elems = F * kLanes;
+  const int64_t block_elems = steps * step_elems;
+  const typename K::Weight* w = weight + n_block * block_elems;
+  for (int64_t p = 0; p < steps; ++p) {
+    __m256 wv[C][2][2];
+    for (int c = 0; c < C; ++c) K::load(w + c * block_elems + p * step_elems, wv[c]);
+    for (int m = 0; m < M; ++m) {
+      for (int64_t f = 0; f < F; ++f) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * in_features + p * F + f);
+        for (int c = 0; c < C; ++c) {
+          acc[m][c][0] = _mm256_fmadd_ps(wv[c][0][f], xv, acc[m][c][0]);
+          acc[m][c][1] = _mm256_fmadd_ps(wv[c][1][f], xv, acc[m][c][1]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (n_block + c) * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, out_features - col);
+    for (int m = 0; m < M; ++m) {
+      float* dst = out + m * out_features + col;
+      if (valid == kLanes) {
+        _mm256_storeu_ps(dst, acc[m][c][0]);
+        _mm256_storeu_ps(dst + 8, acc[m][c][1]);
+      } else {  // the last block of an out_features that is no multiple of 16
+        alignas(32) float tail[kLanes];
+        _mm256_store_ps(tail, acc[m][c][0]);
+        _mm256_store_ps(tail + 8, acc[m][c][1]);
+        std::memcpy(dst, tail, valid * sizeof(float));
+      }
+    }
+  }
+}
+
+// x holds a row's features as fp32: kFeaturesPerStep floats per step.
+template <typename K>
+constexpr int64_t kXPerStep = K::kFeaturesPerStep;
+
+// Column blocks per pass at M rows: 2 * M * C accumulators of the 16 registers.
+template <int M>
+constexpr int columns_per_pass() { return M <= 1 ? 4 : (M <= 3 ? 2 : 1); }
+
+// x as fp32 (the kernel's input type on AVX2): bf16 rows are widened once per call.
+inline const float* fp32_rows(const at::Tensor& x, at::Tensor& holder) {
+  holder = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+#else
+#error "the small-batch kernel needs AVX-512 BF16, or AVX2 and FMA"
+#endif
+
 // M rows against the whole weight, the column blocks split over PyTorch's intra-op threads.
-template <typename K, int M>
-void rows_against_weight(const typename K::Weight* weight, const typename K::Step* x_steps, float* out,
-                         int64_t out_features, int64_t steps) {
-  // As many column blocks per pass as leave the accumulators in registers (32 zmm in all).
-  constexpr int C = M <= 2 ? 8 : (M <= 6 ? 4 : 3);
+template <typename K, typename X, int M>
+void rows_against_weight(const typename K::Weight* weight, const X* x, float* out, int64_t out_features,
+                         int64_t steps) {
+  constexpr int C = columns_per_pass<M>();
   const int64_t blocks = (out_features + kLanes - 1) / kLanes;
   const int64_t groups = (blocks + C - 1) / C;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * C;
       if (first + C <= blocks) {
-        column_blocks<K, M, C>(weight, x_steps, out, first, steps, out_features);
+        column_blocks<K, M, C>(weight, x, out, first, steps, out_features);
       } else {
-        for (int64_t b = first; b < blocks; ++b) column_blocks<K, M, 1>(weight, x_steps, out, b, steps, out_features);
+        for (int64_t b = first; b < blocks; ++b) column_blocks<K, M, 1>(weight, x, out, b, steps, out_features);
       }
     }
   });
 }
 
-// Column blocks per pass for more than eight rows: their weight tile (3 x 16 outputs x K inputs,
-// 55 KB at K = 576) stays in L1/L2 while every eight-row chunk of x passes over it.
-constexpr int kTiledColumns = 3;
-
-template <typename K, int M>
-void chunk_against_tile(const typename K::Weight* weight, const typename K::Step* x_steps, float* out,
-                        int64_t first, int64_t last, int64_t steps, int64_t out_features) {
+template <typename K, typename X, int M>
+void chunk_against_tile(const typename K::Weight* weight, const X* x, float* out, int64_t first, int64_t last,
+                        int64_t steps, int64_t out_features) {
   if (last - first == kTiledColumns) {
-    column_blocks<K, M, kTiledColumns>(weight, x_steps, out, first, steps, out_features);
+    column_blocks<K, M, kTiledColumns>(weight, x, out, first, steps, out_features);
   } else {
-    for (int64_t b = first; b < last; ++b) column_blocks<K, M, 1>(weight, x_steps, out, b, steps, out_features);
+    for (int64_t b = first; b < last; ++b) column_blocks<K, M, 1>(weight, x, out, b, steps, out_features);
   }
 }
 
-// More than eight rows: each thread takes a range of column groups and runs every eight-row chunk
-// of x against one group's weight tile before the next, so the weight is read from memory once
+template <typename K, typename X, int... Ms>
+constexpr auto chunk_fns(std::integer_sequence<int, Ms...>) {
+  using ChunkFn = void (*)(const typename K::Weight*, const X*, float*, int64_t, int64_t, int64_t, int64_t);
+  return std::array<ChunkFn, sizeof...(Ms)>{chunk_against_tile<K, X, Ms + 1>...};
+}
+
+template <typename K, typename X, int... Ms>
+constexpr auto rows_fns(std::integer_sequence<int, Ms...>) {
+  using RowsFn = void (*)(const typename K::Weight*, const X*, float*, int64_t, int64_t);
+  return std::array<RowsFn, sizeof...(Ms)>{rows_against_weight<K, X, Ms + 1>...};
+}
+
+// More than kMaxRows rows: each thread takes a range of column groups and runs every chunk of x
+// against one group's weight tile before the next, so the weight is read from memory once
 // (rows outside, weight inside would read it once per chunk: at 64 rows, eight times).
-template <typename K>
-void many_rows(const typename K::Weight* weight, const typename K::Step* x_steps, float* out, int64_t rows,
-               int64_t out_features, int64_t steps) {
-  using ChunkFn = void (*)(const typename K::Weight*, const typename K::Step*, float*, int64_t, int64_t, int64_t,
-                           int64_t);
-  constexpr ChunkFn kChunkFns[kMaxRows] = {chunk_against_tile<K, 1>, chunk_against_tile<K, 2>,
-                                           chunk_against_tile<K, 3>, chunk_against_tile<K, 4>,
-                                           chunk_against_tile<K, 5>, chunk_against_tile<K, 6>,
-                                           chunk_against_tile<K, 7>, chunk_against_tile<K, 8>};
+template <typename K, typename X>
+void many_rows(const typename K::Weight* weight, const X* x, float* out, int64_t rows, int64_t out_features,
+               int64_t steps) {
+  static constexpr auto kChunkFns = chunk_fns<K, X>(std::make_integer_sequence<int, kMaxRows>{});
+  const int64_t x_row = steps * kXPerStep<K>;
   const int64_t blocks = (out_features + kLanes - 1) / kLanes;
   const int64_t groups = (blocks + kTiledColumns - 1) / kTiledColumns;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -123,27 +243,22 @@ void many_rows(const typename K::Weight* weight, const typename K::Step* x_steps
       const int64_t first = g * kTiledColumns, last = std::min(blocks, first + kTiledColumns);
       for (int64_t row = 0; row < rows; row += kMaxRows) {
         const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
-        kChunkFns[count - 1](weight, x_steps + row * steps, out + row * out_features, first, last, steps,
-                             out_features);
+        kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features);
       }
     }
   });
 }
 
-template <typename K>
-void all_rows(const typename K::Weight* weight, const typename K::Step* x_steps, float* out, int64_t rows,
-              int64_t out_features, int64_t steps) {
-  using RowsFn = void (*)(const typename K::Weight*, const typename K::Step*, float*, int64_t, int64_t);
-  constexpr RowsFn kRowsFns[kMaxRows] = {rows_against_weight<K, 1>, rows_against_weight<K, 2>,
-                                         rows_against_weight<K, 3>, rows_against_weight<K, 4>,
-                                         rows_against_weight<K, 5>, rows_against_weight<K, 6>,
-                                         rows_against_weight<K, 7>, rows_against_weight<K, 8>};
+template <typename K, typename X>
+void all_rows(const typename K::Weight* weight, const X* x, float* out, int64_t rows, int64_t out_features,
+              int64_t steps) {
+  static constexpr auto kRowsFns = rows_fns<K, X>(std::make_integer_sequence<int, kMaxRows>{});
   if (rows == 0) return;
   if (rows > kMaxRows) {
-    many_rows<K>(weight, x_steps, out, rows, out_features, steps);
+    many_rows<K, X>(weight, x, out, rows, out_features, steps);
     return;
   }
-  kRowsFns[rows - 1](weight, x_steps, out, out_features, steps);
+  kRowsFns[rows - 1](weight, x, out, out_features, steps);
 }
 
 // x [M, K] and a weight packed by pack_for_small_batches (small_batch_matmul.py): [ceil(N/16), K * 16],
@@ -161,9 +276,10 @@ at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, i
   TORCH_CHECK(packed_weight.size(0) == (out_features + kLanes - 1) / kLanes &&
                   packed_weight.size(1) == in_features * kLanes,
               "packed weight of shape ", packed_weight.sizes(), " does not match ", out_features, " x ", in_features);
-  const at::Tensor xc = x.contiguous();
   const at::Tensor wc = packed_weight.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const at::Tensor xc = x.contiguous();
   if (bf16) {
     all_rows<Bf16Pairs>(wc.data_ptr<c10::BFloat16>(), reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>()),
                         out.data_ptr<float>(), x.size(0), out_features, in_features / 2);
@@ -171,6 +287,16 @@ at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, i
     all_rows<Fp32Single>(wc.data_ptr<float>(), xc.data_ptr<float>(), out.data_ptr<float>(), x.size(0), out_features,
                          in_features);
   }
+#else
+  at::Tensor holder;
+  const float* xf = fp32_rows(x, holder);
+  if (bf16) {
+    all_rows<Bf16Pairs>(wc.data_ptr<c10::BFloat16>(), xf, out.data_ptr<float>(), x.size(0), out_features,
+                        in_features / 2);
+  } else {
+    all_rows<Fp32Single>(wc.data_ptr<float>(), xf, out.data_ptr<float>(), x.size(0), out_features, in_features);
+  }
+#endif
   return out;
 }
 
