@@ -100,69 +100,78 @@ constexpr int64_t kLanes = 16;  // fp32 outputs per column block (the packed lay
 // AVX2 + FMA: 16 ymm registers. A column block is two 8-lane halves; x is widened to fp32 once per
 // call, so each step broadcasts fp32 features, and a bf16 weight pair is split into its even and odd
 // feature in registers.
-constexpr int64_t kMaxRows = 4;         // rows one pass over the weight serves (8 accumulators at C = 1)
+constexpr int64_t kMaxRows = 6;         // rows one pass over the weight serves (12 accumulators at C = 1)
 constexpr int kTiledColumns = 1;        // more rows: a 16-output tile (96 KB at K = 1536) held in L2
 
 struct Fp32Single {
   using Weight = float;
   static constexpr int64_t kFeaturesPerStep = 1;
-  // The weight of feature f of this step, lanes [8h, 8h + 8) of the block.
-  static inline void load(const Weight* w, __m256 (&out)[2][2]) {
-    out[0][0] = _mm256_loadu_ps(w);
-    out[1][0] = _mm256_loadu_ps(w + 8);
+  // The step's weights of the block's low and high eight lanes (lo[f], hi[f] for feature f).
+  static inline void load(const Weight* w, __m256* lo, __m256* hi) {
+    lo[0] = _mm256_loadu_ps(w);
+    hi[0] = _mm256_loadu_ps(w + 8);
   }
 };
 
 struct Bf16Pairs {
   using Weight = c10::BFloat16;
   static constexpr int64_t kFeaturesPerStep = 2;
-  static inline void load(const Weight* w, __m256 (&out)[2][2]) {
+  static inline void load(const Weight* w, __m256* lo, __m256* hi) {
     const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-    for (int h = 0; h < 2; ++h) {
-      // Eight 32-bit lanes, each a pair (even feature in the low half, odd in the high half).
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + h * 16));
-      out[h][0] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-      out[h][1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-    }
+    // Eight 32-bit lanes each: a pair (even feature in the low half, odd in the high half).
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+    lo[0] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    lo[1] = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+    hi[0] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    hi[1] = _mm256_castsi256_ps(_mm256_and_si256(b, high));
   }
 };
 
+// Accumulators in flat arrays (row-major [M][C]) and every loop over them unrolled early: only then
+// does GCC keep them in registers rather than write them back to the stack on every step.
 template <typename K, int M, int C>
 inline void column_blocks(const typename K::Weight* weight, const float* x, float* out, int64_t n_block,
                           int64_t steps, int64_t out_features) {
-  constexpr int64_t F = K::kFeaturesPerStep;
+  constexpr int F = K::kFeaturesPerStep;
   const int64_t in_features = steps * F;
-  __m256 acc[M][C][2];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < C; ++c) acc[m][c][0] = acc[m][c][1] = _mm256_setzero_ps();
+  __m256 lo[M * C], hi[M * C];
+  #pragma GCC unroll 16
+  for (int i = 0; i < M * C; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   const int64_t step_elems = F * kLanes;
   const int64_t block_elems = steps * step_elems;
   const typename K::Weight* w = weight + n_block * block_elems;
   for (int64_t p = 0; p < steps; ++p) {
-    __m256 wv[C][2][2];
-    for (int c = 0; c < C; ++c) K::load(w + c * block_elems + p * step_elems, wv[c]);
+    __m256 wlo[C * F], whi[C * F];
+    #pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) K::load(w + c * block_elems + p * step_elems, wlo + c * F, whi + c * F);
+    #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
-      for (int64_t f = 0; f < F; ++f) {
+      #pragma GCC unroll 16
+      for (int f = 0; f < F; ++f) {
         const __m256 xv = _mm256_broadcast_ss(x + m * in_features + p * F + f);
+        #pragma GCC unroll 16
         for (int c = 0; c < C; ++c) {
-          acc[m][c][0] = _mm256_fmadd_ps(wv[c][0][f], xv, acc[m][c][0]);
-          acc[m][c][1] = _mm256_fmadd_ps(wv[c][1][f], xv, acc[m][c][1]);
+          lo[m * C + c] = _mm256_fmadd_ps(wlo[c * F + f], xv, lo[m * C + c]);
+          hi[m * C + c] = _mm256_fmadd_ps(whi[c * F + f], xv, hi[m * C + c]);
         }
       }
     }
   }
+  #pragma GCC unroll 16
   for (int c = 0; c < C; ++c) {
     const int64_t col = (n_block + c) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, out_features - col);
+    #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       float* dst = out + m * out_features + col;
       if (valid == kLanes) {
-        _mm256_storeu_ps(dst, acc[m][c][0]);
-        _mm256_storeu_ps(dst + 8, acc[m][c][1]);
+        _mm256_storeu_ps(dst, lo[m * C + c]);
+        _mm256_storeu_ps(dst + 8, hi[m * C + c]);
       } else {  // the last block of an out_features that is no multiple of 16
         alignas(32) float tail[kLanes];
-        _mm256_store_ps(tail, acc[m][c][0]);
-        _mm256_store_ps(tail + 8, acc[m][c][1]);
+        _mm256_store_ps(tail, lo[m * C + c]);
+        _mm256_store_ps(tail + 8, hi[m * C + c]);
         std::memcpy(dst, tail, valid * sizeof(float));
       }
     }
