@@ -208,15 +208,12 @@ class LlamaModel:
         kv.v_slots[li].index_copy_(0, meta.slot_mapping, v)
 
     def _compiled_pieces_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[int, DecodePieces] | None:
-        """The compiled pieces for this step and the batch size they take, if it is a decode (every
-        token a decode wanting its logits) that they hold, else None."""
-        if self.compiled_decode is None or meta.prefills or meta.decode_token_index is None \
-                or meta.lora is not None:
+        """The compiled pieces for this step and the batch size they take, if they hold its token
+        count, else None. Decodes and prompt chunks alike: every piece works row by row, and only
+        attention, which runs between the pieces, tells a prompt token from a decode."""
+        if self.compiled_decode is None or meta.lora is not None:
             return None
-        batch = input_ids.shape[0]
-        if meta.logits_index.shape[0] != batch:
-            return None
-        return self.compiled_decode.pieces_for(batch)
+        return self.compiled_decode.pieces_for(input_ids.shape[0])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool,
@@ -227,7 +224,7 @@ class LlamaModel:
         """
         compiled = self._compiled_pieces_for(input_ids, meta) if resume is None else None
         if compiled is not None:
-            return self._forward_compiled_decode(compiled[1], input_ids, meta, kv, safepoint, padded_to=compiled[0])
+            return self._forward_compiled(compiled[1], input_ids, meta, kv, safepoint, padded_to=compiled[0])
         cfg = self.config
         cos = self.rope_cos.index_select(0, meta.positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, meta.positions).unsqueeze(1)
@@ -288,13 +285,14 @@ class LlamaModel:
             parts.append(self.lm_head_slices[i](last))
         return torch.cat(parts, dim=1).float()
 
-    def _forward_compiled_decode(self, fast: DecodePieces, input_ids: torch.Tensor, meta: AttentionMetadata,
-                                 kv: KVBlockPool, safepoint: Safepoint | None,
-                                 padded_to: int | None = None) -> torch.Tensor:
-        """forward for a decode batch: the same layers, safepoints and KV writes, with the
-        fixed-shape stretches compiled (backfill/engine/compiled_decode.py). padded_to: the pieces'
-        batch size, where it is larger than the step's (a bucket): the pieces run on zero rows past
-        the batch, which attention, the KV writes and the logits leave out."""
+    def _forward_compiled(self, fast: DecodePieces, input_ids: torch.Tensor, meta: AttentionMetadata,
+                          kv: KVBlockPool, safepoint: Safepoint | None, padded_to: int | None = None) -> torch.Tensor:
+        """forward for a step of a few tokens (decodes, prompt chunks or both): the same layers,
+        safepoints and KV writes, with the fixed-shape stretches compiled (engine/compiled_decode.py).
+        A prompt token costs what a decode does, less its attention, instead of an eager step's
+        per-op overhead. padded_to: the pieces' batch size, where it is larger than the step's (a
+        bucket): the pieces run on zero rows past the batch, which attention, the KV writes and the
+        logits leave out."""
         cfg, weights = self.config, self.compiled_decode.layers
         batch = input_ids.shape[0]
         pad = (padded_to or batch) - batch
@@ -304,8 +302,9 @@ class LlamaModel:
             h = F.pad(h, (0, 0, 0, pad))
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        kernel = self.paged_decode_attention
-        if kernel is None and batch == 1:
+        decode_only = not meta.prefills
+        kernel = self.paged_decode_attention if decode_only else None
+        if decode_only and kernel is None and batch == 1:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         x = fast.norm(h, self.layers[0]["attn_norm"])  # the normed input of the next matmul
         last = len(self.layers) - 1
@@ -316,7 +315,9 @@ class LlamaModel:
             if pad:
                 q, k, v = q[:batch], k[:batch], v[:batch]
             self._write_kv(li, k, v, meta, kv)
-            if kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
+            if not decode_only:  # prompt chunks (and any decodes beside them)
+                attn = self._attention(q, li, meta, kv)
+            elif kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
                 attn = kernel(q.contiguous(), kv.k[li], kv.v[li], meta.decode_block_tables,
                               meta.decode_context_lens).view(batch, -1)
             elif batch == 1:
@@ -335,9 +336,12 @@ class LlamaModel:
             h, x = fast.down_then_norm(h, act, plain.down, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
-        if fast.lm_head_logits is None:  # a bucket: the eager LM head (oneDNN), on the real rows
-            return self.lm_head_logits(x[:batch]).float()
-        return fast.lm_head_logits(x, self.compiled_decode.lm_head)
+        every_row = decode_only and meta.logits_index.shape[0] == batch
+        if fast.lm_head_logits is not None and every_row:
+            return fast.lm_head_logits(x, self.compiled_decode.lm_head)
+        # A bucket, or the rows that want logits (a prompt chunk's last): the eager LM head (oneDNN).
+        rows = x[:batch] if every_row else x.index_select(0, meta.logits_index)
+        return self.lm_head_logits(rows).float()
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,
                                  kv: KVBlockPool) -> torch.Tensor:

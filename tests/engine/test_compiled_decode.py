@@ -62,33 +62,58 @@ def test_greedy_decode_matches_eager(runners):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_path_runs_small_decode_batches_only(runners, monkeypatch):
+def test_compiled_path_runs_every_step_of_few_tokens(runners, monkeypatch):
+    """Steps whose token count a compiled batch size holds run compiled, prompt chunks among them;
+    larger steps stay eager."""
     _, compiled = runners
     model = compiled.model
     sizes = model.compiled_decode.batch_sizes
     assert sizes == (PACKED_DECODE_BATCH_SIZES if model.compiled_decode.packed else DECODE_BATCH_SIZES)
     calls = []
-    real = model._forward_compiled_decode
-    monkeypatch.setattr(model, "_forward_compiled_decode", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    real = model._forward_compiled
+    monkeypatch.setattr(model, "_forward_compiled", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
     n = max(sizes) + 1
     ids = [_prompt(9 + i, 1 + i) for i in range(n)]
     tables = [compiled.kv.allocate(3) for _ in ids]
     for i, t in enumerate(tables):
         compiled.execute([SeqChunk(i, ids[i], 0, t)])
-    assert calls == []  # prefill stays eager
+    assert calls == []  # prompts longer than the largest compiled batch stay eager
     many = compiled.execute([SeqChunk(i, [5], len(ids[i]), t) for i, t in enumerate(tables)])
-    assert calls == [] and many.logits.shape[0] == n  # more decodes than the largest compiled batch stay eager
+    assert calls == [] and many.logits.shape[0] == n  # so do more decodes than it
     mixed = compiled.execute([SeqChunk(0, [6], len(ids[0]) + 1, tables[0]),
                               SeqChunk(1, [7, 8], len(ids[1]) + 1, tables[1])])
-    assert calls == [] and mixed.logits.shape[0] == 2  # a prefill chunk in the step keeps it eager
+    assert calls == [3] and mixed.logits.shape[0] == 2  # a decode beside a prompt chunk: three tokens
     quiet = compiled.execute([SeqChunk(2, [6], len(ids[2]) + 1, tables[2]),
                               SeqChunk(3, [6], len(ids[3]) + 1, tables[3], want_logits=False)])
-    assert calls == [] and quiet.logits.shape[0] == 1  # the pieces return every sequence's logits
-    three = compiled.execute([SeqChunk(i, [9], len(ids[i]) + 2, tables[i]) for i in range(3)])
+    assert calls == [3, 2] and quiet.logits.shape[0] == 1  # only the rows that want logits
     alone = compiled.execute([SeqChunk(3, [6], len(ids[3]) + 2, tables[3])])
-    assert calls == [3, 1] and three.logits.shape[0] == 3 and alone.logits.shape[0] == 1
+    assert calls == [3, 2, 1] and alone.logits.shape[0] == 1
     for t in tables:
         compiled.kv.free(t)
+
+
+def test_prompt_chunks_and_mixed_steps_match_eager(runners):
+    """Prompt chunks (from position 0 and further on) and a chunk beside decodes, run compiled: the
+    logits equal the eager path's and so does the KV cache they leave behind."""
+    eager, compiled = runners
+    outs = []
+    for runner in (eager, compiled):
+        tables = [runner.kv.allocate(3) for _ in range(3)]
+        a, b, c = _prompt(3, 40), _prompt(2, 41), _prompt(12, 42)
+        steps = [
+            [SeqChunk("a", a, 0, tables[0])],                                   # a whole short prompt
+            [SeqChunk("b", b, 0, tables[1], want_logits=False)],                # a first chunk, no logits
+            [SeqChunk("b", [9], 2, tables[1])],                                 # its next chunk, further on
+            [SeqChunk("a", [5], 3, tables[0]), SeqChunk("b", [6], 3, tables[1])],  # two decodes
+            [SeqChunk("c", c[:2], 0, tables[2]), SeqChunk("a", [7], 4, tables[0])],  # a chunk beside a decode
+            [SeqChunk("c", c[2:], 2, tables[2])],                               # the rest, eager
+            [SeqChunk("c", [8], 12, tables[2])],                                # a decode reading all of it
+        ]
+        outs.append([runner.execute(step).logits for step in steps])
+        for t in tables:
+            runner.kv.free(t)
+    for fast, slow in zip(*outs):
+        torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("batch", [2, 3])

@@ -72,25 +72,29 @@ def test_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config, d
     weights = random_weights(tiny_config, seed=5)
     model = LlamaModel(tiny_config, weights, dtype=dtype, compile_decode=True)
     assert model.compiled_decode.packed and model.compiled_decode.batch_sizes == PACKED_DECODE_BATCH_SIZES
-    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 48, 8, dtype=dtype))
-    fast = ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=dtype))
+    runners = [ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 48, 8, dtype=dtype)),
+               ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=dtype))]
+    if dtype == torch.bfloat16:  # the yardstick: the eager path in fp32
+        runners.append(ModelRunner(LlamaModel(tiny_config, weights), KVBlockPool(tiny_config, 48, 8)))
     batch = 8
+    # Prompts of 7 to 14 tokens: the shorter ones are prefilled through the compiled pieces too.
     prompts = [torch.randint(3, 256, (7 + i,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
     results = []
-    for runner in (eager, fast):
+    for runner in runners:
         tables = [runner.kv.allocate(3) for _ in prompts]
         for i, (ids, table) in enumerate(zip(prompts, tables)):
             runner.execute([SeqChunk(i, ids, 0, table)])
-        # The same tokens fed to both: bf16 rounding may flip a greedy choice between near-equal logits.
+        # The same tokens fed to every runner: rounding may flip a greedy choice between near-equal logits.
         steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
                                  for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
         results.append(torch.stack(steps))
-    reference, compiled = results
     if dtype == torch.float32:
-        torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
     else:
-        assert (compiled - reference).abs().max() < 0.05 * reference.abs().max() + 0.05
+        # bf16 paths round at different points: the compiled one must be about as close to fp32 as eager is.
+        eager_error, compiled_error = ((r - results[2]).abs().max() for r in results[:2])
+        assert compiled_error <= 1.5 * eager_error + 0.05, (compiled_error, eager_error)
 
 
 def test_without_the_kernel_compiled_decode_takes_dot_products_up_to_three(tiny_config):
@@ -164,9 +168,10 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
     assert model.compiled_decode.pieces_for(8)[0] == 8 and model.compiled_decode.pieces_for(65) is None
     eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 160, 8, dtype=dtype))
     fast = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=dtype))
-    padded = []
-    real = model._forward_compiled_decode
-    model._forward_compiled_decode = lambda *a, **k: padded.append(k.get("padded_to")) or real(*a, **k)
+    calls = []
+    real = model._forward_compiled
+    model._forward_compiled = lambda *a, **k: calls.append(k.get("padded_to")) or real(*a, **k)
+    padded = []  # the decode steps' buckets (prompts of 5 to 11 tokens run compiled too)
     for batch in (9, 16, 33):
         prompts = [torch.randint(3, 256, (5 + i % 7,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(batch)]
@@ -175,8 +180,10 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
             tables = [runner.kv.allocate(2) for _ in prompts]
             for i, (ids, table) in enumerate(zip(prompts, tables)):
                 runner.execute([SeqChunk(i, ids, 0, table)])
+            before = len(calls)
             steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
                                      for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
+            padded += calls[before:]
             results.append(torch.stack(steps))
             for table in tables:
                 runner.kv.free(table)
