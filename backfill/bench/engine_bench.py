@@ -14,6 +14,7 @@ Measured in one run, so ratios compare like with like on a shared, noisy machine
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -235,6 +236,9 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
     device = ServingConfig(device=device).resolved_device()
     result: dict = {"model": loaded.config.name, "source": loaded.source, "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                    # The instruction set PyTorch runs at (ATEN_CPU_CAPABILITY may hold it below the CPU's).
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"),
                     "prompt_tokens": prompt_len, "new_tokens": new_tokens, "runs": {}}
     bandwidth = measure_device_bandwidth_gbs(device)
     probe = BandwidthProbe(device)
