@@ -72,9 +72,10 @@ log = logging.getLogger(__name__)
 # dot products, and with the small-batch kernel.
 DECODE_BATCH_SIZES = (1, 2, 3)
 PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
-# Padded buckets for larger decode batches (packed weights only), in the order they are compiled:
-# the full batches of a burst first.
-PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24)
+# Padded buckets for larger steps (packed weights only), in the order they are compiled: the full
+# decode batches of a burst first, then 128, which holds a prompt of up to 128 tokens (a chat turn:
+# its time to first token) and an offline decode batch of more than 64 sequences.
+PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24, 128)
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """REEF on a CUDA device (§3-§4): RT and BE work on separate streams with stream priorities.
 
-The same loop and modes as the portable scheduler (scheduler.py), with a GPU's streams in place of
+The same loop and modes as the portable scheduler (task_scheduler.py), with a GPU's streams in place of
 worker processes:
   - RT requests run on one stream of the device's highest priority, BE streams on the lowest
     (REEF §3's stream priority: the GPU's block scheduler serves the RT stream's blocks first);
@@ -26,7 +26,7 @@ from backfill.errors import RealtimeError
 from backfill.realtime.config import DEEP_QUEUE, TaskSchedulerConfig
 from backfill.realtime.launch_window import LaunchWindow
 from backfill.realtime.models import Workspace
-from backfill.realtime.task_scheduler import ArrivalSource, Preemption, Request, ServedModel
+from backfill.realtime.task_scheduler import ArrivalSource, Preemption, QueueScheduler, Request, ServedModel
 
 CUDA_MODES = ("reef", "seq", "concurrent", "rt-only")
 
@@ -58,7 +58,9 @@ class _BEStream:
     current: Request | None = None
 
 
-class CudaScheduler:
+class CudaScheduler(QueueScheduler):
+    """REEF §3's loop with a GPU's streams; it busy-polls between arrivals (no _wait)."""
+
     def __init__(self, config: TaskSchedulerConfig, models: dict[str, ServedModel], be_streams: dict[str, str]) -> None:
         if config.mode not in CUDA_MODES:
             raise RealtimeError(f"mode {config.mode!r} has no CUDA form; choose {', '.join(CUDA_MODES)}")
@@ -93,43 +95,9 @@ class CudaScheduler:
             return event
         return launch
 
-    def _served(self, model: str) -> ServedModel:
-        if model not in self.models:
-            raise RealtimeError(f"no served model {model!r}; have {sorted(self.models)}")
-        return self.models[model]
-
     def close(self) -> None:
         torch.cuda.synchronize()
         self.streams.clear()
-
-    def __enter__(self) -> "CudaScheduler":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def submit(self, request: Request) -> None:
-        self._served(request.model)
-        if request.realtime:
-            self.rt_queue.append(request)
-        elif self.config.mode != "rt-only":
-            if request.client not in self.streams:
-                raise RealtimeError(f"no BE stream {request.client!r}")
-            self.streams[request.client].queue.append(request)
-
-    def run(self, source: ArrivalSource, until_s: float) -> None:
-        """Serve until `until_s` (perf_counter clock); RT requests that arrived by then are still
-        served, BE work left over is dropped. REEF §3 busy-polls its queues; so does this loop."""
-        while True:
-            now = time.perf_counter()
-            for r in source.due(min(now, until_s)):
-                self.submit(r)
-            if now >= until_s and not self.rt_queue:
-                break
-            if self.rt_queue:
-                self._realtime_mode(source)
-                continue
-            self.service_be(source)
 
     def service_be(self, source: ArrivalSource) -> None:
         seq = self.config.mode == "seq"

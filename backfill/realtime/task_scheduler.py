@@ -127,7 +127,65 @@ class _Stream:
     killed_op: int = -1
 
 
-class Scheduler:
+class QueueScheduler:
+    """What both REEF schedulers share (§3): the served models, one RT queue and a BE queue per
+    stream, and the loop that takes arrivals and switches between real-time and normal mode.
+    Subclasses hold `streams` (name -> an object with a `queue`) and run the two modes."""
+
+    config: TaskSchedulerConfig
+    models: dict[str, ServedModel]
+    streams: dict
+    rt_queue: deque
+
+    def _served(self, model: str) -> ServedModel:
+        if model not in self.models:
+            raise RealtimeError(f"no served model {model!r}; have {sorted(self.models)}")
+        return self.models[model]
+
+    def submit(self, request: Request) -> None:
+        self._served(request.model)
+        if request.realtime:
+            self.rt_queue.append(request)
+        elif self.config.mode != "rt-only":
+            if request.client not in self.streams:
+                raise RealtimeError(f"no BE stream {request.client!r}")
+            self.streams[request.client].queue.append(request)
+
+    def run(self, source: ArrivalSource, until_s: float) -> None:
+        """Serve until `until_s` (time.perf_counter() clock); RT requests that arrived by then are
+        still served, BE work left over is dropped."""
+        while True:
+            now = time.perf_counter()
+            for r in source.due(min(now, until_s)):
+                self.submit(r)
+            if now >= until_s and not self.rt_queue:
+                break
+            if self.rt_queue:
+                self._realtime_mode(source)
+                continue
+            self.service_be(source)
+            self._wait(min(source.next_s(), until_s) - time.perf_counter())
+
+    def _wait(self, timeout_s: float) -> None:
+        """Between polls when nothing is due; REEF §3 busy-polls (the default)."""
+
+    def service_be(self, source: ArrivalSource) -> None:
+        raise NotImplementedError
+
+    def _realtime_mode(self, source: ArrivalSource) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Scheduler(QueueScheduler):
     def __init__(self, config: TaskSchedulerConfig, models: dict[str, ServedModel],
                  be_streams: dict[str, str]) -> None:
         """be_streams: BE client (one queue and worker each) -> its model."""
@@ -160,11 +218,6 @@ class Scheduler:
         self._pad_next = 0
         torch.set_num_threads(config.rt_threads)
 
-    def _served(self, model: str) -> ServedModel:
-        if model not in self.models:
-            raise RealtimeError(f"no served model {model!r}; have {sorted(self.models)}")
-        return self.models[model]
-
     def close(self) -> None:
         for s in self.streams.values():
             s.worker.close()
@@ -173,37 +226,7 @@ class Scheduler:
             os.setpriority(os.PRIO_PROCESS, 0, self._base_nice)
             self._raise = 0
 
-    def __enter__(self) -> "Scheduler":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- the loop -------------------------------------------------------------------------------
-
-    def submit(self, request: Request) -> None:
-        self._served(request.model)
-        if request.realtime:
-            self.rt_queue.append(request)
-        elif self.config.mode != "rt-only":
-            if request.client not in self.streams:
-                raise RealtimeError(f"no BE stream {request.client!r}")
-            self.streams[request.client].queue.append(request)
-
-    def run(self, source: ArrivalSource, until_s: float) -> None:
-        """Serve until `until_s` (time.perf_counter() clock); RT requests that arrived by then are
-        still served, BE work left over is dropped."""
-        while True:
-            now = time.perf_counter()
-            for r in source.due(min(now, until_s)):
-                self.submit(r)
-            if now >= until_s and not self.rt_queue:
-                break
-            if self.rt_queue:
-                self._realtime_mode(source)
-                continue
-            self.service_be(source)
-            self._wait(min(source.next_s(), until_s) - time.perf_counter())
 
     def _wait(self, timeout_s: float) -> None:
         # REEF §3 busy-polls; here the loop sleeps and spins only for the last spin_ms before the

@@ -81,6 +81,10 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
     if repeats < 1 or warmups < 0:
         raise ValueError(f"profiling needs repeats >= 1 and warmups >= 0, got {repeats} and {warmups}")
 
+    # Steps measured while compiled decode's buckets still compile on the same cores would cost
+    # more than they will, and the buckets' sizes would be measured eager.
+    runner.wait_until_warm()
+
     def measure(build) -> float:
         return _measured_ms(runner, build, repeats, warmups)
 
