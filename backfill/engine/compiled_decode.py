@@ -23,7 +23,7 @@ all sequences' products of a row in one pass over it, so the weights are still r
 about four sequences the products' horizontal sums cost as much as the eager GEMMs, so bigger
 batches stay eager.
 
-On a CPU with AVX-512 BF16, the pieces multiply through the small-batch kernel instead
+On a CPU with AVX-512 BF16 or AVX2, the pieces multiply through the small-batch kernel instead
 (engine/small_batch_matmul.py), in bf16 or fp32: the weights are packed for it at load, it reads
 them at streaming speed for up to eight sequences, and the pieces are built for batch sizes 1 to
 8 (docs/benchmarks.md compares them with eager). A co-serving step that carries a few
@@ -32,12 +32,17 @@ offline decodes with an online one is such a batch.
 Larger decode batches (a burst of online requests, an offline batch) are compute-bound at any
 size: the kernel and oneDNN multiply at the same rate there (the kernel keeps a tile of the weight
 in cache for all eight-row chunks), and what eager loses is the rest of the step, about twenty
-dispatches per layer. So the packed pieces are also built for buckets of 16 to 64 sequences; a
+dispatches per layer. So the packed pieces are also built for buckets of 16 to 128 rows; a
 batch runs in the smallest bucket that holds it, its rows padded with zeros (a padded row costs
 its share of the matmuls, which is why the buckets are close together). The LM head of a bucket
 stays on oneDNN, which is faster than the kernel from sixteen rows. These buckets compile on a
 background thread after load (seconds each, cached on disk by inductor), so the server starts
 as fast as before and large batches stay eager until their bucket is ready.
+
+The pieces work row by row, so a step with prompt chunks (alone or beside decodes) runs them too
+when its token count fits a size: only attention, which runs between the pieces, tells a prompt
+token from a decode (causal SDPA over the chunk and its prefix, as the eager path). A prompt of up
+to 128 tokens is then prefilled in one compiled step, and its time to first token drops with it.
 
 Only the stretches with fixed shapes are compiled. Decode attention over the paged cache is not:
 its context grows every step and would recompile a static graph, and a dynamic one runs slower
@@ -63,7 +68,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backfill.engine.rope import apply_rope
-from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches
+from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches, packed_matmul
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +191,14 @@ class DecodePieces:
 
 
 class CompiledDecode:
-    """Runs decode steps of a few sequences through compiled pieces; the model routes them here.
+    """Runs steps of a few tokens (decodes and prompt chunks) through compiled pieces; the model
+    routes them here.
 
     Keeps its own copy of the matmul weights (the eager path's are packed for oneDNN and opaque),
-    so it costs the model's weight memory once more. On a CPU with AVX-512 BF16, that copy is
+    so it costs the model's weight memory once more. Where the small-batch kernel builds, that copy is
     packed for the small-batch kernel, which reads the weights at streaming speed for up to eight
     sequences, and the pieces are built for batch sizes 1 to 8 (and, by compile_buckets, for
-    padded buckets up to 64); elsewhere the copy is plain, the pieces take the dot products, and
+    padded buckets up to 128); elsewhere the copy is plain, the pieces take the dot products, and
     they stop at 3. Compilation happens here, at load, so no request pays for it; where it cannot
     (no C++ compiler, say), `ready` is False and the model stays eager.
     """
@@ -269,6 +275,14 @@ class CompiledDecode:
     @property
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.pieces))
+
+    def lm_head_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of a few final-normed rows (a prompt chunk's last, say) through the
+        small-batch kernel, which reads the LM head at streaming speed up to eight rows, where
+        oneDNN reads one row at half that; None where the kernel does not take them."""
+        if not self.packed or x.shape[0] > PACKED_DECODE_BATCH_SIZES[-1] or x.shape[0] == 0:
+            return None
+        return packed_matmul(self.lm_head, x.contiguous(), self.out_features["lm_head"])
 
     def matmul(self, name: str) -> Matmul:
         """How the pieces multiply by the weight `name` (qkv, o, gate_up, down or lm_head)."""

@@ -339,9 +339,11 @@ class LlamaModel:
         every_row = decode_only and meta.logits_index.shape[0] == batch
         if fast.lm_head_logits is not None and every_row:
             return fast.lm_head_logits(x, self.compiled_decode.lm_head)
-        # A bucket, or the rows that want logits (a prompt chunk's last): the eager LM head (oneDNN).
+        # A bucket, or the rows that want logits (a prompt chunk's last): a few through the
+        # small-batch kernel, more through the eager LM head (oneDNN, faster from sixteen rows).
         rows = x[:batch] if every_row else x.index_select(0, meta.logits_index)
-        return self.lm_head_logits(rows).float()
+        logits = None if every_row else self.compiled_decode.lm_head_rows(rows)
+        return logits if logits is not None else self.lm_head_logits(rows).float()
 
     def _single_decode_attention(self, q: torch.Tensor, li: int, blocks: torch.Tensor, context: int,
                                  kv: KVBlockPool) -> torch.Tensor:

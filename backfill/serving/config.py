@@ -41,11 +41,13 @@ class ServingConfig:
                       "matmul kernels, else float32", group="engine", choices=DTYPE_CHOICES)
     device: str = knob("auto", "auto (cuda when present, else cpu), cpu or cuda[:N]", group="engine")
     kv_cache_gb: float = knob(1.0, "KV cache size, GiB", group="engine")
-    # CPU: decode steps of a few sequences (up to 8 where the CPU has AVX-512 BF16, else 3) run
+    # CPU: steps of a few tokens (up to 8 where the small-batch kernel builds, else 3) run
     # through compiled layer pieces (engine/compiled_decode.py), a second copy of the weights; with
-    # AVX-512 BF16, batches of 9 to 64 run in padded buckets compiled in the background after load.
-    compile_decode: bool = knob(False, "CPU: compile decode steps of a few sequences with inductor "
-                                "(compiled at load; the matmul weights held twice)", group="engine")
+    # the small-batch kernel (AVX-512 BF16 or AVX2), steps of 9 to 128 tokens run in padded buckets
+    # compiled in the background after load. Prompt chunks run the same pieces as decodes.
+    compile_decode: bool = knob(False, "CPU: compile steps of a few tokens (decodes and prompt chunks, up to "
+                                "128 with the small-batch kernel) with inductor (compiled at load; the "
+                                "matmul weights held twice)", group="engine")
     decode_attention: str = knob("auto", "auto: on CPU read the paged KV cache in place with a C++ kernel "
                                  "(engine/paged_attention.py, built on first use); sdpa: gather blocks, run SDPA",
                                  group="engine", choices=DECODE_ATTENTION_CHOICES)
