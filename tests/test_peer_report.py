@@ -1,0 +1,42 @@
+"""scripts/peer_report.py: backfill against the faster of vLLM's two core splits, level by level."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("peer_report", ROOT / "scripts" / "peer_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bursts(path: Path, rates: dict[int, float]) -> None:
+    levels = [{"concurrency": c, "tokens_per_s": r, "mean_ttft_ms": 100.0 * c, "p50_tpot_ms": 20.0}
+              for c, r in rates.items()]
+    path.write_text(json.dumps({"levels": levels}))
+
+
+def test_each_level_is_compared_with_the_faster_vllm(tmp_path):
+    _bursts(tmp_path / "burst-backfill.json", {1: 70.0, 64: 300.0})
+    _bursts(tmp_path / "burst-backfill-avx2.json", {1: 35.0, 64: 150.0})
+    _bursts(tmp_path / "burst-vllm.json", {1: 30.0, 64: 400.0})          # both cores
+    _bursts(tmp_path / "burst-vllm-1core.json", {1: 35.0, 64: 200.0})    # its default
+    doc = _report_module().build(tmp_path)
+    one, many = doc["bursts"]
+    assert (one["best_vllm"], one["best_vllm_tok_s"], one["backfill_over_vllm_tok_s"]) == ("vllm-1core", 35.0, 2.0)
+    assert (many["best_vllm"], many["best_vllm_tok_s"], many["backfill_over_vllm_tok_s"]) == ("vllm", 400.0, 0.75)
+    assert many["backfill_avx2_over_backfill_tok_s"] == 0.5
+    table = _report_module().markdown(doc)
+    assert "| 64 | 400.0 (6400) | 200.0 (6400) | 300.0 (6400) | 0.75 | 150.0 (6400) | 0.50 |" in table
+
+
+def test_a_missing_part_is_left_out(tmp_path):
+    _bursts(tmp_path / "burst-backfill.json", {8: 250.0})
+    doc = _report_module().build(tmp_path)
+    (row,) = doc["bursts"]
+    assert row["best_vllm"] is None and row["backfill_over_vllm_tok_s"] is None
+    assert "| 8 | - | - | 250.0 (800) | - | - | - |" in _report_module().markdown(doc)
