@@ -187,7 +187,10 @@ class FinetuneThread:
                 if self._stop.is_set():
                     return
                 self.partitions.enter("finetune")
-                self.job.run_unit()
+                try:
+                    self.job.run_unit()
+                finally:
+                    self.partitions.leave("finetune")
                 # The next unit may run on another partition's stream: this one's work ends first.
                 if torch.cuda.is_available() and getattr(self.partitions, "form", "") == "green-context":
                     torch.cuda.current_stream().synchronize()

@@ -189,6 +189,11 @@ class GreenContextPartitions:
     def enter(self, unit: str) -> None:
         self.torch.cuda.set_stream(self.stream_of(unit))
 
+    def leave(self, unit: str) -> None:
+        """Nothing to free: a partition's SMs are its own, whatever runs on the other."""
+        if unit not in UNITS:
+            raise ValueError(f"unknown compute unit {unit!r}")
+
     def close(self) -> None:
         cu = getattr(self, "_driver", None)
         for pair in list(self._pairs.values()):

@@ -260,7 +260,11 @@ class _PartitionedDriver:
                     return
                 self.partitions.enter("finetune")
                 started = time.perf_counter()
-                if not job.run_unit():
+                try:
+                    more = job.run_unit()
+                finally:
+                    self.partitions.leave("finetune")
+                if not more:
                     return
                 stats.units += 1
                 stats.unit_ms += (time.perf_counter() - started) * 1e3

@@ -369,7 +369,11 @@ def profile_partitions(runner: ModelRunner, job: FinetuneJob, partitions, *, rep
             if not running.wait(timeout=0.05):
                 continue
             partitions.enter("finetune")
-            if not job.run_unit():
+            try:
+                more = job.run_unit()
+            finally:
+                partitions.leave("finetune")
+            if not more:
                 raise LatencyProfileError("the profiling job ran out of steps")
             if runner.device.type == "cuda":  # the next unit may run on another partition's stream
                 torch.cuda.current_stream().synchronize()

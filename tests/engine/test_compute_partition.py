@@ -89,6 +89,68 @@ def test_entering_a_partition_pins_the_calling_thread_only():
     assert sorted(os.sched_getaffinity(0)) == before  # this thread was not moved
 
 
+@two_cores
+def test_decode_given_every_core_waits_for_a_finetuning_unit_in_flight_to_free_its_core():
+    parts = CorePartitions(CORES[:2])
+    parts.apply(0.5, 0.5)
+    in_unit, unit_may_end = threading.Event(), threading.Event()
+    placed = {}
+
+    def finetune():
+        parts.enter("finetune")
+        try:
+            in_unit.set()
+            unit_may_end.wait(10)
+        finally:
+            parts.leave("finetune")
+
+    def decode(key):
+        parts.enter("decode")
+        placed[key] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+
+    ft = threading.Thread(target=finetune)
+    ft.start()
+    assert in_unit.wait(10)
+    parts.apply(1.0, 0.0)  # an arrival's prefill: decode gets every core, the unit runs on
+    step = threading.Thread(target=decode, args=("unit running",))
+    step.start()
+    step.join()
+    unit_may_end.set()
+    ft.join()
+    step = threading.Thread(target=decode, args=("unit done",))
+    step.start()
+    step.join()
+    assert placed["unit running"] == ([CORES[0]], 1)   # not on the unit's core, one thread
+    assert placed["unit done"] == (CORES[:2], 2)
+
+
+@two_cores
+def test_decode_keeps_a_core_when_a_finetuning_unit_holds_all_of_them():
+    parts = CorePartitions(CORES[:2])
+    parts.apply(0.0, 1.0)  # no decode: finetuning on every core
+    placed = {}
+
+    def finetune():
+        parts.enter("finetune")
+        parts.apply(1.0, 0.0)  # a request arrives while the unit runs
+
+        def decode():
+            parts.enter("decode")
+            placed["decode"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+
+        step = threading.Thread(target=decode)
+        step.start()
+        step.join()
+        parts.leave("finetune")
+
+    ft = threading.Thread(target=finetune)
+    ft.start()
+    ft.join()
+    assert placed["decode"] == ([CORES[0]], 1)
+    with pytest.raises(PolicyInputError):
+        parts.leave("prefill")
+
+
 def test_one_core_falls_back_to_time_slicing_with_a_logged_reason(caplog):
     with caplog.at_level(logging.WARNING, logger="backfill.engine.partitions"):
         parts = make_partitions("cpu", cores=CORES[:1])
