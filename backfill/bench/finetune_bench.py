@@ -132,6 +132,8 @@ def run_bench_finetune(args: argparse.Namespace, serving: ServingConfig, config:
     (out / "result.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items() if k != "func"},
                                                  "rounds": results, "table": table, **extra}, indent=1))
     print(_markdown(table, args))
+    if partitioned:
+        print(partitioned.headroom_text(args.tpot_target_x_solo))
     print(f"wrote {out / 'result.json'}")
     return 0
 
@@ -157,7 +159,34 @@ class _Partitioned:
                 job.run_unit()
             return profile_partitions(runner, job, partitions, model_name=loaded.config.name)
 
-        return cls(partitions, run_on_torch_thread(profile))
+        made = cls(partitions, run_on_torch_thread(profile))
+        print(made.headroom_text(args.tpot_target_x_solo), flush=True)
+        return made
+
+    # Decodes the headroom is priced at: the profile's batches, at its longer context.
+    HEADROOM_SHAPES = ((1, 256), (4, 256))
+
+    def split_costs(self) -> list[dict]:
+        from backfill.policy.harli_sm import split_costs
+
+        splits = tuple(f for f in self.partitions.ft_shares() if 0 < f < 1)
+        return [{"batch": batch, "seqlen": seqlen, **cost.__dict__}
+                for batch, seqlen in self.HEADROOM_SHAPES
+                for cost in split_costs(self.latency, splits, batch, seqlen)]
+
+    def headroom_text(self, allowance_x: float) -> str:
+        """Each split's predicted decode step against the whole device's, and whether the QoS
+        allowance (the target's multiple of solo) admits it: none admitted, partitioning can at
+        best match pause-only on this machine."""
+        costs = self.split_costs()
+        lines = [f"   {self.partitions.form} partitions: decode beside finetuning, predicted (QoS allows "
+                 f"{allowance_x:.2f}x solo)"]
+        lines += [f"     decode share {c['share_infer']:.2f}, batch {c['batch']}, context {c['seqlen']}: "
+                  f"{c['decode_ms']:.1f} ms = {c['x_whole_device']:.2f}x the whole device" for c in costs]
+        if costs and all(c["x_whole_device"] > allowance_x for c in costs):
+            lines.append("     no split keeps decode within the allowance: the planner pauses finetuning "
+                         "whenever decode runs, as pause-only does")
+        return "\n".join(lines)
 
     def policy(self):
         from backfill.policy.harli_sm import HarliSmPolicy
@@ -169,7 +198,8 @@ class _Partitioned:
         return {"partitions": {"form": self.partitions.form, "ft_shares": list(self.partitions.ft_shares()),
                                "cores": list(getattr(self.partitions, "cores", []))},
                 "partition_predictor": {"solo": [f.__dict__ for f in lat.solo], "b1": lat.b1, "k1": lat.k1,
-                                        "errors": lat.errors}}
+                                        "errors": lat.errors},
+                "split_costs": self.split_costs()}
 
 
 def _run_mode(mode, args, runner, loaded, workload, data: Path, config, latency, job_dir: Path, threads: int,

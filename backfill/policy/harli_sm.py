@@ -94,6 +94,32 @@ class HarliSmPolicy:
         return best
 
 
+@dataclass(frozen=True)
+class SplitCost:
+    """A realisable split as the predictor sees it: decode's step beside finetuning there."""
+
+    share_infer: float
+    share_ft: float
+    decode_ms: float       # stage 2: the decode step with finetuning on share_ft
+    x_whole_device: float  # against decode alone on the whole device (stage 1 at share 1)
+
+
+def split_costs(latency: HarliLatencyModel, ft_shares: tuple[float, ...], batch: float,
+                seqlen: float) -> tuple[SplitCost, ...]:
+    """Every split's predicted decode step against the whole device's, for a decode of `batch`
+    sequences at `seqlen` of context. HARLI's gain needs a split whose slowdown the QoS allows
+    (§5.1: decode is memory-bound, so fewer SMs barely slow it); where every split slows decode
+    past the allowance, the planner pauses whenever decode runs and partitioning equals pause-only."""
+    if batch < 1 or seqlen < 1:
+        raise PolicyInputError(f"batch and seqlen must be >= 1, got {batch} and {seqlen}")
+    whole = latency.solo_ms(batch, seqlen, 1.0)
+    costs = []
+    for share_ft in _checked_shares(ft_shares):
+        decode_ms = latency.colo_ms(batch, seqlen, 1.0 - share_ft, share_ft)
+        costs.append(SplitCost(round(1.0 - share_ft, 6), share_ft, decode_ms, decode_ms / whole))
+    return tuple(costs)
+
+
 class PauseOnlySmPolicy:
     """Baseline: finetuning on every SM while no decode runs, paused otherwise."""
 

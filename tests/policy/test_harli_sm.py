@@ -9,7 +9,7 @@ import pytest
 from backfill.errors import PolicyInputError
 from backfill.policy.harli import ColoState, HarliLatencyModel, SoloFit
 from backfill.policy.harli_sm import (HarliSmPolicy, PauseOnlySmPolicy, SmSplit, StaticSmPolicy, make_sm_policy,
-                                      share_grid)
+                                      share_grid, split_costs)
 
 # A memory-bound decode: flat down to 40% of the SMs, then 0.4 / share; Eq. 3 with b1 = 1, k1 = 1.4.
 BASE = SoloFit(1.0, 0.05, 6.5, 0.0003)
@@ -135,3 +135,31 @@ def test_plans_over_sm_group_shares_stay_on_the_device():
         plan = policy.plan(state(target=target))
         assert plan.share_ft in shares + (0.0,)
         assert plan.share_infer + plan.share_ft == pytest.approx(1.0)
+
+
+def test_split_costs_price_every_split_against_the_whole_device():
+    costs = split_costs(MODEL, (0.5, 0.1), 8, 200.0)
+    whole = MODEL.solo_ms(8, 200.0, 1.0)
+    assert [c.share_ft for c in costs] == [0.1, 0.5]
+    for c in costs:
+        assert c.share_infer == pytest.approx(1 - c.share_ft)
+        assert c.decode_ms == pytest.approx(MODEL.colo_ms(8, 200.0, c.share_infer, c.share_ft))
+        assert c.x_whole_device == pytest.approx(c.decode_ms / whole)
+    assert costs[0].x_whole_device < costs[1].x_whole_device
+
+
+def test_where_every_split_slows_decode_past_the_allowance_the_planner_only_pauses():
+    # Two cores, decode on one 2.5x slower: no target within 1.5x of the whole-device step admits a split.
+    cores = HarliLatencyModel((SoloFit(0.5, 0.125, 16.25, 0.00075), SoloFit(1.0, 0.05, 6.5, 0.0003)), b1=1.0, k1=1.0)
+    (cost,) = split_costs(cores, (0.5,), 2, 256.0)
+    assert cost.x_whole_device > 1.5
+    target = 1.5 * cores.solo_ms(2, 256.0, 1.0)
+    plan = HarliSmPolicy(cores, headroom=0.0, ft_shares=(0.5,)).plan(state(batch=2, seqlen=256.0, target=target))
+    assert plan.share_ft == 0.0 and plan.reason.startswith("pause")
+
+
+def test_split_costs_reject_an_empty_decode_and_shares_outside_the_device():
+    with pytest.raises(PolicyInputError):
+        split_costs(MODEL, (0.5,), 0, 200.0)
+    with pytest.raises(PolicyInputError):
+        split_costs(MODEL, (1.0,), 8, 200.0)
