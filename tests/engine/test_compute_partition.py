@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from backfill.engine import compute_partition
 from backfill.engine.compute_partition import CorePartitions, TimeSliced, round_to_units
 from backfill.engine.partitions import make_partitions
 from backfill.engine.green_context import planned_ft_sms, sm_group_for
@@ -90,7 +91,7 @@ def test_entering_a_partition_pins_the_calling_thread_only():
 
 
 @two_cores
-def test_decode_given_every_core_waits_for_a_finetuning_unit_in_flight_to_free_its_core():
+def test_decode_given_every_core_takes_those_a_finetuning_unit_in_flight_leaves_free():
     parts = CorePartitions(CORES[:2])
     parts.apply(0.5, 0.5)
     in_unit, unit_may_end = threading.Event(), threading.Event()
@@ -98,11 +99,9 @@ def test_decode_given_every_core_waits_for_a_finetuning_unit_in_flight_to_free_i
 
     def finetune():
         parts.enter("finetune")
-        try:
-            in_unit.set()
-            unit_may_end.wait(10)
-        finally:
-            parts.leave("finetune")
+        in_unit.set()
+        unit_may_end.wait(10)
+        parts.leave("finetune")
 
     def decode(key):
         parts.enter("decode")
@@ -111,28 +110,62 @@ def test_decode_given_every_core_waits_for_a_finetuning_unit_in_flight_to_free_i
     ft = threading.Thread(target=finetune)
     ft.start()
     assert in_unit.wait(10)
-    parts.apply(1.0, 0.0)  # an arrival's prefill: decode gets every core, the unit runs on
+    parts.apply(1.0, 0.0)  # an arrival's prefill: decode is given every core while the unit runs
     step = threading.Thread(target=decode, args=("unit running",))
     step.start()
-    step.join()
+    step.join(10)
     unit_may_end.set()
     ft.join()
     step = threading.Thread(target=decode, args=("unit done",))
     step.start()
     step.join()
-    assert placed["unit running"] == ([CORES[0]], 1)   # not on the unit's core, one thread
+    assert placed["unit running"] == ([CORES[0]], 1)  # not on the unit's core, no wait
     assert placed["unit done"] == (CORES[:2], 2)
 
 
 @two_cores
-def test_decode_keeps_a_core_when_a_finetuning_unit_holds_all_of_them():
+def test_decode_waits_for_a_finetuning_unit_in_flight_on_every_core():
     parts = CorePartitions(CORES[:2])
     parts.apply(0.0, 1.0)  # no decode: finetuning on every core
+    in_unit, unit_may_end = threading.Event(), threading.Event()
     placed = {}
 
     def finetune():
         parts.enter("finetune")
-        parts.apply(1.0, 0.0)  # a request arrives while the unit runs
+        in_unit.set()
+        unit_may_end.wait(10)
+        parts.leave("finetune")
+
+    def decode():
+        parts.enter("decode")
+        placed["decode"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+
+    ft = threading.Thread(target=finetune)
+    ft.start()
+    assert in_unit.wait(10)
+    parts.apply(1.0, 0.0)  # an arrival's prefill: decode is given every core while the unit runs
+    step = threading.Thread(target=decode)
+    step.start()
+    step.join(0.3)
+    assert step.is_alive() and not placed  # waiting, not sharing a core with the unit
+    unit_may_end.set()
+    step.join(10)
+    ft.join()
+    assert placed["decode"] == (CORES[:2], 2)
+    with pytest.raises(PolicyInputError):
+        parts.leave("prefill")
+
+
+@two_cores
+def test_decode_keeps_one_core_past_the_wait_for_a_unit_that_does_not_end(monkeypatch):
+    monkeypatch.setattr(compute_partition, "UNIT_WAIT_S", 0.05)
+    parts = CorePartitions(CORES[:2])
+    parts.apply(0.0, 1.0)
+    placed = {}
+
+    def finetune():
+        parts.enter("finetune")
+        parts.apply(1.0, 0.0)
 
         def decode():
             parts.enter("decode")
@@ -147,8 +180,6 @@ def test_decode_keeps_a_core_when_a_finetuning_unit_holds_all_of_them():
     ft.start()
     ft.join()
     assert placed["decode"] == ([CORES[0]], 1)
-    with pytest.raises(PolicyInputError):
-        parts.leave("prefill")
 
 
 def test_one_core_falls_back_to_time_slicing_with_a_logged_reason(caplog):
