@@ -233,7 +233,7 @@ def make_trace(cfg: NodeBenchConfig, vocab: int) -> tuple[list[tuple[float, dict
 def _make_pool(cfg: NodeBenchConfig, memory: str) -> SharedMemoryPool:
     pool_cfg = PoolConfig(cfg.num_handles, cfg.blocks_per_handle)
     if memory == "static":
-        return StaticMemPool(pool_cfg, cfg.static_online_handles)
+        return StaticMemPool(pool_cfg, cfg.static_online_handles, reclaim_policy=GreedyReclaimPolicy())
     policy = GreedyReclaimPolicy() if memory == "valve" else FIFOReclaimPolicy()
     return SharedMemoryPool(pool_cfg, reservation=MIADReservation(cfg.miad, now_s=time.monotonic()),
                             reclaim_policy=policy)

@@ -6,12 +6,12 @@ it holds. One online engine and any number of offline engines.
 
     online     allocates from its pre-granted headroom first, then from free handles, and only
                then reclaims handles from offline engines. The headroom is sized by a MIAD
-               reservation policy (policy/miad.py); handles the online engine releases go back
+               reservation policy (policy/miad.py, given by the caller); handles the online engine releases go back
                to the headroom before they go back to the free list.
     offline    allocates from free handles only; never reclaims anything.
 
 Reclamation protocol (Valve §5, sub-layer reclamation): pause offline compute first (so no
-in-flight step touches the pages), choose the handles (policy/reclaim.py), take them, then tell
+in-flight step touches the pages), choose the handles (the caller's policy: policy/reclaim.py), take them, then tell
 each affected offline owner which block ids and requests became invalid so it recomputes them;
 finally lift the pause (the runtime's compute gate decides whether offline actually resumes).
 
@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol
 
 from backfill.errors import DoubleFreeError, MemoryPoolError, OverAllocationError, PolicyInputError, UnknownOwnerError
-from backfill.policy.miad import MIADReservation
-from backfill.policy.reclaim import GreedyReclaimPolicy, HandleView, ReclaimPolicy
+from backfill.memory.reclaim_interface import HandleView, ReclaimPolicy
 
 
 class EngineRole(str, enum.Enum):
@@ -89,10 +88,24 @@ class _Owner:
     request_tokens: dict[str, int] = field(default_factory=dict)
 
 
+class HeadroomReservation(Protocol):
+    """How much headroom the online engine keeps pre-granted (Valve §5: policy/miad.py's MIAD)."""
+
+    @property
+    def headroom_handles(self) -> int: ...
+
+    @property
+    def pressure_events(self) -> int: ...
+
+    def observe(self, now_s: float, used_handles: int, granted_handles: int, *,
+                headroom_missed: bool = False) -> int: ...
+
+    def advance(self, now_s: float) -> int: ...
+
+
 class SharedMemoryPool:
-    def __init__(self, config: PoolConfig, *, reservation: MIADReservation | None = None,
-                 reclaim_policy: ReclaimPolicy = GreedyReclaimPolicy(),
-                 compute: ComputeControl | None = None) -> None:
+    def __init__(self, config: PoolConfig, *, reclaim_policy: ReclaimPolicy,
+                 reservation: HeadroomReservation | None = None, compute: ComputeControl | None = None) -> None:
         self.config = config
         self.reservation = reservation
         self.reclaim_policy = reclaim_policy
@@ -366,12 +379,12 @@ class SharedMemoryPool:
 class StaticMemPool(SharedMemoryPool):
     """Valve §7.2 StaticMem baseline: a fixed online partition, always fully pre-granted."""
 
-    def __init__(self, config: PoolConfig, online_handles: int, *,
+    def __init__(self, config: PoolConfig, online_handles: int, *, reclaim_policy: ReclaimPolicy,
                  compute: ComputeControl | None = None) -> None:
         if not isinstance(online_handles, int) or not 0 <= online_handles <= config.num_handles:
             raise PolicyInputError(f"online_handles must be in [0, {config.num_handles}], got {online_handles!r}")
         self.online_handles = online_handles
-        super().__init__(config, reservation=None, compute=compute)
+        super().__init__(config, reclaim_policy=reclaim_policy, reservation=None, compute=compute)
 
     def _headroom_target(self, now_s: float, used: int, observe: bool, headroom_missed: bool = False) -> int:
         return max(0, self.online_handles - used)

@@ -48,6 +48,7 @@ from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.model_server import command_line
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.policy.gate import LifecycleGate, TimesliceGate
+from backfill.policy.reclaim import GreedyReclaimPolicy
 from backfill.server.static import dashboard_html
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class Node:
         self.config = config
         node = config.node
         gate = LifecycleGate() if node.gate == "lifecycle" else TimesliceGate()
-        self.pool = SharedMemoryPool(PoolConfig(num_handles=node.num_handles, blocks_per_handle=node.blocks_per_handle))
+        self.pool = SharedMemoryPool(PoolConfig(num_handles=node.num_handles, blocks_per_handle=node.blocks_per_handle),
+                                     reclaim_policy=GreedyReclaimPolicy())
         self.runtime = NodeRuntime(gate, self.pool, RuntimeConfig())
         self._own_db_dir = node.db_dir is None
         self.db_dir = tempfile.mkdtemp(prefix="backfill-node-db-") if self._own_db_dir else node.db_dir

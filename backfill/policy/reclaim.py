@@ -18,33 +18,10 @@ makes their joint cost lower than their individual costs suggest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Mapping, Protocol, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from backfill.errors import PolicyInputError
-
-
-@dataclass(frozen=True)
-class HandleView:
-    """A snapshot of one offline-owned handle."""
-
-    handle_id: int
-    alloc_order: int                                   # smaller = allocated earlier (FIFO key)
-    # request key -> ids of that request's KV blocks that live on this handle. Keys are request
-    # ids, or (owner, request id) pairs when several engines share the pool.
-    request_blocks: Mapping[Hashable, tuple[int, ...]] = field(default_factory=dict)
-
-    @property
-    def request_ids(self) -> frozenset[Hashable]:
-        return frozenset(rid for rid, blocks in self.request_blocks.items() if blocks)
-
-
-@dataclass(frozen=True)
-class ReclaimPlan:
-    handle_ids: tuple[int, ...]                        # in the order they were chosen
-    invalidated_request_ids: frozenset[Hashable]
-    invalidated_block_ids: tuple[int, ...]             # every request block on the chosen handles
-    cost_tokens: int                                   # tokens to recompute
+from backfill.memory.reclaim_interface import HandleView, ReclaimPlan
 
 
 def plan_for(handles: Sequence[HandleView], request_tokens: Mapping[Hashable, int],
@@ -114,10 +91,3 @@ class FIFOReclaimPolicy:
         _validate(handles, request_tokens, n_handles)
         oldest = sorted(handles, key=lambda h: (h.alloc_order, h.handle_id))[:n_handles]
         return plan_for(handles, request_tokens, [h.handle_id for h in oldest])
-
-
-class ReclaimPolicy(Protocol):
-    name: str
-
-    def choose(self, handles: Sequence[HandleView], request_tokens: Mapping[Hashable, int],
-               n_handles: int) -> ReclaimPlan: ...

@@ -7,6 +7,7 @@ from backfill.errors import PolicyInputError, SharedMemoryError
 from backfill.memory.cuda_vmm import PageMap, PageOp, round_up
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool
 from backfill.policy.miad import MIADReservation
+from backfill.policy.reclaim import GreedyReclaimPolicy
 from tests.conftest import TEST_DEVICE
 
 MIB = 2**20
@@ -37,7 +38,8 @@ def test_page_map_follows_the_pool_through_a_reclamation():
     """The real pool decides (MIAD headroom, selective reclamation); the page map turns its
     grants and invalidations into map / unmap operations. The reclaimed handles leave offline's
     address space and enter online's; nothing is copied."""
-    pool = SharedMemoryPool(PoolConfig(num_handles=6, blocks_per_handle=2), reservation=MIADReservation())
+    pool = SharedMemoryPool(PoolConfig(num_handles=6, blocks_per_handle=2), reclaim_policy=GreedyReclaimPolicy(),
+                            reservation=MIADReservation())
     pm = PageMap(num_handles=6, handle_bytes=5 * MIB, granularity=2 * MIB)
     ops: list[PageOp] = []
 

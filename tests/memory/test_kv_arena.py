@@ -13,6 +13,7 @@ from backfill.errors import PolicyInputError, SharedMemoryError
 from backfill.memory.kv_arena import ArenaDescriptor, HostArena, KVLayout, attach, kv_planes, make_arena
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool
 from backfill.policy.miad import MIADReservation
+from backfill.policy.reclaim import GreedyReclaimPolicy
 from tests.conftest import TEST_DEVICE
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=8, block_size=4, kv_heads=2, head_dim=8)   # fp32: 256 B a block
@@ -102,7 +103,8 @@ def test_a_reclaimed_handle_changes_owner_without_a_copy():
     arena = HostArena(layout)
     try:
         offline_view = attach(arena.descriptor())
-        pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=2), reservation=MIADReservation())
+        pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=2), reclaim_policy=GreedyReclaimPolicy(),
+                                reservation=MIADReservation())
         pool.register("off", EngineRole.OFFLINE)
         held = pool.allocate("off", 4)
         offline_view[:] = 7                                   # offline's KV fills every handle

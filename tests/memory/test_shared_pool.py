@@ -3,7 +3,9 @@ import pytest
 from backfill.errors import DoubleFreeError, MemoryPoolError, OverAllocationError, PolicyInputError, UnknownOwnerError
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool, StaticMemPool
 from backfill.policy.miad import MIADConfig, MIADReservation
-from backfill.policy.reclaim import FIFOReclaimPolicy
+from backfill.policy.reclaim import FIFOReclaimPolicy, GreedyReclaimPolicy
+
+GREEDY = GreedyReclaimPolicy()  # stateless: one serves every pool here
 
 
 class Journal:
@@ -28,7 +30,7 @@ def miad(headroom=0, **kw):
 
 
 def test_allocate_release_and_block_mapping():
-    pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=8))
+    pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=8), reclaim_policy=GREEDY)
     pool.register("off", EngineRole.OFFLINE)
     got = pool.allocate("off", 3)
     assert sorted(got) == [0, 1, 2] and pool.free_handles == 1
@@ -39,7 +41,7 @@ def test_allocate_release_and_block_mapping():
 
 
 def test_error_paths():
-    pool = SharedMemoryPool(PoolConfig(4, 2))
+    pool = SharedMemoryPool(PoolConfig(4, 2), reclaim_policy=GREEDY)
     pool.register("off", "offline", max_handles=2)
     pool.register("on", "online")
     with pytest.raises(UnknownOwnerError):
@@ -76,7 +78,7 @@ def test_error_paths():
 
 
 def test_offline_is_refused_when_the_pool_is_out_of_free_handles():
-    pool = SharedMemoryPool(PoolConfig(3, 1), reservation=miad(headroom=1))
+    pool = SharedMemoryPool(PoolConfig(3, 1), reclaim_policy=GREEDY, reservation=miad(headroom=1))
     pool.register("on", "online")
     pool.register("off", "offline")
     assert pool.reserved_handles == 1
@@ -87,7 +89,7 @@ def test_offline_is_refused_when_the_pool_is_out_of_free_handles():
 
 def test_online_burst_reclaims_with_pause_first_and_reports_invalid_blocks():
     journal = Journal()
-    pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=4), compute=journal)
+    pool = SharedMemoryPool(PoolConfig(num_handles=4, blocks_per_handle=4), reclaim_policy=GREEDY, compute=journal)
     pool.register("on", "online")
     pool.register("off", "offline", on_invalidate=journal.invalidated)
     h0, h1, h2, h3 = pool.allocate("off", 4)
@@ -114,7 +116,7 @@ def test_fifo_policy_reclaims_oldest_handles():
 
 
 def test_using_up_the_headroom_is_pressure():
-    pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=2))
+    pool = SharedMemoryPool(PoolConfig(10, 1), reclaim_policy=GREEDY, reservation=miad(headroom=2))
     pool.register("on", "online")
     pool.allocate("on", 4, now_s=0.0)                           # beyond its 2-handle headroom
     assert pool.reservation.pressure_events == 1 and pool.reserved_handles == 4
@@ -122,7 +124,7 @@ def test_using_up_the_headroom_is_pressure():
 
 def test_burst_and_headroom_top_up_share_one_reclamation():
     journal = Journal()
-    pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=1), compute=journal)
+    pool = SharedMemoryPool(PoolConfig(10, 1), reclaim_policy=GREEDY, reservation=miad(headroom=1), compute=journal)
     pool.register("on", "online")
     pool.register("off", "offline", on_invalidate=journal.invalidated)
     pool.allocate("off", 9)
@@ -134,7 +136,7 @@ def test_burst_and_headroom_top_up_share_one_reclamation():
 
 
 def test_each_allocation_past_the_headroom_in_a_burst_is_one_event_and_one_reclamation():
-    pool = SharedMemoryPool(PoolConfig(40, 1), reservation=miad(headroom=1))
+    pool = SharedMemoryPool(PoolConfig(40, 1), reclaim_policy=GREEDY, reservation=miad(headroom=1))
     pool.register("on", "online")
     pool.register("off", "offline")
     pool.allocate("off", 39)
@@ -148,7 +150,7 @@ def test_each_allocation_past_the_headroom_in_a_burst_is_one_event_and_one_recla
 
 def test_headroom_use_without_pressure_refills_from_freed_handles_not_by_reclaiming():
     journal = Journal()
-    pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=4), compute=journal)
+    pool = SharedMemoryPool(PoolConfig(10, 1), reclaim_policy=GREEDY, reservation=miad(headroom=4), compute=journal)
     pool.register("on", "online")
     pool.register("off", "offline", on_invalidate=journal.invalidated)
     held = pool.allocate("off", 6)                              # every free handle
@@ -160,7 +162,7 @@ def test_headroom_use_without_pressure_refills_from_freed_handles_not_by_reclaim
 
 
 def test_released_online_memory_refills_headroom_and_tick_shrinks_it():
-    pool = SharedMemoryPool(PoolConfig(10, 1), reservation=miad(headroom=2))
+    pool = SharedMemoryPool(PoolConfig(10, 1), reclaim_policy=GREEDY, reservation=miad(headroom=2))
     pool.register("on", "online")
     got = pool.allocate("on", 1, now_s=0.0)                     # 1 of 2 granted: no pressure
     assert pool.reserved_handles == 2 and pool.free_handles == 7   # headroom refilled
@@ -173,7 +175,7 @@ def test_released_online_memory_refills_headroom_and_tick_shrinks_it():
 
 
 def test_unregister_returns_everything():
-    pool = SharedMemoryPool(PoolConfig(4, 1), reservation=miad(headroom=1))
+    pool = SharedMemoryPool(PoolConfig(4, 1), reclaim_policy=GREEDY, reservation=miad(headroom=1))
     pool.register("on", "online")
     pool.register("off", "offline")
     pool.allocate("off", 2)
@@ -185,7 +187,7 @@ def test_unregister_returns_everything():
 
 def test_static_mem_fixed_partition_and_overflow_kills_offline():
     journal = Journal()
-    pool = StaticMemPool(PoolConfig(8, 1), online_handles=3, compute=journal)
+    pool = StaticMemPool(PoolConfig(8, 1), reclaim_policy=GREEDY, online_handles=3, compute=journal)
     pool.register("on", "online")
     pool.register("off", "offline", on_invalidate=journal.invalidated)
     assert pool.reserved_handles == 3
@@ -200,4 +202,4 @@ def test_static_mem_fixed_partition_and_overflow_kills_offline():
     assert notice.request_ids == {f"r{h}" for h in offline}
     assert pool.handles_of("off") == ()
     with pytest.raises(PolicyInputError):
-        StaticMemPool(PoolConfig(2, 1), online_handles=3)
+        StaticMemPool(PoolConfig(2, 1), reclaim_policy=GREEDY, online_handles=3)

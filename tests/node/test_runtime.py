@@ -18,6 +18,7 @@ from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.node.suspend import _proc_state
 from backfill.policy.gate import GateConfig, IterationGate, LifecycleGate
+from backfill.policy.reclaim import GreedyReclaimPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS_PER_HANDLE = 4
@@ -100,7 +101,8 @@ def offline_engine(tmp_path):
 @pytest.fixture
 def runtime():
     rt = NodeRuntime(LifecycleGate(GateConfig(min_cooldown_s=0.3, max_cooldown_s=1.0)),
-                     SharedMemoryPool(PoolConfig(num_handles=6, blocks_per_handle=BLOCKS_PER_HANDLE)),
+                     SharedMemoryPool(PoolConfig(num_handles=6, blocks_per_handle=BLOCKS_PER_HANDLE),
+                                      reclaim_policy=GreedyReclaimPolicy()),
                      RuntimeConfig(tick_interval_s=0.02)).start()
     yield rt
     rt.stop()

@@ -4,7 +4,8 @@ import random
 import pytest
 
 from backfill.errors import PolicyInputError
-from backfill.policy.reclaim import FIFOReclaimPolicy, GreedyReclaimPolicy, HandleView, plan_for
+from backfill.memory.reclaim_interface import HandleView
+from backfill.policy.reclaim import FIFOReclaimPolicy, GreedyReclaimPolicy, plan_for
 
 greedy, fifo = GreedyReclaimPolicy(), FIFOReclaimPolicy()
 

@@ -20,6 +20,7 @@ from backfill.errors import PolicyInputError
 from backfill.bench.node_bench import REFERENCE_ARRIVALS, NodeBenchConfig, make_trace
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool
 from backfill.policy.miad import MIADReservation
+from backfill.policy.reclaim import GreedyReclaimPolicy
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ def simulate_pool(config: NodeBenchConfig = NodeBenchConfig(), *, step_s: float 
     num_handles, blocks_per_handle, block_size = config.num_handles, config.blocks_per_handle, config.block_size
     duration_s = config.duration_s
 
-    pool = SharedMemoryPool(PoolConfig(num_handles, blocks_per_handle), reservation=MIADReservation(config.miad))
+    pool = SharedMemoryPool(PoolConfig(num_handles, blocks_per_handle), reclaim_policy=GreedyReclaimPolicy(),
+                            reservation=MIADReservation(config.miad))
     pool.register("online", EngineRole.ONLINE)
     pool.register("offline", EngineRole.OFFLINE)
     held: list[int] = []
