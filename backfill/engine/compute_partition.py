@@ -141,7 +141,7 @@ class CorePartitions:
         self._lock = threading.Lock()
         self._unit_ended = threading.Condition(self._lock)
         self._assigned = {"decode": list(self.cores), "finetune": list(self.cores)}
-        self._in_flight: dict[str, list[int]] = {}  # unit -> the cores its running work holds
+        self._finetuning_on: list[int] | None = None  # the cores a finetuning unit in flight holds
         self._warmed: set[int] = set()
         self.current = RealisedSplit(1.0, 0.0, self.form, self._detail())
 
@@ -180,13 +180,12 @@ class CorePartitions:
             if unit == "decode":
                 # A unit in flight on every core decode is given: wait for it to end, as
                 # pause-only's decode waits for the unit on its own thread (one unit's time at
-                # most). A unit on some of them only is not waited for: decode takes the others
-                # (waiting at every switch of the plan cost more than it saved: P99 ITL 273
-                # against 137 ms in `bench finetune --modes partitioned`).
+                # most). A unit on some of them only is not waited for: decode takes the others,
+                # since plans switch at every step and a wait at each switch costs more.
                 self._unit_ended.wait_for(lambda: not self._finetuning_holds_all_decode_cores(), timeout=UNIT_WAIT_S)
             cores = self._placement(unit)
             if unit == "finetune":
-                self._in_flight[unit] = cores
+                self._finetuning_on = cores
         ident = threading.get_ident()
         if ident not in self._warmed:
             self._warm_pool()
@@ -199,23 +198,23 @@ class CorePartitions:
     def leave(self, unit: str) -> None:
         _check_unit(unit)
         with self._lock:
-            self._in_flight.pop(unit, None)
-            self._unit_ended.notify_all()
+            if unit == "finetune":
+                self._finetuning_on = None
+                self._unit_ended.notify_all()
 
     def _finetuning_holds_all_decode_cores(self) -> bool:
-        held = self._in_flight.get("finetune")
+        held = self._finetuning_on
         return held is not None and set(self._assigned["decode"]) <= set(held)
 
     def _placement(self, unit: str) -> list[int]:
         """The unit's cores less those a finetuning unit in flight still holds: a split that gives
         decode every core takes effect once that unit ends. Until then decode's OpenMP threads
         would share a core with it, and every parallel region would wait at its barrier for the
-        thread the scheduler left out (steps of 150-220 ms instead of 30). Reached with a unit in
-        flight only past the wait in enter. Never empty: decode keeps its first core if the unit
-        holds all of them."""
+        thread the scheduler left out (steps of 150-220 ms instead of 30). Never empty: decode
+        keeps its first core if the unit still holds all of them past the wait in enter."""
         cores = list(self._assigned[unit])
-        if unit == "decode" and "finetune" in self._in_flight:
-            free = [c for c in cores if c not in self._in_flight["finetune"]]
+        if unit == "decode" and self._finetuning_on is not None:
+            free = [c for c in cores if c not in self._finetuning_on]
             cores = free or cores[:1]
         return cores
 

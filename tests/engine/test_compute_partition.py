@@ -90,68 +90,70 @@ def test_entering_a_partition_pins_the_calling_thread_only():
     assert sorted(os.sched_getaffinity(0)) == before  # this thread was not moved
 
 
+class UnitInFlight:
+    """A finetuning unit on a thread of its own, inside its partition until end()."""
+
+    def __init__(self, parts: CorePartitions) -> None:
+        self.parts = parts
+        self._entered, self._may_end = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+        assert self._entered.wait(10)
+
+    def _run(self) -> None:
+        self.parts.enter("finetune")
+        try:
+            self._entered.set()
+            self._may_end.wait(10)
+        finally:
+            self.parts.leave("finetune")
+
+    def end(self) -> None:
+        self._may_end.set()
+        self._thread.join()
+
+
+class DecodeStep:
+    """A decode thread entering its partition; placed: the cores and threads it was given."""
+
+    def __init__(self, parts: CorePartitions) -> None:
+        self.placed: tuple[list[int], int] | None = None
+
+        def run() -> None:
+            parts.enter("decode")
+            self.placed = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def join(self, timeout_s: float = 10) -> tuple[list[int], int] | None:
+        self.thread.join(timeout_s)
+        return self.placed
+
+
 @two_cores
 def test_decode_given_every_core_takes_those_a_finetuning_unit_in_flight_leaves_free():
     parts = CorePartitions(CORES[:2])
     parts.apply(0.5, 0.5)
-    in_unit, unit_may_end = threading.Event(), threading.Event()
-    placed = {}
-
-    def finetune():
-        parts.enter("finetune")
-        in_unit.set()
-        unit_may_end.wait(10)
-        parts.leave("finetune")
-
-    def decode(key):
-        parts.enter("decode")
-        placed[key] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
-
-    ft = threading.Thread(target=finetune)
-    ft.start()
-    assert in_unit.wait(10)
+    unit = UnitInFlight(parts)
     parts.apply(1.0, 0.0)  # an arrival's prefill: decode is given every core while the unit runs
-    step = threading.Thread(target=decode, args=("unit running",))
-    step.start()
-    step.join(10)
-    unit_may_end.set()
-    ft.join()
-    step = threading.Thread(target=decode, args=("unit done",))
-    step.start()
-    step.join()
-    assert placed["unit running"] == ([CORES[0]], 1)  # not on the unit's core, no wait
-    assert placed["unit done"] == (CORES[:2], 2)
+    running = DecodeStep(parts).join()
+    unit.end()
+    done = DecodeStep(parts).join()
+    assert running == ([CORES[0]], 1)  # not on the unit's core, no wait
+    assert done == (CORES[:2], 2)
 
 
 @two_cores
 def test_decode_waits_for_a_finetuning_unit_in_flight_on_every_core():
     parts = CorePartitions(CORES[:2])
     parts.apply(0.0, 1.0)  # no decode: finetuning on every core
-    in_unit, unit_may_end = threading.Event(), threading.Event()
-    placed = {}
-
-    def finetune():
-        parts.enter("finetune")
-        in_unit.set()
-        unit_may_end.wait(10)
-        parts.leave("finetune")
-
-    def decode():
-        parts.enter("decode")
-        placed["decode"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
-
-    ft = threading.Thread(target=finetune)
-    ft.start()
-    assert in_unit.wait(10)
+    unit = UnitInFlight(parts)
     parts.apply(1.0, 0.0)  # an arrival's prefill: decode is given every core while the unit runs
-    step = threading.Thread(target=decode)
-    step.start()
-    step.join(0.3)
-    assert step.is_alive() and not placed  # waiting, not sharing a core with the unit
-    unit_may_end.set()
-    step.join(10)
-    ft.join()
-    assert placed["decode"] == (CORES[:2], 2)
+    step = DecodeStep(parts)
+    assert step.join(0.3) is None and step.thread.is_alive()  # waiting, not sharing a core with the unit
+    unit.end()
+    assert step.join() == (CORES[:2], 2)
     with pytest.raises(PolicyInputError):
         parts.leave("prefill")
 
@@ -161,25 +163,12 @@ def test_decode_keeps_one_core_past_the_wait_for_a_unit_that_does_not_end(monkey
     monkeypatch.setattr(compute_partition, "UNIT_WAIT_S", 0.05)
     parts = CorePartitions(CORES[:2])
     parts.apply(0.0, 1.0)
-    placed = {}
-
-    def finetune():
-        parts.enter("finetune")
-        parts.apply(1.0, 0.0)
-
-        def decode():
-            parts.enter("decode")
-            placed["decode"] = (sorted(os.sched_getaffinity(0)), torch.get_num_threads())
-
-        step = threading.Thread(target=decode)
-        step.start()
-        step.join()
-        parts.leave("finetune")
-
-    ft = threading.Thread(target=finetune)
-    ft.start()
-    ft.join()
-    assert placed["decode"] == ([CORES[0]], 1)
+    unit = UnitInFlight(parts)
+    parts.apply(1.0, 0.0)
+    try:
+        assert DecodeStep(parts).join() == ([CORES[0]], 1)
+    finally:
+        unit.end()
 
 
 def test_one_core_falls_back_to_time_slicing_with_a_logged_reason(caplog):
