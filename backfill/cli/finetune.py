@@ -189,8 +189,8 @@ def cmd_finetune_run(args: argparse.Namespace) -> int:
     from backfill.finetune.job import FinetuneJob
     from backfill.serving.build import build_runner
 
-    # Training never reads the paged KV cache, so no decode-attention kernel to build.
-    serving, loaded = _load_model(args, decode_attention="sdpa")
+    # Training never reads the paged KV cache, so no paged-attention kernel to build.
+    serving, loaded = _load_model(args, decode_attention="sdpa", prompt_attention="sdpa")
     config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
     runner = build_runner(loaded.config, loaded.weights, serving)
     job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out)

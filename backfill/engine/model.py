@@ -26,7 +26,7 @@ from backfill.engine.step import Safepoint, StepAborted, SuspendedStep
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
     from backfill.engine.lora import LoraBatch
-    from backfill.engine.paged_attention import PagedDecodeAttention
+    from backfill.engine.paged_attention import PagedDecodeAttention, PagedPromptAttention
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ class AttentionMetadata:
     logits_index: torch.Tensor     # [N] flat positions whose logits are wanted
     decode_context_lens: torch.Tensor | None = None  # [Bd] tokens each decoding sequence attends to
     lora: LoraBatch | None = None  # the step's LoRA adapters by token (engine/lora.py); None: base model only
+    # The prefills as the prompt-attention kernel takes them (set where it runs): [S, 3] rows of
+    # (token_start, num_tokens, start_pos), and their block tables [S, width] (padded with block 0).
+    prefill_spans: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
 
 
 
@@ -70,7 +74,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  compile_decode: bool = False, paged_attention_kernel: bool = False,
-                 cuda_kernels: str = "torch") -> None:
+                 paged_prompt_kernel: bool = False, cuda_kernels: str = "torch") -> None:
         """cuda_kernels="triton": decode attention and the CUDA-graph decode layers run Triton kernels
         (engine/triton_attention.py, engine/triton_fused.py); any device, so tests run them on CPU in
         Triton's interpreter. The serving config asks for them on CUDA only."""
@@ -135,6 +139,12 @@ class LlamaModel:
             from backfill.engine.paged_attention import load_paged_decode_attention
 
             self.paged_decode_attention = load_paged_decode_attention()
+        # Prompt attention of every chunk of a step in one call per layer (CPU kernel); None: SDPA per chunk.
+        self.paged_prompt_attention: PagedPromptAttention | None = None
+        if paged_prompt_kernel and self.device.type == "cpu":
+            from backfill.engine.paged_attention import load_paged_prompt_attention
+
+            self.paged_prompt_attention = load_paged_prompt_attention()
         if cuda_kernels == "triton":
             from backfill.engine.triton_attention import paged_decode_attention
 
@@ -383,10 +393,13 @@ class LlamaModel:
         if meta.decode_token_index is not None and not meta.prefills:
             # Decode-only step: tokens are exactly the decoding sequences, in order.
             return self._decode_attention(q, li, meta, kv).reshape(q.shape[0], n_q * hd)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.decode_token_index is not None:
             qd = q.index_select(0, meta.decode_token_index)
             out.index_copy_(0, meta.decode_token_index, self._decode_attention(qd, li, meta, kv))
+        if self.paged_prompt_attention is not None and meta.prefill_spans is not None:
+            self.paged_prompt_attention(q, kv.k[li], kv.v[li], meta.prefill_spans, meta.prefill_block_tables, out)
+            return out.view(q.shape[0], n_q * hd)
         for span in meta.prefills:
             ctx = span.start_pos + span.num_tokens
             keys = kv.k[li].index_select(0, span.block_ids).view(-1, n_kv, hd)[:ctx].transpose(0, 1).unsqueeze(0)

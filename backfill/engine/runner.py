@@ -179,6 +179,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        prefill_tables: list[list[int]] = []
         logits_index: list[int] = []
         logit_ids: list[int | str] = []
         adapter_spans = []
@@ -199,6 +200,7 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 used = chunk.block_table[: -(-end // bs)]
+                prefill_tables.append(used)
                 prefills.append(PrefillSpan(first, n, chunk.start_pos,
                                             torch.tensor(used, dtype=torch.long, device=self.device)))
             if chunk.want_logits:
@@ -212,6 +214,12 @@ class ModelRunner:
             prefills=prefills,
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=dev),
         )
+        if prefills and self.model.paged_prompt_attention is not None:
+            width = max(len(t) for t in prefill_tables)
+            meta.prefill_spans = torch.tensor([(span.token_start, span.num_tokens, span.start_pos) for span in prefills],
+                                              dtype=torch.long, device=dev)
+            meta.prefill_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in prefill_tables],
+                                                     dtype=torch.long, device=dev)
         if adapter_spans:
             from backfill.engine.lora import LoraBatch
 

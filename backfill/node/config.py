@@ -81,7 +81,8 @@ class ModelEntry:
     max_model_len: int = knob(1024, "longest prompt + output, tokens")
     max_offline_in_flight: int = knob(8, "batch lines in the engine at once")
     max_online_queue: int = knob(64, "online requests in flight before new ones get 429")
-    decode_attention: str = knob("sdpa", "auto (C++ paged kernel, built on first use) or sdpa",
+    decode_attention: str = knob("sdpa", "auto (C++ paged kernels for decode and prompt attention, built on "
+                                 "first use) or sdpa",
                                  choices=("auto", "sdpa"))
     profile_path: str | None = knob(None, "coserve latency profile; unset: the cached one (measured on first use)")
 

@@ -176,11 +176,13 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     dtype = "float32" if node.device == "cpu" else auto_dtype(node.device)
     serving = ServingConfig(device=node.device, dtype=dtype, block_size=node.block_size,
                             max_model_len=entry.max_model_len, policy=entry.policy, threads=entry.threads,
-                            decode_attention=entry.decode_attention, profile_path=entry.profile_path,
+                            decode_attention=entry.decode_attention,
+                            prompt_attention=entry.decode_attention, profile_path=entry.profile_path,
                             cuda_graphs=False)
     kv = KVBlockPool(config, node.num_blocks, node.block_size, serving.torch_dtype, node.device)
     model = LlamaModel(config, weights, dtype=serving.torch_dtype, device=node.device,
-                       paged_attention_kernel=serving.uses_paged_attention_kernel)
+                       paged_attention_kernel=serving.uses_paged_attention_kernel,
+                       paged_prompt_kernel=serving.uses_paged_prompt_kernel)
     runner = NodeGatedRunner(model, kv, gate)
     latency = LatencyModel(*TINY_COSERVE_LATENCY) if entry.model == "tiny" and registry.entry(entry.policy).needs_latency_model else None
     scheduler = build_scheduler(runner, serving, tokenizer, config.name, latency)

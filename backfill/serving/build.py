@@ -16,7 +16,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.native_build import isa_capped_below_avx512
-from backfill.engine.paged_attention import kernel_digest
+from backfill.engine.paged_attention import kernel_digest, prompt_kernel_digest
 from backfill.engine.runner import ModelRunner
 from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
@@ -40,6 +40,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.
     kernel = matmul_kernel_for(torch.device(device), cfg.torch_dtype).slug + ("-cd" if cfg.compile_decode else "")
     kernel += f"-pa{kernel_digest()}" if cfg.uses_paged_attention_kernel else ""
+    kernel += f"-pp{prompt_kernel_digest()}" if cfg.uses_paged_prompt_kernel else ""
     if cfg.compile_decode and device == "cpu" and load_small_batch_matmul():  # built already by the runner
         kernel += f"-sb{small_batch_digest()}"  # compiled decode packs its weights for this kernel
     kernel += "-cg" if cfg.uses_cuda_graphs else ""
@@ -59,6 +60,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
     model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
                        compile_decode=cfg.compile_decode,
                        paged_attention_kernel=cfg.uses_paged_attention_kernel,
+                       paged_prompt_kernel=cfg.uses_paged_prompt_kernel,
                        cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
     if model.compiled_decode is not None:
         # Larger decode batches get padded buckets, compiled behind the server's start.

@@ -18,7 +18,7 @@ from backfill.validation import check_non_negative
 
 POLICIES = NAMES
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-DECODE_ATTENTION_CHOICES = ("auto", "sdpa")
+ATTENTION_CHOICES = ("auto", "sdpa")
 CUDA_KERNELS_CHOICES = ("torch", "triton")
 
 
@@ -50,7 +50,11 @@ class ServingConfig:
                                 "matmul weights held twice)", group="engine")
     decode_attention: str = knob("auto", "auto: on CPU read the paged KV cache in place with a C++ kernel "
                                  "(engine/paged_attention.py, built on first use); sdpa: gather blocks, run SDPA",
-                                 group="engine", choices=DECODE_ATTENTION_CHOICES)
+                                 group="engine", choices=ATTENTION_CHOICES)
+    prompt_attention: str = knob("auto", "auto: on CPU prompt chunks attend through a C++ kernel that reads the "
+                                 "paged KV cache in place, every chunk of a step in one call per layer "
+                                 "(engine/paged_attention.py, built on first use); sdpa: gather blocks, run SDPA "
+                                 "per chunk", group="engine", choices=ATTENTION_CHOICES)
     # CUDA: per-layer graphs captured at load for every (batch, context) bucket (engine/cuda_graphs.py).
     cuda_graphs: bool = knob(True, "CUDA: replay captured graphs for decode steps of up to 64 sequences",
                              group="engine")
@@ -95,9 +99,10 @@ class ServingConfig:
             raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError("threads must be >= 1")
-        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
-            raise InvalidRequestError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION_CHOICES)}, "
-                                      f"got {self.decode_attention!r}")
+        for name in ("decode_attention", "prompt_attention"):
+            if getattr(self, name) not in ATTENTION_CHOICES:
+                raise InvalidRequestError(f"{name} must be one of {', '.join(ATTENTION_CHOICES)}, "
+                                          f"got {getattr(self, name)!r}")
         if self.cuda_kernels not in CUDA_KERNELS_CHOICES:
             raise InvalidRequestError(f"cuda_kernels must be one of {', '.join(CUDA_KERNELS_CHOICES)}, "
                                       f"got {self.cuda_kernels!r}")
@@ -134,6 +139,10 @@ class ServingConfig:
     @property
     def uses_paged_attention_kernel(self) -> bool:
         return self.decode_attention == "auto" and self.resolved_device() == "cpu"
+
+    @property
+    def uses_paged_prompt_kernel(self) -> bool:
+        return self.prompt_attention == "auto" and self.resolved_device() == "cpu"
 
     def with_policy(self, policy: str) -> ServingConfig:
         return replace(self, policy=policy)

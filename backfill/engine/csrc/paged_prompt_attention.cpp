@@ -1,0 +1,371 @@
+// Causal attention of prompt chunks, read straight from the paged KV pool, for CPU
+// (backfill/engine/paged_attention.py).
+//
+// A step's prompt chunks (whole prompts or the later chunks of long ones) attend to their own
+// tokens and everything before them. SDPA takes one chunk at a time from a gathered copy of its
+// keys and values, and for a 128-token prompt spends most of its time on fixed costs: about
+// 0.4 ms a layer for 19 MFLOP of causal products. Here one call per layer takes every chunk of
+// the step. Each (chunk, KV head)'s keys and values are first read from the pool where they lie and
+// converted to fp32 once, the keys transposed so that a query's scores against consecutive keys are
+// vectors of fused multiply-adds (no sums across lanes). A task is then one (chunk, KV head, tile
+// of 16 query tokens): it walks the keys the tile may see, 64 at a time, and keeps a running softmax
+// (FlashAttention's) for the tile's queries of every query head sharing that KV head, weighing the
+// values a few query rows at a time with the accumulators in registers. Tasks are dealt out longest and shortest in turn, so the
+// threads of PyTorch's intra-op pool get equal shares of the causal triangle.
+//
+// The arithmetic is ATen's Vectorized<float> (AVX-512 / AVX2 / scalar, chosen at build time by the
+// CPU_CAPABILITY macros the loader passes), as in paged_decode_attention.cpp.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// Keys per tile: four or eight vectors of scores per query row, so that the running softmax's
+// per-row work (two sums across lanes, a rescale) is spread over 64 keys.
+constexpr int64_t kKeyTile = 64;
+constexpr int64_t kQueryTile = 16;  // query tokens per task
+constexpr int64_t kScoreVecs = kKeyTile / kLanes;
+static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
+// Query rows scored at once: their accumulators (rows x kScoreVecs) fill half the vector registers.
+constexpr int kScoreRows = kScoreVecs >= 16 ? 1 : static_cast<int>(16 / kScoreVecs);
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// One row of head_dim elements as fp32.
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    int64_t d = 0;
+    for (; d + kLanes <= n; d += kLanes) {
+      Vec out;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) at::vec::load_fp32_from_bf16(src + d, out);
+      else at::vec::load_fp32_from_fp16(src + d, out);
+      out.store(dst + d);
+    }
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+}
+
+struct Shape {
+  int64_t n_q, n_kv, group, head_dim, block_size, width;
+  int64_t q_token_stride;  // elements between two tokens of q (q may be a view into q/k/v)
+};
+
+struct Span {
+  int64_t token_start, num_tokens, start_pos;
+};
+
+// Scratch of one thread, for one task at a time.
+struct Scratch {
+  std::vector<float> query, acc, max, sum, scores;
+  Scratch(const Shape& s, int64_t rows)
+      : query(rows * s.head_dim), acc(rows * s.head_dim), max(rows), sum(rows), scores(rows * kKeyTile) {}
+};
+
+// One (span, KV head)'s keys and values up to its last token, in fp32: the keys transposed within
+// each key tile, [padded / kKeyTile][head_dim][kKeyTile] (zero past the context; one tile's 16 KB
+// lie together: a row stride of the whole context, a power of two, mapped a tile's rows onto a few
+// L1 sets), the values [padded][head_dim]. Converted once, read by every query tile of the span.
+struct Context {
+  float* keys_t;
+  float* values;
+  int64_t padded;  // the context rounded up to whole key tiles
+};
+
+// The pool's row of one token (absolute position) for one KV head.
+template <typename T>
+inline const T* pool_row(const Shape& s, const T* pool, const int64_t* table, int64_t pos, int64_t head) {
+  const int64_t block = table[pos / s.block_size];
+  return pool + ((block * s.block_size + pos % s.block_size) * s.n_kv + head) * s.head_dim;
+}
+
+// (The loops over rows and vectors are unrolled on request: only then does GCC keep the
+// accumulator arrays in registers instead of storing them on every step.)
+// Scores of `rows` query rows against the key tile: scores[r][j] = q[r] . k[j]. R rows at a time,
+// so that R * kScoreVecs independent chains of fused multiply-adds are in flight.
+template <int64_t kHeadDim, int R>
+inline void score_rows(const float* query, const float* keys_t, int64_t key_stride, float* scores, int64_t hd) {
+  Vec acc[R][kScoreVecs];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = Vec(0.0f);
+  const int64_t n = kHeadDim > 0 ? kHeadDim : hd;
+  for (int64_t d = 0; d < n; ++d) {
+    Vec k[kScoreVecs];
+    #pragma GCC unroll 16
+    for (int64_t v = 0; v < kScoreVecs; ++v) k[v] = Vec::loadu(keys_t + d * key_stride + v * kLanes);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec q(query[r * n + d]);
+      #pragma GCC unroll 16
+      for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = at::vec::fmadd(q, k[v], acc[r][v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v].store(scores + r * kKeyTile + v * kLanes);
+}
+
+// acc[r] += sum over the tile's keys j of p[r][j] * value[j], for R rows with acc in registers.
+template <int64_t kHeadDim, int R>
+inline void weigh_values(const float* probs, const float* values, float* acc, int64_t keys) {
+  constexpr int64_t kChunks = kHeadDim / kLanes;
+  Vec sums[R][kChunks];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = Vec::loadu(acc + r * kHeadDim + c * kLanes);
+  for (int64_t j = 0; j < keys; ++j) {
+    Vec v[kChunks];
+    #pragma GCC unroll 16
+    for (int64_t c = 0; c < kChunks; ++c) v[c] = Vec::loadu(values + j * kHeadDim + c * kLanes);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec p(probs[r * kKeyTile + j]);
+      #pragma GCC unroll 16
+      for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = at::vec::fmadd(p, v[c], sums[r][c]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int64_t c = 0; c < kChunks; ++c) sums[r][c].store(acc + r * kHeadDim + c * kLanes);
+}
+
+// The same for a head size not fixed at compile time, one row at a time.
+inline void weigh_values_any(const float* probs, const float* values, float* acc, int64_t keys, int64_t hd) {
+  for (int64_t j = 0; j < keys; ++j) {
+    const float p = probs[j];
+    for (int64_t d = 0; d < hd; ++d) acc[d] += p * values[j * hd + d];
+  }
+}
+
+// Converts one (span, KV head)'s keys and values into `ctx`.
+template <typename T>
+void convert_context(const Shape& s, const Span& span, const int64_t* table, const T* k_pool, const T* v_pool,
+                     int64_t head, const Context& ctx) {
+  const int64_t hd = s.head_dim, context = span.start_pos + span.num_tokens;
+  std::vector<float> key_row(hd);
+  for (int64_t pos = 0; pos < context; ++pos) {
+    row_to_float(pool_row(s, k_pool, table, pos, head), key_row.data(), hd);
+    float* tile = ctx.keys_t + pos / kKeyTile * hd * kKeyTile + pos % kKeyTile;
+    for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = key_row[d];
+    row_to_float(pool_row(s, v_pool, table, pos, head), ctx.values + pos * hd, hd);
+  }
+  for (int64_t pos = context; pos < ctx.padded; ++pos) {
+    float* tile = ctx.keys_t + pos / kKeyTile * hd * kKeyTile + pos % kKeyTile;
+    for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = 0.0f;
+  }
+  std::fill(ctx.values + context * hd, ctx.values + ctx.padded * hd, 0.0f);
+}
+
+// One task: query tokens [first, last) of a span (relative to it), every query head of KV head `head`.
+template <typename T, int64_t kHeadDim>
+void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* q, T* out, int64_t head,
+                 int64_t first, int64_t last, Scratch& scratch) {
+  const int64_t hd = kHeadDim > 0 ? kHeadDim : s.head_dim, group = s.group;
+  const int64_t rows = (last - first) * group;  // row r: token first + r / group, query head head * group + r % group
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  float* query = scratch.query.data();
+  float* acc = scratch.acc.data();
+  float* scores = scratch.scores.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + (span.token_start + first + r / group) * s.q_token_stride + (head * group + r % group) * hd;
+    for (int64_t d = 0; d < hd; ++d) query[r * hd + d] = to_float(src[d]) * scale;
+    scratch.max[r] = kNegInf;
+    scratch.sum[r] = 0.0f;
+  }
+  std::fill(acc, acc + rows * hd, 0.0f);
+  const int64_t first_pos = span.start_pos + first;     // the tile's first query position
+  const int64_t key_end = span.start_pos + last;        // keys [0, key_end) are visible to its last
+  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+    const int64_t keys = std::min(kKeyTile, key_end - k0);
+    const float* keys_t = ctx.keys_t + k0 * hd;  // tile k0 / kKeyTile
+    const float* values = ctx.values + k0 * hd;
+    int64_t r = 0;
+    for (; r + kScoreRows <= rows; r += kScoreRows)
+      score_rows<kHeadDim, kScoreRows>(query + r * hd, keys_t, kKeyTile, scores + r * kKeyTile, hd);
+    for (; r < rows; ++r) score_rows<kHeadDim, 1>(query + r * hd, keys_t, kKeyTile, scores + r * kKeyTile, hd);
+    // Causal mask and the running softmax, row by row.
+    const bool masked = k0 + kKeyTile - 1 > first_pos;  // some key of the tile lies past some query
+    for (r = 0; r < rows; ++r) {
+      float* sr = scores + r * kKeyTile;
+      const int64_t pos = first_pos + r / group;
+      const int64_t visible = masked ? std::min(keys, std::max<int64_t>(0, pos - k0 + 1)) : keys;
+      for (int64_t j = visible; j < kKeyTile; ++j) sr[j] = kNegInf;
+      Vec top(kNegInf);
+      for (int64_t v = 0; v < kScoreVecs; ++v) top = at::vec::maximum(top, Vec::loadu(sr + v * kLanes));
+      const float tile_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); },
+                                                            top);
+      if (tile_max == kNegInf) {  // no key of this tile is visible to this query
+        std::fill(sr, sr + kKeyTile, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(scratch.max[r], tile_max);
+      if (new_max > scratch.max[r]) {
+        const float rescale = std::exp(scratch.max[r] - new_max);  // 0 on the first tile (-inf)
+        scratch.sum[r] *= rescale;
+        float* ar = acc + r * hd;
+        int64_t d = 0;
+        for (; d + kLanes <= hd; d += kLanes) (Vec::loadu(ar + d) * Vec(rescale)).store(ar + d);
+        for (; d < hd; ++d) ar[d] *= rescale;
+        scratch.max[r] = new_max;
+      }
+      Vec total(0.0f);
+      for (int64_t v = 0; v < kScoreVecs; ++v) {
+        const Vec x = Vec::loadu(sr + v * kLanes);
+        const Vec p = Vec::blendv(Vec(0.0f), (x - Vec(new_max)).exp_u20(), x > Vec(kNegInf));
+        p.store(sr + v * kLanes);
+        total = total + p;
+      }
+      scratch.sum[r] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+    }
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
+      // Rows weighed at once: their accumulators (rows x head_dim / lanes) fill half the registers.
+      constexpr int kRows = std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes))));
+      for (r = 0; r + kRows <= rows; r += kRows)
+        weigh_values<kHeadDim, kRows>(scores + r * kKeyTile, values, acc + r * hd, keys);
+      for (; r < rows; ++r) weigh_values<kHeadDim, 1>(scores + r * kKeyTile, values, acc + r * hd, keys);
+    } else {
+      for (r = 0; r < rows; ++r) weigh_values_any(scores + r * kKeyTile, values, acc + r * hd, keys, hd);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + ((span.token_start + first + r / group) * s.n_q + head * group + r % group) * hd;
+    const float inverse = 1.0f / scratch.sum[r];
+    for (int64_t d = 0; d < hd; ++d) dst[d] = static_cast<T>(acc[r * hd + d] * inverse);
+  }
+}
+
+struct Task {
+  int64_t span, head, first, last, cost;
+};
+
+template <typename T, int64_t kHeadDim>
+void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q, const T* k_pool,
+            const T* v_pool, T* out) {
+  const int64_t span_count = static_cast<int64_t>(spans.size());
+  std::vector<int64_t> offsets(span_count + 1, 0);  // floats of each span's contexts (all its KV heads)
+  for (int64_t i = 0; i < span_count; ++i) {
+    const int64_t context = spans[i].start_pos + spans[i].num_tokens;
+    offsets[i + 1] = offsets[i] + 2 * s.n_kv * s.head_dim * ((context + kKeyTile - 1) / kKeyTile * kKeyTile);
+  }
+  std::vector<float> converted(offsets[span_count]);
+  const auto context_of = [&](int64_t span, int64_t head) {
+    const int64_t context = spans[span].start_pos + spans[span].num_tokens;
+    const int64_t padded = (context + kKeyTile - 1) / kKeyTile * kKeyTile;
+    float* base = converted.data() + offsets[span] + 2 * head * s.head_dim * padded;
+    return Context{base, base + s.head_dim * padded, padded};
+  };
+  at::parallel_for(0, span_count * s.n_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t span = pair / s.n_kv, head = pair % s.n_kv;
+      convert_context(s, spans[span], tables + span * s.width, k_pool, v_pool, head, context_of(span, head));
+    }
+  });
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i)
+    for (int64_t first = 0; first < spans[i].num_tokens; first += kQueryTile) {
+      const int64_t last = std::min(spans[i].num_tokens, first + kQueryTile);
+      for (int64_t head = 0; head < s.n_kv; ++head)
+        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last)});
+    }
+  // Longest and shortest in turn: parallel_for hands each thread a contiguous range of tasks.
+  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::vector<Task> dealt;
+  dealt.reserve(tasks.size());
+  for (size_t lo = 0, hi = tasks.size(); lo < hi;) {
+    dealt.push_back(tasks[lo++]);
+    if (lo < hi) dealt.push_back(tasks[--hi]);
+  }
+  at::parallel_for(0, static_cast<int64_t>(dealt.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s, kQueryTile * s.group);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = dealt[i];
+      attend_tile<T, kHeadDim>(s, spans[task.span], context_of(task.span, task.head), q, out, task.head, task.first,
+                               task.last, scratch);
+    }
+  });
+}
+
+template <typename T>
+void attend_any_head_dim(const Shape& s, const std::vector<Span>& spans, const torch::Tensor& tables,
+                         const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                         torch::Tensor& out) {
+  const auto run = [&](auto head_dim_constant) {
+    attend<T, decltype(head_dim_constant)::value>(s, spans, tables.data_ptr<int64_t>(), q.data_ptr<T>(),
+                                                   k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), out.data_ptr<T>());
+  };
+  if (s.head_dim == 64) run(std::integral_constant<int64_t, 64>());
+  else if (s.head_dim == 128) run(std::integral_constant<int64_t, 128>());
+  else run(std::integral_constant<int64_t, 0>());
+}
+
+}  // namespace
+
+// q [N, n_q, hd] (heads and head dims contiguous; tokens may be strided); k_pool, v_pool
+// [num_blocks, block_size, n_kv, hd]; spans [S, 3] int64 rows (token_start, num_tokens, start_pos):
+// tokens [token_start, token_start + num_tokens) of q are one sequence's positions
+// [start_pos, start_pos + num_tokens), whose keys and values up to there are in the pool; tables
+// [S, width] int64, each span's block table. Writes those tokens' rows of out [N, n_q, hd] (a
+// contiguous tensor of q's dtype) and leaves the others.
+void paged_prompt_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& spans, const torch::Tensor& tables, torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads and head dims must be contiguous");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && spans.is_contiguous() && tables.is_contiguous() &&
+              out.is_contiguous(), "pools, spans, tables and out must be contiguous");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == k_pool.scalar_type() &&
+              q.scalar_type() == v_pool.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "q, k_pool, v_pool and out must be CPU tensors of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "dtype must be float32, bfloat16 or float16");
+  TORCH_CHECK(spans.scalar_type() == at::kLong && tables.scalar_type() == at::kLong, "int64 spans and tables");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  const int64_t tokens = q.size(0), n_q = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_pool.size(1), n_kv = k_pool.size(2), width = tables.size(1);
+  TORCH_CHECK(k_pool.size(3) == head_dim && n_q % n_kv == 0, "head sizes do not match");
+  TORCH_CHECK(spans.dim() == 2 && spans.size(1) == 3 && tables.dim() == 2 && tables.size(0) == spans.size(0),
+              "spans [S, 3] and one block table per span");
+  const int64_t* raw = spans.data_ptr<int64_t>();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  std::vector<Span> list;
+  for (int64_t i = 0; i < spans.size(0); ++i) {
+    const Span span{raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]};
+    TORCH_CHECK(span.token_start >= 0 && span.num_tokens >= 1 && span.token_start + span.num_tokens <= tokens &&
+                span.start_pos >= 0, "span ", i, " lies outside q");
+    const int64_t context = span.start_pos + span.num_tokens;
+    TORCH_CHECK(context <= width * block_size, "span ", i, "'s context is longer than its block table");
+    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table_data[i * width + b] >= 0 && table_data[i * width + b] < k_pool.size(0),
+                  "span ", i, "'s block table names a block outside the pool");
+    list.push_back(span);
+  }
+  const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width, q.stride(0)};
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_any_head_dim<float>(shape, list, tables, q, k_pool, v_pool, out); break;
+    case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, list, tables, q, k_pool, v_pool, out); break;
+    default: attend_any_head_dim<c10::Half>(shape, list, tables, q, k_pool, v_pool, out);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_prompt_attention", &paged_prompt_attention, "causal attention of prompt chunks over a paged KV pool (CPU)");
+}
