@@ -10,8 +10,9 @@
 // vectors of fused multiply-adds (no sums across lanes). A task is then one (chunk, KV head, tile
 // of 16 query tokens): it walks the keys the tile may see, 64 at a time, and keeps a running softmax
 // (FlashAttention's) for the tile's queries of every query head sharing that KV head, weighing the
-// values a few query rows at a time with the accumulators in registers. Tasks are dealt out longest and shortest in turn, so the
-// threads of PyTorch's intra-op pool get equal shares of the causal triangle.
+// values a few query rows at a time with the accumulators in registers. Tasks are dealt out longest
+// and shortest in turn, so the threads of PyTorch's intra-op pool get equal shares of the causal
+// triangle.
 //
 // The arithmetic is ATen's Vectorized<float> (AVX-512 / AVX2 / scalar, chosen at build time by the
 // CPU_CAPABILITY macros the loader passes), as in paged_decode_attention.cpp.
@@ -78,9 +79,8 @@ struct Scratch {
 };
 
 // One (span, KV head)'s keys and values up to its last token, in fp32: the keys transposed within
-// each key tile, [padded / kKeyTile][head_dim][kKeyTile] (zero past the context; one tile's 16 KB
-// lie together: a row stride of the whole context, a power of two, mapped a tile's rows onto a few
-// L1 sets), the values [padded][head_dim]. Converted once, read by every query tile of the span.
+// each key tile, [padded / kKeyTile][head_dim][kKeyTile] (zero past the context), the values
+// [padded][head_dim]. Converted once, read by every query tile of the span.
 struct Context {
   float* keys_t;
   float* values;
@@ -94,32 +94,23 @@ inline const T* pool_row(const Shape& s, const T* pool, const int64_t* table, in
   return pool + ((block * s.block_size + pos % s.block_size) * s.n_kv + head) * s.head_dim;
 }
 
-// (The loops over rows and vectors are unrolled on request: only then does GCC keep the
-// accumulator arrays in registers instead of storing them on every step.)
 // Scores of `rows` query rows against the key tile: scores[r][j] = q[r] . k[j]. R rows at a time,
 // so that R * kScoreVecs independent chains of fused multiply-adds are in flight.
 template <int64_t kHeadDim, int R>
 inline void score_rows(const float* query, const float* keys_t, int64_t key_stride, float* scores, int64_t hd) {
   Vec acc[R][kScoreVecs];
-  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
     for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = Vec(0.0f);
   const int64_t n = kHeadDim > 0 ? kHeadDim : hd;
   for (int64_t d = 0; d < n; ++d) {
     Vec k[kScoreVecs];
-    #pragma GCC unroll 16
     for (int64_t v = 0; v < kScoreVecs; ++v) k[v] = Vec::loadu(keys_t + d * key_stride + v * kLanes);
-    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec q(query[r * n + d]);
-      #pragma GCC unroll 16
       for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = at::vec::fmadd(q, k[v], acc[r][v]);
     }
   }
-  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
     for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v].store(scores + r * kKeyTile + v * kLanes);
 }
 
@@ -128,24 +119,17 @@ template <int64_t kHeadDim, int R>
 inline void weigh_values(const float* probs, const float* values, float* acc, int64_t keys) {
   constexpr int64_t kChunks = kHeadDim / kLanes;
   Vec sums[R][kChunks];
-  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
     for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = Vec::loadu(acc + r * kHeadDim + c * kLanes);
   for (int64_t j = 0; j < keys; ++j) {
     Vec v[kChunks];
-    #pragma GCC unroll 16
     for (int64_t c = 0; c < kChunks; ++c) v[c] = Vec::loadu(values + j * kHeadDim + c * kLanes);
-    #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec p(probs[r * kKeyTile + j]);
-      #pragma GCC unroll 16
       for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = at::vec::fmadd(p, v[c], sums[r][c]);
     }
   }
-  #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 16
     for (int64_t c = 0; c < kChunks; ++c) sums[r][c].store(acc + r * kHeadDim + c * kLanes);
 }
 
@@ -367,5 +351,6 @@ void paged_prompt_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prompt_attention", &paged_prompt_attention, "causal attention of prompt chunks over a paged KV pool (CPU)");
+  m.def("paged_prompt_attention", &paged_prompt_attention,
+        "causal attention of prompt chunks over a paged KV pool (CPU)");
 }
