@@ -262,6 +262,7 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
         run = {"device": cfg.resolved_device(), "weight_bytes": runner.model.weight_bytes,
                "compiled_decode": runner.model.compiled_decode is not None,
                "paged_attention_kernel": runner.model.paged_decode_attention is not None,
+               "prompt_attention_kernel": runner.model.paged_prompt_attention is not None,
                "cuda_graphs": runner.decode_graphs is not None, "cuda_kernels": kernels,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
