@@ -51,9 +51,10 @@ def test_bad_shapes_and_levels():
 def test_cpu_is_recorded_per_level_for_this_process_and_the_server():
     with FakeOpenAIServer(pace_s=0.002) as server:   # in this process: it stands in for the server's pid
         async def go():
-            # 320 tokens: enough client CPU to span several of /proc's 10 ms clock ticks.
+            # 2,400 tokens over at least 0.6 s: enough CPU on the event loop's thread to span several of
+            # /proc's 10 ms clock ticks on a loaded machine too (320 tokens in 0.1 s once read 0 ticks).
             async with HttpTarget(server.base_url, "m", prompt_as="token_ids") as target:
-                return await run_bursts(target, BPETokenizer(), (8,), BurstShape(16, 40, bursts=1, warmup_requests=0),
+                return await run_bursts(target, BPETokenizer(), (8,), BurstShape(16, 300, bursts=1, warmup_requests=0),
                                         log=lambda *a: None, server_pid=os.getpid())
         (result,) = asyncio.run(go())
     assert 0 < result.loop_cpu_s <= result.cpu_s + 0.02
