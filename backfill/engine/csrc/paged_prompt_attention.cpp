@@ -42,9 +42,6 @@ static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 constexpr int kScoreRows = kScoreVecs >= 16 ? 1 : static_cast<int>(16 / kScoreVecs);
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <typename T>
-inline float to_float(T x) { return static_cast<float>(x); }
-
 // One row of head_dim elements as fp32.
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
@@ -172,7 +169,7 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
   float* scores = scratch.scores.data();
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (span.token_start + first + r / group) * s.q_token_stride + (head * group + r % group) * hd;
-    for (int64_t d = 0; d < hd; ++d) query[r * hd + d] = to_float(src[d]) * scale;
+    for (int64_t d = 0; d < hd; ++d) query[r * hd + d] = static_cast<float>(src[d]) * scale;
     scratch.max[r] = kNegInf;
     scratch.sum[r] = 0.0f;
   }
@@ -251,11 +248,13 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     const int64_t context = spans[i].start_pos + spans[i].num_tokens;
     offsets[i + 1] = offsets[i] + 2 * s.n_kv * s.head_dim * ((context + kKeyTile - 1) / kKeyTile * kKeyTile);
   }
-  std::vector<float> converted(offsets[span_count]);
+  // Not zeroed: convert_context writes every float, the padding included.
+  const at::Tensor converted_buffer = at::empty({offsets[span_count]}, at::kFloat);
+  float* converted = converted_buffer.data_ptr<float>();
   const auto context_of = [&](int64_t span, int64_t head) {
     const int64_t context = spans[span].start_pos + spans[span].num_tokens;
     const int64_t padded = (context + kKeyTile - 1) / kKeyTile * kKeyTile;
-    float* base = converted.data() + offsets[span] + 2 * head * s.head_dim * padded;
+    float* base = converted + offsets[span] + 2 * head * s.head_dim * padded;
     return Context{base, base + s.head_dim * padded, padded};
   };
   at::parallel_for(0, span_count * s.n_kv, 1, [&](int64_t begin, int64_t end) {
