@@ -393,7 +393,7 @@ class LlamaModel:
         if meta.decode_token_index is not None and not meta.prefills:
             # Decode-only step: tokens are exactly the decoding sequences, in order.
             return self._decode_attention(q, li, meta, kv).reshape(q.shape[0], n_q * hd)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: q may be a view of q/k/v
         if meta.decode_token_index is not None:
             qd = q.index_select(0, meta.decode_token_index)
             out.index_copy_(0, meta.decode_token_index, self._decode_attention(qd, li, meta, kv))

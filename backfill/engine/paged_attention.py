@@ -15,8 +15,8 @@ every chunk of a step, causal within the chunk, against the keys before it in th
 gather + SDPA cost a 128-token prompt about 0.4 ms a layer, mostly fixed cost.
 
 The kernels are compiled with torch.utils.cpp_extension (a C++ compiler and ninja) on first use and
-cached on disk, keyed by the CPU's flags because it is built for the host CPU. Where it cannot be
-built, `load_paged_decode_attention` returns None and callers stay on the eager path.
+cached on disk, keyed by the CPU's flags because they are built for the host CPU. Where one cannot
+be built, its loader returns None and callers stay on gather + SDPA.
 """
 
 from __future__ import annotations
