@@ -86,13 +86,15 @@ def _walk(cls: type, path: tuple[str, ...], found: list[Option]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser, opts: tuple[Option, ...],
-                  defaults: dict[str, Any] | None = None, hidden: tuple[str, ...] = ()) -> None:
+                  defaults: dict[str, Any] | None = None, hidden: tuple[str, ...] = (),
+                  shown_defaults: dict[str, Any] | None = None) -> None:
     """One flag per option. An absent flag leaves its option out of the parsed namespace, so the
     dataclass default applies (or `defaults`, the command's own, set on the parser); bools get --x / --no-x. Values are
-    checked by the dataclass, not here, so a bad one gets the same typed error from a flag or a file."""
+    checked by the dataclass, not here, so a bad one gets the same typed error from a flag or a file.
+    shown_defaults: defaults the caller applies itself (below a config file, say), shown in the help only."""
     defaults = defaults or {}
     for o in opts:
-        default = defaults.get(o.name, o.default)
+        default = defaults.get(o.name, (shown_defaults or {}).get(o.name, o.default))
         text = o.help + (f"; one of {', '.join(o.choices)}" if o.choices else "")
         text = f"{text} (default: {'unset' if default is None else default})".replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": o.name, "default": argparse.SUPPRESS,

@@ -266,16 +266,24 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                "cuda_graphs": runner.decode_graphs is not None, "cuda_kernels": kernels,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
+        choice = runner.model.kernel_choice
+        if choice is not None:  # each path's time per weight and rows, and the one the pieces take
+            run["kernel_choice"] = choice.table()
+            log(f"[{label}] matmul kernel per weight and step rows, measured on this machine:\n{choice.format()}")
         log(f"[{label}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
             f"matmuls via {runner.model.matmul_kernel}" + (", decode in CUDA graphs" if run["cuda_graphs"] else ""))
         tokens: dict[int, list[list[int]]] = {}
         for batch in batches:
             d = bench_decode(runner, batch, prompt_len, new_tokens, probe, tokens.setdefault(batch, []))
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+            matmul_ms = choice.step_matmul_ms(batch, loaded.config.num_layers) if choice is not None else None
+            if matmul_ms is not None:  # the step against its weight matmuls alone (the rest is overhead)
+                d["matmul_ms"], d["tpot_over_matmul"] = matmul_ms, d["tpot_ms"] / matmul_ms
             run["decode"].append(d)
             log(f"[{label}] batch {batch:3d}: TPOT {d['tpot_ms']:.2f} ms ({d['tpot_over_floor']:.2f}x floor, "
                 f"{d['tpot_over_paired_floor']:.2f}x the paired floor of {d['paired_floor_ms']:.1f} ms), "
-                f"{d['tokens_per_s']:.0f} tok/s")
+                f"{d['tokens_per_s']:.0f} tok/s" + (f"; {d['tpot_over_matmul']:.2f}x its matmuls' "
+                                                     f"{d['matmul_ms']:.1f} ms" if "matmul_ms" in d else ""))
         if runner.model.compiled_decode is not None and 1 in batches:
             eager = run["decode_batch1_eager"] = _bench_without(
                 runner.model, "compiled_decode", runner, 1, prompt_len, new_tokens, floor_ms, probe)
@@ -289,6 +297,9 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                 for batch in batches:
                     d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
                     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
+            matmul_ms = choice.step_matmul_ms(batch, loaded.config.num_layers) if choice is not None else None
+            if matmul_ms is not None:  # the step against its weight matmuls alone (the rest is overhead)
+                d["matmul_ms"], d["tpot_over_matmul"] = matmul_ms, d["tpot_ms"] / matmul_ms
                     run["decode_per_layer_graphs"].append(d)
                     log(f"[{label}] batch {batch:3d} with per-layer graphs: TPOT {d['tpot_ms']:.2f} ms, "
                         f"{d['tokens_per_s']:.0f} tok/s")

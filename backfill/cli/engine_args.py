@@ -16,9 +16,6 @@ if TYPE_CHECKING:
     from backfill.options import Option
     from backfill.serving.config import ServingConfig
 
-# The commands run the fastest sound dtype by default; `backfill serve` keeps ServingConfig's
-# float32 unless asked, so a server's outputs do not change with the CPU it lands on.
-CLI_DEFAULTS = {"dtype": "auto"}
 
 DEFAULT_MODES = BENCH_ORDER
 MODES_HELP = (f"policies to run in turn ({', '.join(BENCH_ORDER)}); a variant adds knobs, e.g. "
@@ -56,7 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser, several: tuple[str, ...] = ()) -
     from backfill.engine.shapes import add_shape_args
     from backfill.options import add_arguments
 
-    add_arguments(p, tuple(o for o in engine_options() if o.name not in several), CLI_DEFAULTS)
+    from backfill.serving.config import COMMAND_DEFAULTS
+
+    add_arguments(p, tuple(o for o in engine_options() if o.name not in several), COMMAND_DEFAULTS)
     for o in engine_options():
         if o.name in several:
             p.add_argument(o.flag, dest=f"{o.name}_compared", nargs="+", choices=o.choices, default=[o.default],

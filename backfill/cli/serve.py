@@ -95,7 +95,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     cfg = serving_config(args)
     loaded = load_model(cfg.model)
-    latency = profile_latency(build_runner(loaded.config, loaded.weights, cfg), model_name=loaded.config.name)
+    runner = build_runner(loaded.config, loaded.weights, cfg)
+    choice = runner.model.kernel_choice
+    if choice is not None:  # which kernel multiplies each weight at each step size (engine/kernel_choice.py)
+        print(f"matmul kernel per weight and step rows, measured on this machine:\n{choice.format()}")
+    latency = profile_latency(runner, model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)
     latency.save(path)
     for n, ms in zip(latency.token_grid, latency.step_ms):

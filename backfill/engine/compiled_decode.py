@@ -51,6 +51,11 @@ through the paged-attention kernel where that is built (engine/paged_attention.p
 gather + SDPA. The KV writes are the eager model's. The safepoints are before each layer and
 before its down projection (ConServe §4.3); the eager path's third one, between attention and the
 MLP, is left out: for a few sequences the o and gate/up projections are a small share of a layer.
+
+Which kernel multiplies each weight at each batch size is measured on the machine, not assumed
+(engine/kernel_choice.py): where the model's own matmul (oneDNN, on AMX tiles where the CPU has
+them) beats the small-batch kernel, that piece's matmul runs before it through the model's
+`Linear` (with the residual add fused for o and down) and the piece compiles only what follows.
 """
 
 from __future__ import annotations
@@ -67,8 +72,11 @@ from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from backfill.engine import kernel_choice
+from backfill.engine.kernel_choice import KernelChoice
 from backfill.engine.rope import apply_rope
 from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches, packed_matmul
+from backfill.engine.small_batch_matmul import kernel_digest as small_batch_kernel_digest
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +116,12 @@ def _norm(h, norm_weight, eps: float):
 
 def _qkv_rope(x, w_qkv, cos, sin, n_q: int, n_kv: int, matmul: Matmul = _gemv):
     """Fused q/k/v projection of the normed x and RoPE: [B, hidden] -> q [B, n_q, hd], k and v [B, n_kv, hd]."""
+    return _rope_split(matmul(w_qkv, x).to(x.dtype), cos, sin, n_q, n_kv)
+
+
+def _rope_split(qkv, cos, sin, n_q: int, n_kv: int):
+    """RoPE on a q/k/v product [B, (n_q + 2 n_kv) hd], split into q, k and v."""
     hd = cos.shape[-1]
-    qkv = matmul(w_qkv, x).to(x.dtype)
     qk = apply_rope(qkv[:, :(n_q + n_kv) * hd].view(-1, n_q + n_kv, hd), cos, sin)
     return qk[:, :n_q], qk[:, n_q:], qkv[:, (n_q + n_kv) * hd:].view(-1, n_kv, hd)
 
@@ -122,8 +134,13 @@ def _project_then_norm(h, x, weight, norm_weight, eps: float, matmul: Matmul = _
 
 def _gate_up_silu(x, w_gate_up, matmul: Matmul = _gemv):
     """Fused gate/up projection of the normed x and SiLU(gate) * up."""
-    gate, up = matmul(w_gate_up, x).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    return _silu_mul(matmul(w_gate_up, x), x.dtype)
+
+
+def _silu_mul(gate_up, dtype: torch.dtype):
+    """SiLU(gate) * up of a gate/up product, in fp32, as dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(dtype)
 
 
 def _lm_head(x, w_head, matmul: Matmul = _gemv):
@@ -178,16 +195,42 @@ class DecodeLayer:
 LAYER_WEIGHTS = tuple(f.name for f in fields(DecodeLayer))
 
 
-@dataclass
 class DecodePieces:
-    """The compiled pieces of a decode step for one batch size (their inputs' first dimension)."""
+    """The pieces of a decode step for one batch size (their inputs' first dimension).
 
-    norm: Callable
-    qkv_rope: Callable
-    o_then_norm: Callable
-    gate_up_silu: Callable
-    down_then_norm: Callable
-    lm_head_logits: Callable | None  # None: the model's own LM head (a bucket)
+    Each matmul piece runs its matmul inside (the small-batch kernel, fused with what follows) or,
+    where the kernel choice says the model's own `Linear` is faster at this size, calls that
+    Linear first and a compiled piece for the rest.
+    """
+
+    def __init__(self, compiled: dict[str, Callable], outside: frozenset[str], layers: list[DecodeLayer],
+                 linears: list[dict]) -> None:
+        self.compiled, self.outside, self.layers, self.linears = compiled, outside, layers, linears
+        self.norm = compiled["norm"]
+        # None: the model's own LM head (a bucket, or the Linear is faster here).
+        self.lm_head_logits: Callable | None = compiled.get("lm_head")
+
+    def qkv_rope(self, x: torch.Tensor, li: int, cos: torch.Tensor, sin: torch.Tensor):
+        if "qkv" in self.outside:
+            return self.compiled["qkv"](self.linears[li]["qkv"](x), cos, sin)
+        return self.compiled["qkv"](x, self.layers[li].qkv, cos, sin)
+
+    def o_then_norm(self, h: torch.Tensor, attn: torch.Tensor, li: int, norm_weight: torch.Tensor):
+        if "o" in self.outside:
+            h = self.linears[li]["o"].add_to(h, attn)
+            return h, self.compiled["o"](h, norm_weight)
+        return self.compiled["o"](h, attn, self.layers[li].o, norm_weight)
+
+    def gate_up_silu(self, x: torch.Tensor, li: int):
+        if "gate_up" in self.outside:
+            return self.compiled["gate_up"](self.linears[li]["gate_up"](x))
+        return self.compiled["gate_up"](x, self.layers[li].gate_up)
+
+    def down_then_norm(self, h: torch.Tensor, act: torch.Tensor, li: int, norm_weight: torch.Tensor):
+        if "down" in self.outside:
+            h = self.linears[li]["down"].add_to(h, act)
+            return h, self.compiled["down"](h, norm_weight)
+        return self.compiled["down"](h, act, self.layers[li].down, norm_weight)
 
 
 class CompiledDecode:
@@ -199,12 +242,16 @@ class CompiledDecode:
     packed for the small-batch kernel, which reads the weights at streaming speed for up to eight
     sequences, and the pieces are built for batch sizes 1 to 8 (and, by compile_buckets, for
     padded buckets up to 128); elsewhere the copy is plain, the pieces take the dot products, and
-    they stop at 3. Compilation happens here, at load, so no request pays for it; where it cannot
-    (no C++ compiler, say), `ready` is False and the model stays eager.
+    they stop at 3. With `linears` (the model's own matmuls of each layer, and its LM head), each
+    weight at each batch size runs through whichever of the two the kernel choice measured faster
+    (engine/kernel_choice.py). Compilation happens here, at load, so no request pays for it; where
+    it cannot (no C++ compiler, say), `ready` is False and the model stays eager.
     """
 
     def __init__(self, layers: list[DecodeLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
-                 num_kv_heads: int, head_dim: int, small_batch_kernel: bool = True) -> None:
+                 num_kv_heads: int, head_dim: int, small_batch_kernel: bool = True,
+                 linears: list[dict] | None = None, lm_head_linear: Callable | None = None,
+                 linear_name: str = "linear") -> None:
         self.eps = eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.hidden_size = lm_head.shape[1]
@@ -217,6 +264,13 @@ class CompiledDecode:
                       for layer in layers]
             lm_head = pack_for_small_batches(lm_head)
         self.layers, self.lm_head = layers, lm_head
+        self.linears = linears or []
+        self.lm_head_linear = lm_head_linear
+        # Which weights run through the model's Linear at which batch size; none without linears.
+        self.kernel_choice: KernelChoice | None = None
+        if self.packed and linears is not None and lm_head_linear is not None:
+            self.kernel_choice = kernel_choice.load_or_measure(self._choice_signature(),
+                                                               lambda: self._measure_choice(linear_name))
         batch_sizes = PACKED_DECODE_BATCH_SIZES if self.packed else DECODE_BATCH_SIZES
         self.pieces: dict[int, DecodePieces] = {}
         # Padded buckets, filled by compile_buckets (dict stores are atomic: the engine thread
@@ -231,6 +285,24 @@ class CompiledDecode:
             log.warning("compiled decode unavailable, decode stays eager: %s", exc)
             self.pieces.clear()
             self.ready = False
+
+    def _choice_signature(self) -> dict:
+        return {"what": "compiled-decode", "hidden": self.hidden_size, "intermediate": self.intermediate_size,
+                "out_features": self.out_features, "dtype": str(self.lm_head.dtype), "layers": len(self.layers),
+                "rows": list(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS),
+                "small_batch_kernel": small_batch_kernel_digest()}
+
+    def _measure_choice(self, linear_name: str) -> KernelChoice:
+        """Both paths timed on layer 0's weights (and the LM head) at every size the pieces run."""
+        rows = tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
+        layer, linears = self.layers[0], self.linears[0]
+        in_features = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim,
+                       "gate_up": self.hidden_size, "down": self.intermediate_size, "lm_head": self.hidden_size}
+        weights = {name: (lambda x, w=getattr(layer, name), n=name: packed_matmul(w, x, self.out_features[n]),
+                          linears[name], in_features[name]) for name in LAYER_WEIGHTS}
+        weights["lm_head"] = (lambda x: packed_matmul(self.lm_head, x, self.out_features["lm_head"]),
+                              self.lm_head_linear, self.hidden_size)
+        return kernel_choice.measure(weights, rows, self.lm_head.dtype, linear_name)
 
     def compile_buckets(self, background: bool = True) -> None:
         """Compile the padded buckets for larger batches (packed weights only), on a daemon thread
@@ -276,11 +348,16 @@ class CompiledDecode:
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self.pieces))
 
+    def outside(self, batch: int) -> frozenset[str]:
+        """The weights whose matmul runs through the model's Linear at this batch size."""
+        return self.kernel_choice.linear_names(batch) if self.kernel_choice is not None else frozenset()
+
     def lm_head_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits of a few final-normed rows (a prompt chunk's last, say) through the
-        small-batch kernel, which reads the LM head at streaming speed up to eight rows, where
-        oneDNN reads one row at half that; None where the kernel does not take them."""
-        if not self.packed or x.shape[0] > PACKED_DECODE_BATCH_SIZES[-1] or x.shape[0] == 0:
+        small-batch kernel, where it reads the LM head faster than the model's own; None where
+        the kernel does not take them or the model's LM head is faster."""
+        rows = x.shape[0]
+        if not self.packed or rows > PACKED_DECODE_BATCH_SIZES[-1] or rows == 0 or "lm_head" in self.outside(rows):
             return None
         return packed_matmul(self.lm_head, x.contiguous(), self.out_features["lm_head"])
 
@@ -290,7 +367,8 @@ class CompiledDecode:
 
     def _compile_pieces(self, batch: int, lm_head: bool = True) -> DecodePieces:
         """Compile every piece now, on inputs of the shapes decode will use (the weights are real);
-        without lm_head, the model's own LM head takes the final-normed rows."""
+        without lm_head, the model's own LM head takes the final-normed rows. A piece whose matmul
+        runs outside (the model's Linear) compiles only what follows its matmul."""
         hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
@@ -300,16 +378,26 @@ class CompiledDecode:
         eps, n_q, n_kv, mm = self.eps, self.num_heads, self.num_kv_heads, self.matmul
         layer = self.layers[0]
         act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)
+        outside = self.outside(batch)
+        product = {name: torch.zeros(batch, self.out_features[name], dtype=dtype, device=device)
+                   for name in ("qkv", "gate_up")}
         with torch.inference_mode():
-            return DecodePieces(
-                norm=_compile(lambda *t: _norm(*t, eps), (h, norm)),
-                qkv_rope=_compile(lambda *t: _qkv_rope(*t, n_q, n_kv, mm("qkv")), (h, layer.qkv, cos, sin)),
-                o_then_norm=_compile(lambda *t: _project_then_norm(*t, eps, mm("o")), (h, attn, layer.o, norm)),
-                gate_up_silu=_compile(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)),
-                down_then_norm=_compile(lambda *t: _project_then_norm(*t, eps, mm("down")),
-                                        (h, act, layer.down, norm)),
-                lm_head_logits=_compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head)) if lm_head
-                else None)
+            compiled = {"norm": _compile(lambda *t: _norm(*t, eps), (h, norm))}
+            compiled["qkv"] = (_compile(lambda *t: _rope_split(*t, n_q, n_kv), (product["qkv"], cos, sin))
+                               if "qkv" in outside else
+                               _compile(lambda *t: _qkv_rope(*t, n_q, n_kv, mm("qkv")), (h, layer.qkv, cos, sin)))
+            compiled["o"] = (_compile(lambda *t: _norm(*t, eps), (h.clone(), norm.clone())) if "o" in outside else
+                             _compile(lambda *t: _project_then_norm(*t, eps, mm("o")), (h, attn, layer.o, norm)))
+            compiled["gate_up"] = (_compile(lambda y: _silu_mul(y, dtype), (product["gate_up"],))
+                                   if "gate_up" in outside else
+                                   _compile(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)))
+            compiled["down"] = (_compile(lambda *t: _norm(*t, eps), (h.clone(), norm.clone()))
+                                if "down" in outside else
+                                _compile(lambda *t: _project_then_norm(*t, eps, mm("down")),
+                                         (h, act, layer.down, norm)))
+            if lm_head and "lm_head" not in outside:
+                compiled["lm_head"] = _compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head))
+        return DecodePieces(compiled, outside, self.layers, self.linears)
 
 
 def _small_batch_kernel_takes(layers: list[DecodeLayer], lm_head: torch.Tensor) -> bool:

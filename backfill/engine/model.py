@@ -25,6 +25,7 @@ from backfill.engine.step import Safepoint, StepAborted, SuspendedStep
 
 if TYPE_CHECKING:
     from backfill.engine.compiled_decode import CompiledDecode, DecodePieces
+    from backfill.engine.kernel_choice import KernelChoice
     from backfill.engine.lora import LoraBatch
     from backfill.engine.paged_attention import PagedDecodeAttention, PagedPromptAttention
 
@@ -189,9 +190,18 @@ class LlamaModel:
             log.warning("compiled decode does not take q/k/v biases or q/k norms (%s); decode stays eager",
                         cfg.architecture)
             return None
+        # The model's own Linears are the other path the kernel choice times (engine/kernel_choice.py).
+        linears = [{name: layer[name] for name in plain} for layer, plain in zip(self.layers, plain_layers)]
         compiled = CompiledDecode([DecodeLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
-                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, linears=linears,
+                                  lm_head_linear=self.lm_head_logits, linear_name=self.matmul_kernel)
         return compiled if compiled.ready else None
+
+    @property
+    def kernel_choice(self) -> KernelChoice | None:
+        """The compiled pieces' measured choice of matmul kernel per weight and step size; None
+        without compiled decode (or where only one kernel is built)."""
+        return self.compiled_decode.kernel_choice if self.compiled_decode is not None else None
 
     @property
     def decode_run_batches(self) -> tuple[int, ...]:
@@ -303,7 +313,7 @@ class LlamaModel:
         per-op overhead. padded_to: the pieces' batch size, where it is larger than the step's (a
         bucket): the pieces run on zero rows past the batch, which attention, the KV writes and the
         logits leave out."""
-        cfg, weights = self.config, self.compiled_decode.layers
+        cfg = self.config
         batch = input_ids.shape[0]
         pad = (padded_to or batch) - batch
         positions = F.pad(meta.positions, (0, pad)) if pad else meta.positions
@@ -318,10 +328,10 @@ class LlamaModel:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         x = fast.norm(h, self.layers[0]["attn_norm"])  # the normed input of the next matmul
         last = len(self.layers) - 1
-        for li, (layer, plain) in enumerate(zip(self.layers, weights)):
+        for li, layer in enumerate(self.layers):
             if safepoint is not None and li > 0 and safepoint(li):
                 raise StepAborted(li)
-            q, k, v = fast.qkv_rope(x, plain.qkv, cos, sin)
+            q, k, v = fast.qkv_rope(x, li, cos, sin)
             if pad:
                 q, k, v = q[:batch], k[:batch], v[:batch]
             self._write_kv(li, k, v, meta, kv)
@@ -338,19 +348,19 @@ class LlamaModel:
                 attn = F.pad(attn, (0, 0, 0, pad))
             # One safepoint fewer than the eager path (none between attention and the MLP): the o
             # and gate/up projections of a few sequences are a fraction of a millisecond.
-            h, x = fast.o_then_norm(h, attn, plain.o, layer["mlp_norm"])
-            act = fast.gate_up_silu(x, plain.gate_up)
+            h, x = fast.o_then_norm(h, attn, li, layer["mlp_norm"])
+            act = fast.gate_up_silu(x, li)
             if safepoint is not None and safepoint(li):
                 raise StepAborted(li)
             next_norm = self.layers[li + 1]["attn_norm"] if li < last else self.final_norm
-            h, x = fast.down_then_norm(h, act, plain.down, next_norm)
+            h, x = fast.down_then_norm(h, act, li, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers)
         every_row = decode_only and meta.logits_index.shape[0] == batch
         if fast.lm_head_logits is not None and every_row:
             return fast.lm_head_logits(x, self.compiled_decode.lm_head)
-        # A bucket, or the rows that want logits (a prompt chunk's last): a few through the
-        # small-batch kernel, more through the eager LM head (oneDNN, faster from sixteen rows).
+        # A bucket, or the rows that want logits (a prompt chunk's last): through the small-batch
+        # kernel where the kernel choice found it faster for so few rows, else the eager LM head.
         rows = x[:batch] if every_row else x.index_select(0, meta.logits_index)
         logits = None if every_row else self.compiled_decode.lm_head_rows(rows)
         return logits if logits is not None else self.lm_head_logits(rows).float()

@@ -85,6 +85,9 @@ class ModelEntry:
                                  "first use) or sdpa",
                                  choices=("auto", "sdpa"))
     profile_path: str | None = knob(None, "coserve latency profile; unset: the cached one (measured on first use)")
+    dtype: str = knob("auto", "weights, activations and KV; auto: bfloat16 on CUDA and on CPUs with bf16 matmul "
+                      "kernels, else float32", choices=("auto", "float32", "bfloat16", "float16"))
+    compile_decode: bool = knob(True, "CPU: steps of a few tokens through compiled pieces, as `backfill serve`")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -93,6 +96,8 @@ class ModelEntry:
         if self.policy not in NODE_POLICIES:
             raise NodeConfigError(f"models[{self.name}].policy must be one of {', '.join(NODE_POLICIES)}, "
                                   f"got {self.policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise NodeConfigError(f"models[{self.name}].dtype must be one of auto, float32, bfloat16, float16")
         if self.decode_attention not in ("auto", "sdpa"):
             raise NodeConfigError(f"models[{self.name}].decode_attention must be auto or sdpa")
         check_int(NodeConfigError, f"models[{self.name}].threads", self.threads, 1)

@@ -157,7 +157,7 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     from backfill.types import RequestClass
     from backfill.serving.async_engine import AsyncEngine
     from backfill.serving.build import build_scheduler
-    from backfill.serving.config import ServingConfig, auto_dtype
+    from backfill.serving.config import ServingConfig
 
     torch.set_num_threads(entry.threads)
     if entry.model == "tiny":
@@ -173,14 +173,15 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
     # On a GPU every model process of the node runs on the same device; each keeps its own KV
     # tensor the size of the pool (the models' KV shapes differ) and uses the handles it holds.
-    dtype = "float32" if node.device == "cpu" else auto_dtype(node.device)
-    serving = ServingConfig(device=node.device, dtype=dtype, block_size=node.block_size,
+    # The entry's attention knob covers both attention kernels (decode and prompt chunks).
+    serving = ServingConfig(device=node.device, dtype=entry.dtype, block_size=node.block_size,
                             max_model_len=entry.max_model_len, policy=entry.policy, threads=entry.threads,
                             decode_attention=entry.decode_attention,
                             prompt_attention=entry.decode_attention, profile_path=entry.profile_path,
-                            cuda_graphs=False)
+                            compile_decode=entry.compile_decode and node.device == "cpu", cuda_graphs=False)
     kv = KVBlockPool(config, node.num_blocks, node.block_size, serving.torch_dtype, node.device)
     model = LlamaModel(config, weights, dtype=serving.torch_dtype, device=node.device,
+                       compile_decode=serving.compile_decode,
                        paged_attention_kernel=serving.uses_paged_attention_kernel,
                        paged_prompt_kernel=serving.uses_paged_prompt_kernel)
     runner = NodeGatedRunner(model, kv, gate)

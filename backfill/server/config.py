@@ -15,7 +15,7 @@ from pathlib import Path
 
 from backfill.errors import ServerConfigError
 from backfill.options import Option, add_arguments, build, knob, options_of
-from backfill.serving.config import ServingConfig
+from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 from backfill.validation import check_int, check_non_negative, check_positive
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -117,7 +117,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML or JSON file with the same keys as "
                         "these options (dashes or underscores); flags given here override it. A TOML file with "
                         "[node] / [[models]] starts a node of several models instead (docs/node.md)")
-    add_arguments(parser, serve_options(), hidden=("tiny",))
+    add_arguments(parser, serve_options(), hidden=("tiny",), shown_defaults=COMMAND_DEFAULTS)
 
 
 def load_config_file(path: str | Path) -> dict[str, object]:
@@ -165,5 +165,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     serving_values = {k: v for k, v in values.items() if k not in server_keys}
     if values.get("tiny"):
         serving_values.setdefault("kv_cache_gb", TINY_KV_CACHE_GB)
+    else:  # the commands' defaults, below the file and the flags (the tiny test model keeps the dataclass's)
+        serving_values = {k: v for k, v in COMMAND_DEFAULTS.items() if k not in serving_values} | serving_values
     serving = build(ServingConfig, serving_values)
     return ServerConfig(serving=serving, **{k: v for k, v in values.items() if k in server_keys})

@@ -13,6 +13,7 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
+from backfill.engine.kernel_choice import cache_root
 from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.native_build import isa_capped_below_avx512
@@ -34,7 +35,10 @@ log = logging.getLogger(__name__)
 
 
 def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
-    root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
+    """Where the latency profile of this model and config is cached. The compiled pieces' kernel
+    choice (engine/kernel_choice.py) is cached beside it per machine, so one profile goes with one
+    choice; deleting the cache directory measures both again."""
+    root = cache_root()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     device = cfg.resolved_device()
     # Step times depend on which kernels run the weight matmuls (backfill/engine/linear.py) and attention.

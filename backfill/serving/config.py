@@ -33,6 +33,13 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if cpu_has_bf16_matmul() else "float32"
 
 
+# What `backfill serve`, a node's models and every command run unless told: the fastest sound
+# settings (bf16 where the CPU has bf16 matmul kernels, compiled steps on CPU). The dataclass keeps
+# float32 and eager for the Python API and the tests, whose outputs must not change with the CPU;
+# `--dtype float32 --no-compile-decode` gives those on the command line.
+COMMAND_DEFAULTS: dict[str, object] = {"dtype": "auto", "compile_decode": True}
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     model: str | None = knob(None, "GGUF file or HF directory; unset: the embedded SmolLM2-135M-Instruct",

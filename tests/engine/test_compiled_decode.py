@@ -5,8 +5,10 @@ import logging
 import pytest
 import torch
 
-from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES
+from backfill.engine import kernel_choice
+from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES, PACKED_DECODE_BUCKETS
 from backfill.engine.config import ModelConfig
+from backfill.engine.kernel_choice import LINEAR, SMALL_BATCH, KernelChoice
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
@@ -29,6 +31,55 @@ def runners(tiny_config, weights):
     assert compiled.compiled_decode is not None, "torch.compile should work on the CI machine (gcc present)"
     return (ModelRunner(eager, KVBlockPool(tiny_config, 32, 8)),
             ModelRunner(compiled, KVBlockPool(tiny_config, 32, 8)))
+
+
+def forced_choice(path: str) -> KernelChoice:
+    """Every weight at every size through `path`, as if timed so."""
+    fast, slow = {SMALL_BATCH: 1.0, LINEAR: 10.0}, {SMALL_BATCH: 10.0, LINEAR: 1.0}
+    cell = fast if path == SMALL_BATCH else slow
+    sizes = PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS
+    return KernelChoice({name: {n: dict(cell) for n in sizes} for name in ("qkv", "o", "gate_up", "down", "lm_head")})
+
+
+@pytest.fixture(scope="module", params=[SMALL_BATCH, LINEAR])
+def chosen(request, tiny_config, weights):
+    """A compiled model whose kernel choice sends every matmul through one path, and an eager one."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_choice, "load_or_measure", lambda signature, measure: forced_choice(request.param))
+        compiled = LlamaModel(tiny_config, weights, compile_decode=True)
+    if not compiled.compiled_decode.packed:
+        pytest.skip("no small-batch kernel on this CPU: nothing to choose between")
+    return request.param, ModelRunner(LlamaModel(tiny_config, weights), KVBlockPool(tiny_config, 32, 8)), \
+        ModelRunner(compiled, KVBlockPool(tiny_config, 32, 8))
+
+
+def test_either_kernel_choice_decodes_as_eager(chosen):
+    """Every piece through the small-batch kernel, or every matmul through the model's Linear
+    before the piece: the same greedy tokens and logits as the eager path."""
+    path, eager, compiled = chosen
+    assert compiled.model.compiled_decode.outside(4) == (frozenset() if path == SMALL_BATCH else
+                                                        frozenset({"qkv", "o", "gate_up", "down", "lm_head"}))
+    ids = _prompt(13, 5)
+    tokens, logits = _decode(eager, ids, 12)
+    fast_tokens, fast_logits = _decode(compiled, ids, 12)
+    assert fast_tokens == tokens
+    for a, b in zip(fast_logits, logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_choice_is_printed_per_weight_and_rows(runners):
+    """The measured table names both paths' times for every weight at every compiled size."""
+    choice = runners[1].model.compiled_decode.kernel_choice
+    if choice is None:
+        pytest.skip("no small-batch kernel on this CPU")
+    table = choice.table()
+    sizes = set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)
+    assert {(row["weight"], row["rows"]) for row in table} == {(w, n) for w in ("qkv", "o", "gate_up", "down",
+                                                                                 "lm_head") for n in sizes}
+    for row in table:
+        assert row["small-batch_us"] > 0 and row["linear_us"] > 0
+        assert row["choice"] == choice.path(row["weight"], row["rows"])
+    assert "choice" in choice.format().splitlines()[0]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -140,13 +191,16 @@ def test_decode_batch_matches_eager(runners, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_each_compiled_piece_equals_its_python_function(runners, tiny_config, batch):
+def test_each_compiled_piece_equals_its_python_function(chosen, tiny_config, batch):
     """The pieces run without guards or size checks, so each must compute exactly its function on
-    distinct inputs (an example that passed one tensor twice once made cos and sin one input)."""
+    distinct inputs (an example that passed one tensor twice once made cos and sin one input),
+    with its matmul inside or through the model's Linear before it."""
     from backfill.engine import compiled_decode as cd
 
-    decode = runners[1].model.compiled_decode
-    fast, layer, mm = decode.pieces[batch], decode.layers[1], decode.matmul
+    _, _, runner = chosen
+    decode = runner.model.compiled_decode
+    fast, li, mm = decode.pieces[batch], 1, decode.matmul
+    layer, linears = decode.layers[li], decode.linears[li]
     eps, n_q, n_kv = decode.eps, tiny_config.num_heads, tiny_config.num_kv_heads
     g = torch.Generator().manual_seed(7)
     h = torch.randn(batch, tiny_config.hidden_size, generator=g)
@@ -154,17 +208,27 @@ def test_each_compiled_piece_equals_its_python_function(runners, tiny_config, ba
     act = torch.randn(batch, tiny_config.intermediate_size, generator=g)
     norm = torch.rand(tiny_config.hidden_size, generator=g) + 0.5
     cos, sin = (torch.randn(batch, 1, tiny_config.head_dim, generator=g) for _ in range(2))
+
+    def project_then_norm(h, x, name):
+        if name in fast.outside:
+            out = linears[name].add_to(h, x)
+            return out, cd._norm(out, norm, eps)
+        return cd._project_then_norm(h, x, getattr(layer, name), norm, eps, mm(name))
+
     with torch.inference_mode():
+        qkv = (cd._rope_split(linears["qkv"](h), cos, sin, n_q, n_kv) if "qkv" in fast.outside else
+               cd._qkv_rope(h, layer.qkv, cos, sin, n_q, n_kv, mm("qkv")))
+        gate_up = (cd._silu_mul(linears["gate_up"](h), h.dtype) if "gate_up" in fast.outside else
+                   cd._gate_up_silu(h, layer.gate_up, mm("gate_up")))
         pairs = [
             ((fast.norm(h, norm),), (cd._norm(h, norm, eps),)),
-            (fast.qkv_rope(h, layer.qkv, cos, sin), cd._qkv_rope(h, layer.qkv, cos, sin, n_q, n_kv, mm("qkv"))),
-            (fast.o_then_norm(h, attn, layer.o, norm),
-             cd._project_then_norm(h, attn, layer.o, norm, eps, mm("o"))),
-            ((fast.gate_up_silu(h, layer.gate_up),), (cd._gate_up_silu(h, layer.gate_up, mm("gate_up")),)),
-            (fast.down_then_norm(h, act, layer.down, norm),
-             cd._project_then_norm(h, act, layer.down, norm, eps, mm("down"))),
-            ((fast.lm_head_logits(h, decode.lm_head),), (cd._lm_head(h, decode.lm_head, mm("lm_head")),)),
+            (fast.qkv_rope(h, li, cos, sin), qkv),
+            (fast.o_then_norm(h, attn, li, norm), project_then_norm(h, attn, "o")),
+            ((fast.gate_up_silu(h, li),), (gate_up,)),
+            (fast.down_then_norm(h, act, li, norm), project_then_norm(h, act, "down")),
         ]
+        if fast.lm_head_logits is not None:
+            pairs.append(((fast.lm_head_logits(h, decode.lm_head),), (cd._lm_head(h, decode.lm_head, mm("lm_head")),)))
     for compiled, reference in pairs:
         assert len(compiled) == len(reference)
         for a, b in zip(compiled, reference):

@@ -54,7 +54,9 @@ def batch(url: str, batch_id: str) -> dict:
 def node():
     config = NodeConfig(NodeSettings(metrics_port=0, num_handles=32, window_s=30.0),
                         (ModelEntry(name="a", model="tiny", port=free_port(), policy="coserve"),
-                         ModelEntry(name="b", model="tiny", port=free_port(), policy="priority")))
+                         # a's models run the node's defaults (auto dtype, compiled steps); b float32 and eager
+                         ModelEntry(name="b", model="tiny", port=free_port(), policy="priority", dtype="float32",
+                                    compile_decode=False)))
     with Node(config) as running:
         yield running
 

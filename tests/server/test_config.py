@@ -120,7 +120,7 @@ def test_auto_dtype_resolves_per_device(monkeypatch):
 
 
 @pytest.mark.parametrize("field, flag, default, bad", [
-    ("compile_decode", "--compile-decode", False, '"yes"'),
+    ("compile_decode", "--no-compile-decode", True, '"yes"'),
     ("cuda_graphs", "--no-cuda-graphs", True, '"off"'),
     ("release_suspended", "--no-release-suspended", True, '"no"'),
 ])
@@ -135,6 +135,19 @@ def test_switch_from_flag_or_file(tmp_path, field, flag, default, bad):
     toml.write_text(f"{key} = {bad}\n")
     with pytest.raises(ServerConfigError, match=f"{key} must be a bool"):
         parse("--config", str(toml))
+
+
+def test_serve_runs_the_commands_defaults_below_file_and_flags(tmp_path):
+    """`backfill serve` as a user starts it runs what the other commands run (auto dtype, compiled
+    steps); a config file and a flag each override them; the tiny test model keeps the dataclass's."""
+    assert (parse().serving.dtype, parse().serving.compile_decode) == ("auto", True)
+    toml = tmp_path / "c.toml"
+    toml.write_text('dtype = "float32"\ncompile-decode = false\n')
+    from_file = parse("--config", str(toml)).serving
+    assert (from_file.dtype, from_file.compile_decode) == ("float32", False)
+    assert parse("--config", str(toml), "--dtype", "bfloat16").serving.dtype == "bfloat16"
+    tiny = parse("--tiny").serving
+    assert (tiny.dtype, tiny.compile_decode) == ("float32", False)
 
 
 def test_cuda_graphs_change_nothing_on_a_cpu():

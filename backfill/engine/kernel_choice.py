@@ -1,0 +1,179 @@
+"""Which kernel multiplies each weight at each step size, chosen by timing both on this machine.
+
+A CPU step's weight matmuls can run through two kernels: the small-batch kernel
+(engine/small_batch_matmul.py), fused inside the compiled pieces, or the model's own `Linear`
+(engine/linear.py: oneDNN with a pre-packed weight, which runs bf16 on AMX tiles where the CPU
+has them) called before a compiled piece that does the rest. Which is faster depends on the CPU,
+not on a rule: on AVX-512 BF16 without AMX the kernel matches oneDNN at every size, on AMX oneDNN
+multiplies many times faster from a handful of rows, and on AVX2 the kernel wins at a few rows.
+So the first load on a machine times both for each weight at each step size the compiled pieces
+run (1 to the largest bucket) and keeps the faster; the table is cached per machine, model
+shape, dtype, thread count and kernel source, and `backfill bench engine` and `backfill profile`
+print it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from backfill.engine.native_build import cpu_key
+
+log = logging.getLogger(__name__)
+
+SMALL_BATCH = "small-batch"
+LINEAR = "linear"
+PATHS = (SMALL_BATCH, LINEAR)
+# The fused path saves a dispatch and a pass over the product; the other must be this much faster
+# to be taken, so that timing noise between two equal kernels does not flip the choice.
+LINEAR_MARGIN = 1.1
+CHOICE_FORMAT = 1
+
+
+def cache_root() -> Path:
+    """backfill's cache directory ($BACKFILL_CACHE_DIR, else ~/.cache/backfill)."""
+    return Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
+
+
+@dataclass
+class KernelChoice:
+    """Per weight name and step rows: each path's best time (µs) and the path taken."""
+
+    times_us: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+    linear_name: str = "linear"   # what the model's Linear runs (e.g. onednn-packed)
+
+    def path(self, name: str, rows: int) -> str:
+        """The path for `name` at `rows`; small-batch where it was not measured."""
+        cell = self.times_us.get(name, {}).get(rows)
+        if not cell or LINEAR not in cell or SMALL_BATCH not in cell:
+            return SMALL_BATCH
+        return LINEAR if cell[LINEAR] * LINEAR_MARGIN < cell[SMALL_BATCH] else SMALL_BATCH
+
+    def linear_names(self, rows: int) -> frozenset[str]:
+        """The weights that run through the model's Linear at `rows`."""
+        return frozenset(name for name in self.times_us if self.path(name, rows) == LINEAR)
+
+    @property
+    def digest(self) -> str:
+        """Short key of the choices made (latency profiles depend on them)."""
+        picks = sorted((name, rows, self.path(name, rows)) for name, cells in self.times_us.items() for rows in cells)
+        return hashlib.sha256(json.dumps(picks).encode()).hexdigest()[:8]
+
+    def step_matmul_ms(self, rows: int, layers: int) -> float | None:
+        """A step's weight matmuls at `rows` through the chosen paths: every layer's four weights
+        and the LM head, from the times measured (None where `rows` was not measured)."""
+        total = 0.0
+        for name, cells in self.times_us.items():
+            cell = cells.get(rows)
+            if cell is None:
+                return None
+            total += cell[self.path(name, rows)] * (1 if name == "lm_head" else layers)
+        return total / 1e3 if self.times_us else None
+
+    def table(self) -> list[dict]:
+        """Rows for a report: weight, rows, each path's µs, the choice."""
+        return [{"weight": name, "rows": rows, **{f"{p}_us": round(cell[p], 1) for p in PATHS if p in cell},
+                 "choice": self.path(name, rows)}
+                for name, cells in self.times_us.items() for rows, cell in sorted(cells.items())]
+
+    def format(self) -> str:
+        lines = [f"{'weight':8s} {'rows':>5s} {'small-batch µs':>15s} {self.linear_name + ' µs':>20s}  choice"]
+        for row in self.table():
+            lines.append(f"{row['weight']:8s} {row['rows']:5d} {row.get('small-batch_us', float('nan')):15.1f} "
+                         f"{row.get('linear_us', float('nan')):20.1f}  {row['choice']}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"format": CHOICE_FORMAT, "linear_name": self.linear_name,
+                "times_us": {name: {str(rows): cell for rows, cell in cells.items()}
+                             for name, cells in self.times_us.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> KernelChoice:
+        if data.get("format") != CHOICE_FORMAT:
+            raise ValueError(f"kernel choice format {data.get('format')!r}, expected {CHOICE_FORMAT}")
+        return cls({name: {int(rows): {p: float(t) for p, t in cell.items()} for rows, cell in cells.items()}
+                    for name, cells in data["times_us"].items()}, data.get("linear_name", "linear"))
+
+
+def _best_times_us(calls: dict[str, Callable[[], object]], max_rounds: int = 40, settled_rounds: int = 4,
+                   budget_s: float = 1.5) -> dict[str, float]:
+    """Each call's fastest time over rounds that alternate between them (µs).
+
+    The minimum, not the median: on a shared machine a run is only ever slowed (an intra-op thread
+    descheduled stalls the whole call), so the fastest run is the kernel's own time. Rounds go on
+    until no minimum has improved for `settled_rounds` rounds, or the budget is spent.
+    """
+    best = {name: float("inf") for name in calls}
+    for call in calls.values():  # warm-up: first-touch of the weight and the kernel's buffers
+        call()
+    deadline = time.perf_counter() + budget_s
+    unchanged = 0
+    for _ in range(max_rounds):
+        improved = False
+        for name, call in calls.items():
+            started = time.perf_counter_ns()
+            call()
+            elapsed = (time.perf_counter_ns() - started) / 1e3
+            if elapsed < best[name]:
+                improved = improved or best[name] != float("inf")
+                best[name] = elapsed
+        unchanged = 0 if improved else unchanged + 1
+        if unchanged >= settled_rounds or time.perf_counter() > deadline:
+            break
+    return best
+
+
+def measure(weights: dict[str, tuple[Callable[[torch.Tensor], object], Callable[[torch.Tensor], object], int]],
+            rows: tuple[int, ...], dtype: torch.dtype, linear_name: str) -> KernelChoice:
+    """Time both paths for each weight at each step size.
+
+    weights: name -> (small-batch call, Linear call, input features).
+    """
+    choice = KernelChoice({}, linear_name)
+    with torch.inference_mode():
+        for name, (small_batch, linear, in_features) in weights.items():
+            cells: dict[int, dict[str, float]] = {}
+            for n in rows:
+                x = torch.randn(n, in_features, dtype=dtype) * 0.1
+                cells[n] = _best_times_us({SMALL_BATCH: lambda: small_batch(x), LINEAR: lambda: linear(x)})
+            choice.times_us[name] = cells
+    return choice
+
+
+def cache_path(signature: dict) -> Path:
+    """Where the choice for this machine, model shape, dtype and kernels is kept."""
+    key = dict(signature, cpu=cpu_key(), torch=torch.__version__, threads=torch.get_num_threads(),
+               isa=torch.backends.cpu.get_cpu_capability())
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "kernel-choice" / f"{digest}.json"
+
+
+def load_or_measure(signature: dict, measure_now: Callable[[], KernelChoice]) -> KernelChoice:
+    """The cached choice for this signature, else one measured now and saved."""
+    path = cache_path(signature)
+    if path.exists():
+        try:
+            return KernelChoice.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:  # stale or damaged: measure again
+            log.warning("kernel choice at %s unreadable (%s); measuring again", path, exc)
+    log.info("timing the small-batch kernel against the model's matmuls at each step size (once per machine)")
+    started = time.perf_counter()
+    choice = measure_now()
+    log.info("kernel choice measured in %.1f s; saved to %s", time.perf_counter() - started, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(choice.to_json(), indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache still serves: the choice holds for this process
+        log.warning("cannot save the kernel choice to %s: %s", path, exc)
+    return choice
