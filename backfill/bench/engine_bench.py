@@ -267,16 +267,19 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}
         choice = runner.model.kernel_choice
+        step_matmuls = None
         if choice is not None:  # each path's time per weight and rows, and the one the pieces take
             run["kernel_choice"] = choice.table()
-            log(f"[{label}] matmul kernel per weight and step rows, measured on this machine:\n{choice.format()}")
+            log(f"[{label}] matmul kernel per weight and step rows (one thread), measured on this machine:\n"
+                f"{choice.format()}")
+            step_matmuls = runner.model.time_matmuls(tuple(batches))  # the same, on the engine's threads
         log(f"[{label}] weights {runner.model.weight_bytes / 1e6:.0f} MB, floor {floor_ms:.1f} ms/step, "
             f"matmuls via {runner.model.matmul_kernel}" + (", decode in CUDA graphs" if run["cuda_graphs"] else ""))
         tokens: dict[int, list[list[int]]] = {}
         for batch in batches:
             d = bench_decode(runner, batch, prompt_len, new_tokens, probe, tokens.setdefault(batch, []))
             d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
-            matmul_ms = choice.step_matmul_ms(batch, loaded.config.num_layers) if choice is not None else None
+            matmul_ms = step_matmuls.step_matmul_ms(batch, loaded.config.num_layers) if step_matmuls else None
             if matmul_ms is not None:  # the step against its weight matmuls alone (the rest is overhead)
                 d["matmul_ms"], d["tpot_over_matmul"] = matmul_ms, d["tpot_ms"] / matmul_ms
             run["decode"].append(d)
@@ -297,9 +300,6 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                 for batch in batches:
                     d = bench_decode(runner, batch, prompt_len, new_tokens, probe)
                     d["tpot_over_floor"] = d["tpot_ms"] / floor_ms
-            matmul_ms = choice.step_matmul_ms(batch, loaded.config.num_layers) if choice is not None else None
-            if matmul_ms is not None:  # the step against its weight matmuls alone (the rest is overhead)
-                d["matmul_ms"], d["tpot_over_matmul"] = matmul_ms, d["tpot_ms"] / matmul_ms
                     run["decode_per_layer_graphs"].append(d)
                     log(f"[{label}] batch {batch:3d} with per-layer graphs: TPOT {d['tpot_ms']:.2f} ms, "
                         f"{d['tokens_per_s']:.0f} tok/s")

@@ -292,9 +292,17 @@ class CompiledDecode:
                 "rows": list(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS),
                 "small_batch_kernel": small_batch_kernel_digest()}
 
-    def _measure_choice(self, linear_name: str) -> KernelChoice:
+    def time_matmuls(self, rows: tuple[int, ...]) -> KernelChoice | None:
+        """Both paths timed again at `rows` on the process's threads (a benchmark's view of a
+        step's matmul time); None without a choice to make."""
+        if self.kernel_choice is None:
+            return None
+        return self._measure_choice(self.kernel_choice.linear_name, rows, one_thread=False)
+
+    def _measure_choice(self, linear_name: str, rows: tuple[int, ...] | None = None,
+                        one_thread: bool = True) -> KernelChoice:
         """Both paths timed on layer 0's weights (and the LM head) at every size the pieces run."""
-        rows = tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
+        rows = rows or tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
         layer, linears = self.layers[0], self.linears[0]
         in_features = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim,
                        "gate_up": self.hidden_size, "down": self.intermediate_size, "lm_head": self.hidden_size}
@@ -302,7 +310,7 @@ class CompiledDecode:
                           linears[name], in_features[name]) for name in LAYER_WEIGHTS}
         weights["lm_head"] = (lambda x: packed_matmul(self.lm_head, x, self.out_features["lm_head"]),
                               self.lm_head_linear, self.hidden_size)
-        return kernel_choice.measure(weights, rows, self.lm_head.dtype, linear_name)
+        return kernel_choice.measure(weights, rows, self.lm_head.dtype, linear_name, one_thread)
 
     def compile_buckets(self, background: bool = True) -> None:
         """Compile the padded buckets for larger batches (packed weights only), on a daemon thread

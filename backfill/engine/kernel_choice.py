@@ -133,12 +133,26 @@ def _best_times_us(calls: dict[str, Callable[[], object]], max_rounds: int = 40,
 
 
 def measure(weights: dict[str, tuple[Callable[[torch.Tensor], object], Callable[[torch.Tensor], object], int]],
-            rows: tuple[int, ...], dtype: torch.dtype, linear_name: str) -> KernelChoice:
+            rows: tuple[int, ...], dtype: torch.dtype, linear_name: str, one_thread: bool = True) -> KernelChoice:
     """Time both paths for each weight at each step size.
 
-    weights: name -> (small-batch call, Linear call, input features).
+    weights: name -> (small-batch call, Linear call, input features). one_thread: time on one
+    thread (the choice); else on the process's threads (a benchmark's matmul time on a quiet machine).
     """
     choice = KernelChoice({}, linear_name)
+    # Timed on one thread: a shared machine stalls a multi-threaded call whenever any of its threads
+    # is descheduled, but rarely a one-thread call from start to end; both kernels split the output
+    # columns over threads alike, so the faster one on one thread is the faster one on all.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if one_thread else threads)
+    try:
+        _measure_into(choice, weights, rows, dtype)
+    finally:
+        torch.set_num_threads(threads)
+    return choice
+
+
+def _measure_into(choice: KernelChoice, weights: dict, rows: tuple[int, ...], dtype: torch.dtype) -> None:
     with torch.inference_mode():
         for name, (small_batch, linear, in_features) in weights.items():
             cells: dict[int, dict[str, float]] = {}
@@ -146,13 +160,11 @@ def measure(weights: dict[str, tuple[Callable[[torch.Tensor], object], Callable[
                 x = torch.randn(n, in_features, dtype=dtype) * 0.1
                 cells[n] = _best_times_us({SMALL_BATCH: lambda: small_batch(x), LINEAR: lambda: linear(x)})
             choice.times_us[name] = cells
-    return choice
 
 
 def cache_path(signature: dict) -> Path:
     """Where the choice for this machine, model shape, dtype and kernels is kept."""
-    key = dict(signature, cpu=cpu_key(), torch=torch.__version__, threads=torch.get_num_threads(),
-               isa=torch.backends.cpu.get_cpu_capability())
+    key = dict(signature, cpu=cpu_key(), torch=torch.__version__, isa=torch.backends.cpu.get_cpu_capability())
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "kernel-choice" / f"{digest}.json"
 

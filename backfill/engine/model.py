@@ -203,6 +203,11 @@ class LlamaModel:
         without compiled decode (or where only one kernel is built)."""
         return self.compiled_decode.kernel_choice if self.compiled_decode is not None else None
 
+    def time_matmuls(self, rows: tuple[int, ...]) -> KernelChoice | None:
+        """Both matmul paths timed at `rows` on this process's threads (for benchmarks); None
+        where the compiled pieces have no kernel choice."""
+        return self.compiled_decode.time_matmuls(rows) if self.compiled_decode is not None else None
+
     @property
     def decode_run_batches(self) -> tuple[int, ...]:
         """The batch sizes an eager decode's weight matmuls run at: a batch below the smallest runs
