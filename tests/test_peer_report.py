@@ -40,3 +40,14 @@ def test_a_missing_part_is_left_out(tmp_path):
     (row,) = doc["bursts"]
     assert row["best_vllm"] is None and row["backfill_over_vllm_tok_s"] is None
     assert "| 8 | - | - | 250.0 (800) | - | - | - |" in _report_module().markdown(doc)
+
+
+def test_llama_server_gets_its_own_table_beside_backfill(tmp_path):
+    _bursts(tmp_path / "burst-backfill.json", {1: 60.0, 64: 320.0})
+    _bursts(tmp_path / "burst-llamacpp.json", {1: 40.0, 64: 80.0})
+    doc = _report_module().build(tmp_path)
+    assert [r["backfill_over_llamacpp_tok_s"] for r in doc["bursts"]] == [1.5, 4.0]
+    table = _report_module().markdown(doc)
+    assert "llama-server on the same GGUF" in table and "| 64 | 80.0 (6400) | 320.0 (6400) | 4.00 |" in table
+    doc = _report_module().build(tmp_path / "none") if (tmp_path / "none").mkdir() is None else None
+    assert "llama-server" not in _report_module().markdown(doc)
