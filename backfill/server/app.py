@@ -42,7 +42,7 @@ from backfill.serving.async_engine import AsyncEngine
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:
     served_model = config.served_model_name or engine.model_name
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, served_model)
     service = CompletionService(engine, metrics, served_model)
     install_tracing(engine, service, config)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
@@ -74,7 +74,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     app.state.backfill = state
     app.add_middleware(BrowserGuardMiddleware,
                        guard=BrowserGuard(config.host, config.allowed_hosts, config.allowed_origins))
-    app.add_middleware(AccessLogMiddleware)   # outermost: refused requests are logged too
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)   # outermost: refused requests are logged too
     install_error_handlers(app)
 
     async def authorize(request: Request) -> None:

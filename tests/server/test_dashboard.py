@@ -54,7 +54,7 @@ def from_metrics(text: str) -> dict[str, float | None]:
                 online_requests += sample.value
             elif sample.name == "backfill_output_tokens_total":
                 values[sample.labels["class"] + "_tokens"] = sample.value
-            elif not sample.labels:
+            elif set(sample.labels) <= {"model_name"}:
                 values[sample.name] = sample.value
             elif sample.name == "backfill_queue_length":
                 values["queue_" + sample.labels["class"]] = sample.value
