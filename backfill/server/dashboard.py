@@ -43,6 +43,7 @@ RECENT_JOBS = 5
 # A second in which online steps kept the device this busy, or KV this full, explains offline
 # work not advancing.
 ONLINE_SATURATED_SHARE = 0.9
+ONLINE_HELD_SHARE = 0.5
 KV_FULL_USAGE = 0.95
 
 
@@ -60,6 +61,7 @@ class Reading:
     preemptions: int
     refused: tuple[float, ...] = ()      # online 429s so far, per REJECT_REASONS
     stalled_s: tuple[float, ...] = ()    # seconds offline work did not advance so far, per STALL_REASONS
+    online_seqs: int = 0                 # online requests in the scheduler at that instant
 
 
 def histogram_buckets(histogram: Histogram, request_class: str) -> tuple[tuple[float, float], ...]:
@@ -117,7 +119,9 @@ class DashboardSampler:
                        stats.output_tokens.get("offline", 0), stats.output_tokens.get("online", 0),
                        stats.online_busy_s, stats.aborted_steps,
                        tuple(refused.get(reason, 0.0) for reason in REJECT_REASONS),
-                       tuple(self.stalled_s[reason] for reason in STALL_REASONS))
+                       tuple(self.stalled_s[reason] for reason in STALL_REASONS),
+                       sum(1 for seq in list(self.state.engine.scheduler.seqs.values())
+                           if seq.request_class.value == "online"))
 
     def start(self) -> None:
         self.readings.append(self.read())
@@ -135,7 +139,11 @@ class DashboardSampler:
         if paused is not None and paused():
             return "paused_by_node_gate"
         elapsed_s = max(now.t_s - previous.t_s, 1e-9)
-        if (now.online_busy_s - previous.online_busy_s) / elapsed_s >= ONLINE_SATURATED_SHARE:
+        busy_share = (now.online_busy_s - previous.online_busy_s) / elapsed_s
+        # Online steps filled the second, or online requests held the device from its start to its
+        # end (the gaps between steps are the server's own overhead, not room for offline work).
+        if busy_share >= ONLINE_SATURATED_SHARE or (previous.online_seqs and now.online_seqs
+                                                    and busy_share >= ONLINE_HELD_SHARE):
             return "online_saturates"
         if scheduler.kv.usage >= KV_FULL_USAGE:
             return "kv_full"

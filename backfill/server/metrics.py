@@ -78,11 +78,14 @@ HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 class ServerMetrics:
     """All metrics of one app, in the app's own registry (two apps in one process never clash)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, version: str = "0.1.0") -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, ttft_slo_s: float | None = None,
+                 tpot_slo_s: float | None = None, version: str = "0.1.0") -> None:
+        """ttft_slo_s / tpot_slo_s: the online SLOs, counted against in backfill_slo_requests_total."""
         # `*_created` series double the exposition and no dashboard reads them (process-wide switch,
         # as prometheus_client offers only that).
         disable_created_metrics()
         self.model_name = model_name
+        self.slo_s = {"ttft": ttft_slo_s, "tpot": tpot_slo_s}
         self.batch_lines_in_flight: Callable[[], int] = lambda: 0   # set by the app once its worker exists
         self.backlog: Callable[[], tuple[int, dict[str, int]]] = lambda: (0, {})   # set by the app: the store
         self.damaged_reads: Callable[[], int] = lambda: 0   # set by the app: the store's refused reads
@@ -160,6 +163,9 @@ class ServerMetrics:
         self.vllm_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                     [*per_engine, "finished_reason"], registry=r)
 
+        self.slo_requests = Counter("backfill_slo_requests", "Requests by whether their TTFT / TPOT was within "
+                                    "the SLO (attained true or false), per class: 1 - attained's share burns the "
+                                    "error budget", [*per_class, "metric", "attained"], registry=r)
         self.offline_stalled_s = Counter("backfill_offline_stalled_seconds", "Time offline work did not advance "
                                          "(no offline token in a second), by why", ["model_name", "reason"],
                                          registry=r)
@@ -181,6 +187,10 @@ class ServerMetrics:
                 self.rejected.labels(m, cls, reason)
             for finish in FinishReason:
                 self.requests.labels(m, cls, finish.value)
+            for slo_metric, slo_s in self.slo_s.items():
+                if slo_s is not None:
+                    for attained in ("true", "false"):
+                        self.slo_requests.labels(m, cls, slo_metric, attained)
         for family in (self.vllm_ttft_s, self.vllm_itl_s, self.vllm_tpot_s, self.vllm_e2e_s, self.vllm_queue_s,
                        self.vllm_inference_s, self.vllm_prefill_s, self.vllm_decode_s, self.vllm_prompt_len,
                        self.vllm_output_len, self.vllm_max_tokens, self.vllm_params_max_tokens,
@@ -198,7 +208,14 @@ class ServerMetrics:
         self.ttft_s.labels(self.model_name, request_class).observe(ttft_s)
         self.vllm_ttft_s.labels(self.model_name, ENGINE_INDEX).observe(ttft_s)
         self.prompt_tokens.labels(self.model_name, request_class).inc(num_prompt_tokens)
+        self._count_slo(request_class, "ttft", ttft_s)
         self.vllm_prompt_tokens.labels(self.model_name, ENGINE_INDEX).inc(num_prompt_tokens)
+
+    def _count_slo(self, request_class: str, slo_metric: str, seconds: float) -> None:
+        slo_s = self.slo_s[slo_metric]
+        if slo_s is not None:
+            self.slo_requests.labels(self.model_name, request_class, slo_metric,
+                                     "true" if seconds <= slo_s else "false").inc()
 
     def observe_token_gap(self, request_class: str, gap_s: float) -> None:
         gap_s = max(gap_s, 0.0)
@@ -222,6 +239,7 @@ class ServerMetrics:
         if first_token_s is not None and last_token_s is not None and num_output_tokens > 1:
             tpot_s = (last_token_s - first_token_s) / (num_output_tokens - 1)
             self.tpot_s.labels(m, request_class).observe(tpot_s)
+            self._count_slo(request_class, "tpot", tpot_s)
             self.vllm_tpot_s.labels(m, ENGINE_INDEX).observe(tpot_s)
 
     def observe_request(self, request_class: str, num_prompt_tokens: int, max_tokens: int, arrival_s: float,

@@ -185,3 +185,109 @@ def test_page_in_headless_chromium_shows_what_metrics_says(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     finally:
         server.stop()
+
+
+def saturating_online_load(url: str, seconds: float, clients: int = 4) -> dict[int, int]:
+    """Online requests back to back from more clients than the server admits: responses by status."""
+    stop = time.monotonic() + seconds
+    statuses: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while time.monotonic() < stop:
+                status = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 24,
+                                                            "ignore_eos": True}).status_code
+                with lock:
+                    statuses[status] = statuses.get(status, 0) + 1
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs a chromium binary (Debian: apt-get install chromium)")
+def test_page_shows_refusals_and_why_offline_work_waits(tmp_path):
+    # online-only serves online requests alone: the batch below waits while online load lasts.
+    server = ServerProcess(tmp_path / "s.db", None, "--policy", "online-only", "--max-online-queue", "2").wait_ready()
+    try:
+        client = openai_client(server.url)
+        lines = [chat_line(f"line-{i}", f"request {i}", max_tokens=16, ignore_eos=True) for i in range(30)]
+        client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        statuses = saturating_online_load(server.url, 12.0)
+        assert statuses.get(429, 0) > 0 and statuses.get(200, 0) > 0, statuses
+        time.sleep(1.5)   # a sample of the sampler after the last request
+        dom = render(f"{server.url}/dashboard?window_s=60", screenshot=tmp_path / "dashboard-refusals.png")
+        shown = page_numbers(dom)
+        text = httpx.get(f"{server.url}/metrics").text
+        rejected = {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples if sample.name == "backfill_requests_rejected_total"
+                    and sample.labels["class"] == "online"}
+        stalled = {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "backfill_offline_stalled_seconds_total"}
+        # Refusals: the page's counts are the clients' 429s, by reason, beside those served.
+        assert shown["refused_total"] == statuses[429] == sum(rejected.values())
+        assert shown["refused_queue_full"] == rejected["queue_full"] == statuses[429]
+        assert shown["refused_slo_overload"] == 0
+        assert shown["served_online"] == statuses[200]
+        # Offline work: none advanced (the policy serves online alone), and the page says why.
+        assert shown["offline_tokens"] == 0
+        assert stalled["online_saturates"] >= 6.0, stalled
+        assert shown["stalled_online_saturates_pct"] >= 100 * 6.0 / shown["window_s"] - 1, shown
+        assert 'data-stall-reason="online_saturates"' in dom and "online saturates the machine" in dom
+        assert (tmp_path / "dashboard-refusals.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        server.stop()
+
+
+def nearest_rank(q: float, values: list[float]) -> float:
+    """The exact quantile of values: the smallest one with at least q of them at or below it."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+
+
+def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path):
+    """The page's P99 TTFT (from histogram buckets) against the exact P99 of the same requests'
+    ttft_ms in the JSON access log, with one client and with four."""
+    import json
+
+    server = ServerProcess(tmp_path / "s.db", None, "--log-level", "info", "--log-format", "json").wait_ready()
+    try:
+        figures = {}
+        for phase, clients in (("light", 1), ("heavy", 4)):
+            started = time.monotonic()
+            stop = started + 8.0
+
+            def client(k: int) -> None:
+                with httpx.Client(base_url=server.url, timeout=60) as http:
+                    n = 0
+                    while time.monotonic() < stop:
+                        response = http.post("/v1/completions", headers={"x-request-id": f"{phase}-{k}-{n}"},
+                                             json={"prompt": "hello there " * (1 + n % 5), "max_tokens": 8})
+                        assert response.status_code == 200, response.text
+                        n += 1
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            time.sleep(1.5)   # one sample of the sampler after the phase's last request
+            window_s = math.ceil(time.monotonic() - started + 1)
+            page = httpx.get(f"{server.url}/dashboard/data", params={"window_s": window_s}).json()
+            shown_ms = page["models"][0]["window"]["ttft_p99_ms"]
+            lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+            ttfts = [line["ttft_ms"] for line in lines
+                     if line.get("logger") == "backfill.access" and line["request_id"].startswith(phase + "-")]
+            assert page["models"][0]["window"]["online_requests"] == len(ttfts) >= 10
+            exact_ms = nearest_rank(0.99, ttfts)
+            figures[phase] = (len(ttfts), shown_ms, exact_ms)
+            assert shown_ms == pytest.approx(exact_ms, rel=0.10), figures
+            time.sleep(3.0)   # the next phase's window starts after this one's last sample
+        print("P99 TTFT (requests, page ms, access log ms):", figures)
+    finally:
+        server.stop()
