@@ -72,6 +72,8 @@ LATENCY_BUCKETS_S = geometric_buckets(0.001, 600.0)
 TOKEN_LATENCY_BUCKETS_S = geometric_buckets(0.0001, 30.0)
 # Whole requests and their phases: 25% steps are enough for a panel of means and rough quantiles.
 REQUEST_BUCKETS_S = geometric_buckets(0.001, 3600.0, per_decade=10)
+# Per class inter-token latency beside vLLM's fine one: 26% steps keep the exposition small.
+STEP_BUCKETS_S = geometric_buckets(0.0001, 30.0, per_decade=10)
 HTTP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -104,13 +106,13 @@ class ServerMetrics:
                                 buckets=TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.itl_s = Histogram("backfill_inter_token_latency_seconds",
                                "Time between a request's successive token events, per request class", per_class,
-                               buckets=TOKEN_LATENCY_BUCKETS_S, registry=r)
+                               buckets=STEP_BUCKETS_S, registry=r)
         self.e2e_s = Histogram("backfill_e2e_request_latency_seconds",
                                "From a request's arrival to its last token (or its end), per request class",
                                per_class, buckets=REQUEST_BUCKETS_S, registry=r)
         self.queue_s = Histogram("backfill_request_queue_time_seconds",
                                  "From a request's arrival to the first step that runs it, per request class",
-                                 per_class, buckets=LATENCY_BUCKETS_S, registry=r)
+                                 per_class, buckets=REQUEST_BUCKETS_S, registry=r)
         self.prefill_s = Histogram("backfill_request_prefill_time_seconds",
                                    "From the first step that runs a request to its first token, per request class",
                                    per_class, buckets=REQUEST_BUCKETS_S, registry=r)
