@@ -29,6 +29,8 @@ log = logging.getLogger("backfill.access")
 MAX_REQUEST_ID_CHARS = 128
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics", "/dashboard/data"})
 UNMATCHED_ROUTE = "unmatched"   # the handler label of a request no route took (404s of scanners)
+# The methods counted by name; any other a client sends counts as "other" (label values stay bounded).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def request_id_of(scope: Scope) -> str:
@@ -84,7 +86,9 @@ class AccessLogMiddleware:
             duration_s = time.monotonic() - started
             code = status[0] if status else 0
             if self.metrics is not None:
-                self.metrics.observe_http(scope.get("method", "-"), route_of(scope), code, duration_s)
+                method = scope.get("method", "")
+                self.metrics.observe_http(method if method in HTTP_METHODS else "other", route_of(scope), code,
+                                          duration_s)
             level = logging.DEBUG if scope.get("path") in QUIET_PATHS else logging.INFO
             if log.isEnabledFor(level):
                 fields = access_fields(request_id, scope, state, code, duration_s)

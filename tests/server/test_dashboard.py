@@ -292,3 +292,24 @@ def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path
         print("P99 TTFT (requests, page ms, access log ms):", figures)
     finally:
         server.stop()
+
+
+def test_why_offline_work_does_not_advance(tmp_path):
+    from dataclasses import replace
+
+    from backfill.server.dashboard import DashboardSampler, Reading
+
+    with live_server(tmp_path) as server:
+        sampler = DashboardSampler(server.state)
+        before = Reading(0.0, (), (), 0.0, offline_tokens=10, online_tokens=0, online_busy_s=0.0, preemptions=0)
+        after = replace(before, t_s=1.0)
+        assert sampler.stall_reason(before, replace(after, offline_tokens=11), 5) is None   # it advanced
+        assert sampler.stall_reason(before, after, 0) == "no_offline_work"
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.95), 5) == "online_saturates"
+        # Online held the device from one reading to the next, its steps over half the second.
+        held = sampler.stall_reason(replace(before, online_seqs=1), replace(after, online_busy_s=0.6, online_seqs=2), 5)
+        assert held == "online_saturates"
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.6), 5) == "other"
+        server.state.offline_paused = lambda: True
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.95), 5) == "paused_by_node_gate"
+        assert sampler.stall_reason(before, after, 0) == "no_offline_work"   # nothing to hold back

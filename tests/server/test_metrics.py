@@ -39,6 +39,7 @@ def scraped(tmp_path_factory):
         out = client.completions.create(model="tiny-test", prompt="one two three", max_tokens=5, extra_body={
             "ignore_eos": True})
         httpx.get(f"{server.url}/no/such/route")
+        httpx.request("TRACE", f"{server.url}/coffee")   # a method not counted by name: "other"
         httpx.get(f"{server.url}/health")
         yield before, httpx.get(f"{server.url}/metrics").text, out
 
@@ -85,6 +86,9 @@ def test_http_status_counters_by_route(scraped):
                         status="200") == 1
     assert sample_value(text, "backfill_http_requests_total", method="GET", handler="unmatched", status="404") == 1
     assert sample_value(text, "backfill_http_requests_total", method="GET", handler="/health", status="200") == 1
+    brewed = [line for line in text.splitlines() if line.startswith("backfill_http_requests_total")
+              and 'method="other"' in line]
+    assert len(brewed) == 1 and "TRACE" not in text, brewed
     assert sample_value(text, "backfill_http_request_duration_seconds_count", method="POST",
                         handler="/v1/completions") == 1
 
