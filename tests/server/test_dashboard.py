@@ -144,7 +144,7 @@ def render(url: str, screenshot: Path | None = None) -> str:
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'data-loaded="true"' in done.stdout, done.stdout[-2000:]
     if screenshot is not None:
-        shot = chromium("--window-size=1280,900", f"--screenshot={screenshot}", url)
+        shot = chromium("--window-size=1400,900", f"--screenshot={screenshot}", url)   # where the batch table overflowed
         assert shot.returncode == 0, shot.stderr[-2000:]
     return done.stdout
 
