@@ -418,7 +418,7 @@ class Generation:
                 self._metrics.observe_queued(self._class, event.scheduled_s - self.request.arrival_time)
             previous = self.last_token_s[index]
             if previous is not None:
-                self._metrics.observe_token_gap(self._class, event.time - previous)
+                self._metrics.observe_token_gap(event.time - previous)
             self.last_token_s[index] = event.time
             self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
         if event.finished:
