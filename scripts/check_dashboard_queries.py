@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Check that every panel of deploy/grafana/dashboards/backfill.json returns data.
+"""Check that every panel of backfill's Grafana dashboard and of vLLM's published one returns data.
 
 Starts `backfill serve` on 127.0.0.1 under load (online requests, flex requests and a batch),
 starts Prometheus (Debian: apt-get install prometheus) on 127.0.0.1 scraping it every second,
-waits, then sends every panel's query to Prometheus' HTTP API. Exits 0 when each query returns
-at least one series and every value is a finite number; 1 otherwise (and says which).
+waits, then sends every panel's query of deploy/grafana/dashboards/backfill.json and vllm.json
+(vLLM's, verbatim) to Prometheus' HTTP API, with Grafana's variables filled in as Grafana would
+($__rate_interval, the instance and model chosen). Exits 0 when each query returns at least one
+series and every value is a finite number; 1 otherwise (and says which).
 
     python scripts/check_dashboard_queries.py                 # the tiny test model: fast
     python scripts/check_dashboard_queries.py --serve-args "--model /path/model.gguf"
@@ -31,7 +33,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "backfill.json"
+DASHBOARDS = (ROOT / "deploy" / "grafana" / "dashboards" / "backfill.json",
+              ROOT / "deploy" / "grafana" / "dashboards" / "vllm.json")
+RATE_INTERVAL = "1m"   # what Grafana's $__rate_interval is for a 1 s scrape over a 15-minute view
 
 
 def free_port() -> int:
@@ -54,11 +58,17 @@ def wait_until(check, timeout_s: float, what: str, proc: subprocess.Popen) -> No
     raise SystemExit(f"{what}: not up after {timeout_s:.0f} s")
 
 
-def panel_queries(path: Path = DASHBOARD) -> list[tuple[str, str, str]]:
+def panel_queries(path: Path) -> list[tuple[str, str, str]]:
     """(panel title, legend, PromQL) of every target of every panel."""
     dashboard = json.loads(path.read_text())
-    return [(panel["title"], target.get("legendFormat", ""), target["expr"])
+    return [(f"{path.stem}: {panel['title']}", target.get("legendFormat", ""), target["expr"])
             for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def fill_variables(expr: str, model_name: str) -> str:
+    """The query as Grafana sends it: every instance (regex), the served model, $__rate_interval."""
+    return (expr.replace("$__rate_interval", RATE_INTERVAL).replace('=~"$instance"', '=~".*"')
+            .replace('=~"$model_name"', '=~".*"').replace("$model_name", model_name))
 
 
 def load(url: str, stop: threading.Event) -> None:
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which(args.prometheus) is None:
         print(f"no Prometheus binary {args.prometheus!r} (Debian: apt-get install prometheus)", file=sys.stderr)
         return 2
-    queries = panel_queries()
+    queries = [query for path in DASHBOARDS for query in panel_queries(path)]
     work = Path(tempfile.mkdtemp(prefix="backfill-dashboard-check-"))
     serve_port, prometheus_port = free_port(), free_port()
     serve_url, prometheus_url = f"http://127.0.0.1:{serve_port}", f"http://127.0.0.1:{prometheus_port}"
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: httpx.get(f"{prometheus_url}/-/ready", timeout=2).status_code == 200, 120,
                        "prometheus", prometheus)
             print(f"backfill serve on {serve_url}, Prometheus on {prometheus_url}; {args.load_s:g} s of load ...")
+            model_name = httpx.get(f"{serve_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            queries = [(title, legend, fill_variables(expr, model_name)) for title, legend, expr in queries]
             load(serve_url, stop)
             time.sleep(args.load_s)
             failures = check(prometheus_url, queries)

@@ -73,7 +73,7 @@ async def _phase(service: CompletionService, bodies: list[dict], concurrency: in
 
 async def _run(engine: AsyncEngine, model: str, num_requests: int, groups: int, concurrency: int,
                max_tokens: int) -> dict:
-    service = CompletionService(engine, ServerMetrics(engine), model)
+    service = CompletionService(engine, ServerMetrics(engine, model), model)
     await engine.start()
     try:
         structured: list[Sample] = []

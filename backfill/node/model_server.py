@@ -237,6 +237,7 @@ def serve_model(socket_path: str, db_path: str, node: NodeSettings, entry: Model
     try:
         app = create_app(engine, config, store)
         app.state.backfill.on_in_flight_change = on_change
+        app.state.backfill.offline_paused = offline.should_pause
         server = DrainingServer(uvicorn.Config(app, host=node.host, port=entry.port, log_level="warning",
                                                timeout_graceful_shutdown=5.0, lifespan="on", access_log=False,
                                                http=header_timeout_protocol(config.header_timeout_s)),

@@ -38,11 +38,13 @@ from backfill.server.state import ServerState, make_admission
 from backfill.server.store import Store
 from backfill.server.tracing import install_tracing
 from backfill.serving.async_engine import AsyncEngine
+from backfill.serving.config import ServingConfig
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastAPI:
     served_model = config.served_model_name or engine.model_name
-    metrics = ServerMetrics(engine)
+    slo = (config.serving or ServingConfig()).coserve.slo
+    metrics = ServerMetrics(engine, served_model, slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)
     service = CompletionService(engine, metrics, served_model)
     install_tracing(engine, service, config)
     worker = BatchWorker(store, service, config.max_offline_in_flight)
@@ -74,7 +76,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
     app.state.backfill = state
     app.add_middleware(BrowserGuardMiddleware,
                        guard=BrowserGuard(config.host, config.allowed_hosts, config.allowed_origins))
-    app.add_middleware(AccessLogMiddleware)   # outermost: refused requests are logged too
+    app.add_middleware(AccessLogMiddleware, metrics=metrics)   # outermost: refused requests are logged too
     install_error_handlers(app)
 
     async def authorize(request: Request) -> None:

@@ -72,6 +72,13 @@ class Outcome:
     num_prompt_tokens: int
 
     @property
+    def trace_id(self) -> str | None:
+        """The request's trace id (32 hex digits) when its span is exported, else None."""
+        if self._span is None:
+            return None
+        return format(self._span.get_span_context().trace_id, "032x")
+
+    @property
     def num_output_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
 
@@ -373,7 +380,14 @@ class Generation:
                 self._tracer.end(self._span, self)
             raise
         self._class = prepared.request.request_class.value
-        self._metrics.in_flight.labels(self._class).inc()
+        self._metrics.in_flight.labels(self._metrics.model_name, self._class).inc()
+
+    @property
+    def trace_id(self) -> str | None:
+        """The request's trace id (32 hex digits) when its span is exported, else None."""
+        if self._span is None:
+            return None
+        return format(self._span.get_span_context().trace_id, "032x")
 
     @property
     def num_output_tokens(self) -> int:
@@ -394,14 +408,17 @@ class Generation:
         if event.token_ids:
             if self.first_token_s is None:
                 self.first_token_s = event.time
-                self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time)
+                self._metrics.observe_first_token(self._class, event.time - self.request.arrival_time,
+                                                  len(self.request.prompt_token_ids))
             if self.first_of[index] is None:
                 self.first_of[index] = event.time
             if event.scheduled_s is not None:
                 if self.scheduled_s is None:
                     self.scheduled_s = event.scheduled_s
-                self._metrics.queue_s.labels(self._class).observe(max(event.scheduled_s - self.request.arrival_time,
-                                                                      0.0))
+                self._metrics.observe_queued(self._class, event.scheduled_s - self.request.arrival_time)
+            previous = self.last_token_s[index]
+            if previous is not None:
+                self._metrics.observe_token_gap(event.time - previous)
             self.last_token_s[index] = event.time
             self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
         if event.finished:
@@ -418,9 +435,11 @@ class Generation:
             self._engine.close(request.request_id, finished=self.finish_reasons[index] is not None)
             self._metrics.observe_finish(self._class, self.finish_reasons[index] or FinishReason.CANCELLED,
                                          self.first_of[index], self.last_token_s[index], self.output_tokens[index])
-        self._metrics.in_flight.labels(self._class).dec()
+        self._metrics.in_flight.labels(self._metrics.model_name, self._class).dec()
         self._metrics.observe_request(self._class, len(self.request.prompt_token_ids),
-                                      time.monotonic() - self.request.arrival_time)
+                                      self.request.sampling.max_tokens, self.request.arrival_time, self.scheduled_s,
+                                      self.first_token_s, max((t for t in self.last_token_s if t is not None),
+                                                              default=None), time.monotonic())
         if self._span is not None:
             self._tracer.end(self._span, self)
 

@@ -19,6 +19,7 @@ from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 from backfill.validation import check_int, check_non_negative, check_positive
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMATS = ("text", "json")
 # auto: the faster one where it is installed (uvicorn[standard]'s httptools, uvloop), else the fallback.
 HTTP_PARSERS = ("auto", "httptools", "h11")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
@@ -59,6 +60,8 @@ class ServerConfig:
     drain_timeout_s: float = knob(30.0, "on SIGTERM, time allowed for in-flight work", group="server")
     served_model_name: str | None = knob(None, "model id clients send; unset: the model's name", group="server")
     log_level: str = knob("info", "log level", group="server", choices=LOG_LEVELS)
+    log_format: str = knob("text", "log lines as text, or json: one object a line (an access line's request id, "
+                           "trace id, client, model, class and status as keys)", group="server", choices=LOG_FORMATS)
     tiny: bool = knob(False, "tiny random-weight model (tests only)", group="server")
     fresh_db: bool = knob(False, "start even if the database is damaged or an empty file: move it aside "
                           "(PATH.damaged-<time>) and start with an empty one (default: refuse to start, exit 2)",
@@ -96,7 +99,8 @@ class ServerConfig:
         if self.served_model_name is not None and not self.served_model_name:
             raise ServerConfigError("served_model_name must be a non-empty string")
         for name, value, allowed in (("http_parser", self.http_parser, HTTP_PARSERS),
-                                     ("event_loop", self.event_loop, EVENT_LOOPS)):
+                                     ("event_loop", self.event_loop, EVENT_LOOPS),
+                                     ("log_format", self.log_format, LOG_FORMATS)):
             if value not in allowed:
                 raise ServerConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.log_level not in LOG_LEVELS:

@@ -1,8 +1,9 @@
 """The live page of one server: GET /dashboard (static HTML + JS) polls GET /dashboard/data.
 
 What an operator wants at a glance: online latency (P50/P99 TTFT and TPOT) against its SLOs,
-offline tokens/s harvested, the idle share online leaves (Valve §6's C_n), batches and
-fine-tuning jobs advancing, over the last minutes.
+online requests refused (429 by reason) against those served, offline tokens/s harvested and,
+when offline work does not advance, why; the idle share online leaves (Valve §6's C_n), batches
+and fine-tuning jobs advancing, over the last minutes.
 
 Every number is computed from the same counters /metrics exposes, the way Prometheus would:
 the change of a counter over the window, and percentiles by histogram_quantile's rule from the
@@ -17,7 +18,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -25,7 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import Gauge, Histogram
 
 from backfill.server.errors import bad_request
-from backfill.server.metrics import CLASSES
+from backfill.server.metrics import CLASSES, REJECT_REASONS, STALL_REASONS
 from backfill.server.static import dashboard_html
 from backfill.serving.config import ServingConfig
 from backfill.serving.sequence import SeqStatus
@@ -39,6 +40,11 @@ DEFAULT_WINDOW_S = 300.0
 SERIES_STEP_S = 5.0        # one chart point per this many seconds
 RECENT_BATCHES = 8
 RECENT_JOBS = 5
+# A second in which online steps kept the device this busy, or KV this full, explains offline
+# work not advancing.
+ONLINE_SATURATED_SHARE = 0.9
+ONLINE_HELD_SHARE = 0.5
+KV_FULL_USAGE = 0.95
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,9 @@ class Reading:
     online_tokens: int
     online_busy_s: float
     preemptions: int
+    refused: tuple[float, ...] = ()      # online 429s so far, per REJECT_REASONS
+    stalled_s: tuple[float, ...] = ()    # seconds offline work did not advance so far, per STALL_REASONS
+    online_seqs: int = 0                 # online requests in the scheduler at that instant
 
 
 def histogram_buckets(histogram: Histogram, request_class: str) -> tuple[tuple[float, float], ...]:
@@ -95,20 +104,50 @@ class DashboardSampler:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.readings: deque[Reading] = deque(maxlen=int(HISTORY_S / SAMPLE_INTERVAL_S) + 2)
+        self.stalled_s = {reason: 0.0 for reason in STALL_REASONS}
         self._task: asyncio.Task | None = None
 
     def read(self) -> Reading:
         metrics, stats = self.state.metrics, self.state.engine.scheduler.stats
         online_requests = sum(sample.value for family in metrics.requests.collect() for sample in family.samples
                               if sample.name.endswith("_total") and sample.labels.get("class") == "online")
+        refused = {sample.labels["reason"]: sample.value for family in metrics.rejected.collect()
+                   for sample in family.samples
+                   if sample.name.endswith("_total") and sample.labels.get("class") == "online"}
         return Reading(time.monotonic(), histogram_buckets(metrics.ttft_s, "online"),
                        histogram_buckets(metrics.tpot_s, "online"), online_requests,
                        stats.output_tokens.get("offline", 0), stats.output_tokens.get("online", 0),
-                       stats.online_busy_s, stats.aborted_steps)
+                       stats.online_busy_s, stats.aborted_steps,
+                       tuple(refused.get(reason, 0.0) for reason in REJECT_REASONS),
+                       tuple(self.stalled_s[reason] for reason in STALL_REASONS),
+                       sum(1 for seq in list(self.state.engine.scheduler.seqs.values())
+                           if seq.request_class.value == "online"))
 
     def start(self) -> None:
         self.readings.append(self.read())
         self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stall_reason(self, previous: Reading, now: Reading, batch_lines_waiting: int) -> str | None:
+        """Why offline work did not advance between two readings; None when it did."""
+        if now.offline_tokens > previous.offline_tokens:
+            return None
+        scheduler = self.state.engine.scheduler
+        offline_seqs = sum(1 for seq in list(scheduler.seqs.values()) if seq.request_class.value == "offline")
+        if not offline_seqs and not batch_lines_waiting and not self.state.worker.in_flight:
+            return "no_offline_work"
+        paused = self.state.offline_paused
+        if paused is not None and paused():
+            return "paused_by_node_gate"
+        elapsed_s = max(now.t_s - previous.t_s, 1e-9)
+        busy_share = (now.online_busy_s - previous.online_busy_s) / elapsed_s
+        # Online steps filled the second, or online requests held the device from its start to its
+        # end (the gaps between steps are the server's own overhead, not room for offline work).
+        if busy_share >= ONLINE_SATURATED_SHARE or (previous.online_seqs and now.online_seqs
+                                                    and busy_share >= ONLINE_HELD_SHARE):
+            return "online_saturates"
+        if scheduler.kv.usage >= KV_FULL_USAGE:
+            return "kv_full"
+        return "other"
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -120,7 +159,18 @@ class DashboardSampler:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
-            self.readings.append(self.read())
+            try:   # the backlog is in the store (SQLite): read off the loop
+                lines_waiting, _ = await asyncio.to_thread(self.state.store.backlog)
+            except Exception:   # a failing store must not stop the page (/health reports it)
+                lines_waiting = 0
+            previous, reading = self.readings[-1], self.read()
+            reason = self.stall_reason(previous, reading, lines_waiting)
+            if reason is not None:
+                elapsed_s = reading.t_s - previous.t_s
+                self.stalled_s[reason] += elapsed_s
+                self.state.metrics.observe_offline_stall(reason, elapsed_s)
+                reading = replace(reading, stalled_s=tuple(self.stalled_s[r] for r in STALL_REASONS))
+            self.readings.append(reading)
 
     def window(self, window_s: float) -> tuple[list[Reading], Reading]:
         """The readings of the last window_s (oldest first) and one taken now."""
@@ -142,7 +192,10 @@ def summary(first: Reading, last: Reading) -> dict[str, Any]:
             "online_tokens": last.online_tokens - first.online_tokens,
             "offline_tokens": offline_tokens, "offline_tokens_per_s": offline_tokens / duration_s,
             "idle_share": min(max(1.0 - (last.online_busy_s - first.online_busy_s) / duration_s, 0.0), 1.0),
-            "preemptions": last.preemptions - first.preemptions}
+            "preemptions": last.preemptions - first.preemptions,
+            "refused": {reason: new - old for reason, new, old in zip(REJECT_REASONS, last.refused, first.refused)},
+            "offline_stalled_share": {reason: min((new - old) / duration_s, 1.0)
+                                      for reason, new, old in zip(STALL_REASONS, last.stalled_s, first.stalled_s)}}
 
 
 def series(readings: list[Reading], now: Reading) -> list[dict[str, Any]]:
@@ -217,10 +270,10 @@ def add_dashboard_routes(app: FastAPI, state: ServerState) -> DashboardSampler:
     html = dashboard_html()
     # The SLOs the page draws its latencies against, for Grafana's panels too (deploy/grafana).
     slo = (state.config.serving or ServingConfig()).coserve.slo
-    slo_s = Gauge("backfill_slo_seconds", "The online latency SLOs (ttft, tpot)", ["metric"],
+    slo_s = Gauge("backfill_slo_seconds", "The online latency SLOs (ttft, tpot)", ["model_name", "metric"],
                   registry=state.metrics.registry)
-    slo_s.labels("ttft").set(slo.ttft_ms / 1e3)
-    slo_s.labels("tpot").set(slo.tpot_ms / 1e3)
+    slo_s.labels(state.metrics.model_name, "ttft").set(slo.ttft_ms / 1e3)
+    slo_s.labels(state.metrics.model_name, "tpot").set(slo.tpot_ms / 1e3)
 
     @app.get("/dashboard")
     async def dashboard() -> HTMLResponse:

@@ -23,9 +23,14 @@ def add_completion_routes(v1: APIRouter, state: ServerState) -> None:
         prepared = service.prepare(kind, data, arrival_time=arrived)
         request_class = prepared.request.request_class.value
         request.state.request_class = request_class
+        request.state.model = prepared.model
         predicted_ms = state.admit(prepared)
         try:
-            generation = service.submit(prepared, trace_carrier=request.headers)
+            # The span carries the access log's request id and OpenTelemetry's GenAI attributes.
+            generation = service.submit(prepared, trace_carrier=request.headers, trace_attributes={
+                "backfill.request_id": request.state.request_id, "gen_ai.response.id": prepared.response_id,
+                "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
+                "gen_ai.request.model": prepared.model})
         except BaseException:
             state.release(request_class)
             raise

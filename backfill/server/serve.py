@@ -46,10 +46,10 @@ def run_server(args: argparse.Namespace) -> int:
 def serve(config: ServerConfig) -> int:
     from backfill.server.http_timeouts import header_timeout_protocol, resolve_event_loop
     from backfill.server.health import StartupResponder, bind_listener
+    from backfill.server.logs import configure_logging
     from backfill.server.store import Store
 
-    logging.basicConfig(level=logging.INFO if config.log_level in ("info", "debug", "trace") else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     loop = resolve_event_loop(config.event_loop)   # a missing uvloop fails before the model loads
     http = header_timeout_protocol(config.header_timeout_s, config.http_parser)
     store = Store(config.db_path, fresh=config.fresh_db)
@@ -66,7 +66,8 @@ def serve(config: ServerConfig) -> int:
                  config.host, config.port, config.db_path, http.__name__, loop)
         uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                         timeout_graceful_shutdown=config.drain_timeout_s, lifespan="on",
-                                        access_log=False, http=http, loop=loop)
+                                        access_log=False, http=http, loop=loop,
+                                        log_config=None)   # configure_logging's handler formats uvicorn's lines too
         server = DrainingServer(uvicorn_config, on_exit=app.state.backfill.begin_drain)
         starting.stop()   # the app takes the socket over; connections meanwhile wait in its backlog
         try:

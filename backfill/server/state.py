@@ -37,6 +37,9 @@ class ServerState:
     # Called with (class, requests in flight) on every change: a node's model server reports its
     # online lifecycle to the node runtime's gate from here (backfill/node/model_server.py).
     on_in_flight_change: Callable[[str, int], None] | None = None
+    # True while something outside the server holds offline work back: a node's gate
+    # (backfill/node/model_server.py); the live page gives it as the reason offline work waits.
+    offline_paused: Callable[[], bool] | None = None
     admission: TtftAdmission | None = None
     # Admitted online requests and the TTFT predicted for each when it was admitted.
     online: dict[Generation, float] = field(default_factory=dict)
@@ -66,7 +69,7 @@ class ServerState:
         request_class = prepared.request.request_class.value
         self.check_not_draining()
         if self.in_flight[request_class] >= self.config.max_online_queue:
-            self.metrics.rejected.labels(request_class).inc()
+            self.metrics.observe_rejected(request_class, "queue_full")
             raise APIError(429, f"too many {request_class} requests in flight "
                                 f"({self.config.max_online_queue}); retry later", code="queue_full")
         predicted_ms = 0.0
@@ -76,7 +79,7 @@ class ServerState:
             decision = self.admission.decide(num_prompt, (queued_view(g, predicted, now)
                                                           for g, predicted in self.online.items()))
             if not decision.admit:
-                self.metrics.rejected.labels(request_class).inc()
+                self.metrics.observe_rejected(request_class, "slo_overload")
                 raise APIError(429, f"the server is at capacity: this request's time to first token is predicted "
                                     f"at {decision.predicted_ttft_ms:.0f} ms, over the {self.admission.ttft_slo_ms:g} ms "
                                     f"SLO; retry after the Retry-After header's seconds", code="slo_overload",

@@ -57,13 +57,20 @@ class RequestTracer:
         """The request's span, started at its arrival; call before its requests reach the engine.
         carrier: the HTTP request's headers; a W3C `traceparent` there makes the span its child."""
         from opentelemetry.propagate import extract
+        from opentelemetry.trace import SpanKind
 
         request = generation.request
-        kind = "batch_line" if attributes and "backfill.batch_id" in attributes else "llm_request"
+        batch_line = bool(attributes and "backfill.batch_id" in attributes)
         parent = extract(carrier) if carrier is not None and "traceparent" in carrier else None
-        span = self.tracer.start_span(kind, context=parent, start_time=self.wall_ns(request.arrival_time), attributes={
+        # An API request's span is the server side of the client's call (SERVER); a batch line's
+        # is work the server does on its own (INTERNAL).
+        span = self.tracer.start_span("batch_line" if batch_line else "llm_request", context=parent,
+                                      kind=SpanKind.INTERNAL if batch_line else SpanKind.SERVER,
+                                      start_time=self.wall_ns(request.arrival_time), attributes={
             "backfill.request_class": request.request_class.value,
             "backfill.request_id": request.request_id,
+            "gen_ai.system": "backfill",
+            "gen_ai.operation.name": "chat",
             "gen_ai.request.max_tokens": request.sampling.max_tokens,
             "gen_ai.request.n": len(generation.requests),
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),

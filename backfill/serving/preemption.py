@@ -84,7 +84,7 @@ class StepPreemption:
         """The running step yields to an online arrival now (aborted, or done past its last layer)."""
         now, arrival = self.clock(), self.requested_s
         step_tokens = self.running.shape.num_tokens if self.running is not None else 0
-        self.stats.preemption_events.append(PreemptionRecord(
+        self.stats.record_preemption(PreemptionRecord(
             now, (now - arrival) * 1e3, (self.flagged_s - arrival) * 1e3, layer, step_tokens))
         self.requested_s = None
 

@@ -33,6 +33,35 @@ class StepRecord(NamedTuple):
     aborted: bool
 
 
+PREEMPTION_LATENCY_BOUNDS_MS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
+KEPT_EVENTS = 20_000    # the newest preemptions kept for benchmarks; older ones live on in the histogram
+
+
+@dataclass
+class CumulativeHistogram:
+    """Counts per upper bound, updated as values arrive: bounded memory however long the server runs."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)   # per bound, not cumulative; one more for +Inf
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.total += value
+
+    def cumulative(self) -> list[int]:
+        """The count at or below each bound, +Inf last (Prometheus' le buckets)."""
+        out, running = [], 0
+        for count in list(self.counts):
+            running += count
+            out.append(running)
+        return out
+
+
 class StepMark(NamedTuple):
     offline_tokens: int
     forward_s: float
@@ -46,7 +75,9 @@ class SchedulerStats:
     resumed_steps: int = 0              # aborted steps continued from their safepoint
     wasted_tokens: int = 0              # tokens of aborted steps that were redone instead
     wasted_forward_s: float = 0.0       # forward time those aborted steps had run
-    preemption_events: list[PreemptionRecord] = field(default_factory=list)
+    preemption_events: deque[PreemptionRecord] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
+    preemption_latency_ms: CumulativeHistogram = field(
+        default_factory=lambda: CumulativeHistogram(PREEMPTION_LATENCY_BOUNDS_MS))
     preempted_requests: int = 0         # requests taken off the device to free blocks
     checkpointed_tokens: int = 0
     checkpoint_bytes: int = 0
@@ -67,6 +98,10 @@ class SchedulerStats:
     @property
     def preemption_latencies_ms(self) -> list[float]:
         return [event.latency_ms for event in self.preemption_events]
+
+    def record_preemption(self, event: PreemptionRecord) -> None:
+        self.preemption_events.append(event)
+        self.preemption_latency_ms.observe(event.latency_ms)
 
     def mark(self) -> StepMark:
         """The counters a step moves, read before it runs (see count_step)."""

@@ -83,6 +83,16 @@ def live_server(tmp_path: Path, **config) -> Iterator[LiveServer]:
         yield server
 
 
+def sample_value(exposition: str, name: str, **labels: str) -> float:
+    """The value of the one sample of a /metrics text named name whose labels include labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [sample.value for family in text_string_to_metric_families(exposition) for sample in family.samples
+             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples in /metrics"
+    return found[0]
+
+
 def openai_client(url: str, api_key: str = "unused"):
     import openai
 

@@ -16,7 +16,7 @@ from backfill.types import SLO
 from backfill.serving.build import build_tiny_engine
 from backfill.serving.config import ServingConfig
 
-from server_helpers import LiveServer, assert_error
+from server_helpers import LiveServer, assert_error, sample_value
 
 
 def linear_ms(shape: BatchShape) -> float:
@@ -106,8 +106,9 @@ def test_live_server_sheds_by_predicted_ttft_with_retry_after(strict_server):
             assert "predicted" in error["message"]
             assert int(refused.headers["retry-after"]) >= 1 and int(refused.headers["retry-after-ms"]) >= 1
         metrics = http.get("/metrics").text
-    assert 'backfill_requests_rejected_total{class="online"} 1.0' in metrics
-    assert 'backfill_request_queue_time_seconds_count{class="online"} 1.0' in metrics
+    assert sample_value(metrics, "backfill_requests_rejected_total", **{"class": "online", "reason": "slo_overload"}) == 1
+    assert sample_value(metrics, "backfill_requests_rejected_total", **{"class": "online", "reason": "queue_full"}) == 0
+    assert sample_value(metrics, "backfill_request_queue_time_seconds_count", **{"class": "online"}) == 1
 
 
 def test_admission_off_with_infinite_share(tmp_path):

@@ -119,7 +119,7 @@ def test_metrics_expose_scheduler_counters(client, server, model):
                  "backfill_batch_lines_in_flight"):
         assert name in text, name
     assert metric(server, "backfill_output_tokens_total", **{"class": "online"}) >= 2
-    assert 'backfill_queue_length{class="offline"}' in text
+    assert re.search(r'backfill_queue_length\{[^}]*class="offline"[^}]*\}', text)
 
 
 def _wait_until(condition, timeout_s: float = 20.0) -> None:

@@ -54,7 +54,7 @@ def from_metrics(text: str) -> dict[str, float | None]:
                 online_requests += sample.value
             elif sample.name == "backfill_output_tokens_total":
                 values[sample.labels["class"] + "_tokens"] = sample.value
-            elif not sample.labels:
+            elif set(sample.labels) <= {"model_name"}:
                 values[sample.name] = sample.value
             elif sample.name == "backfill_queue_length":
                 values["queue_" + sample.labels["class"]] = sample.value
@@ -144,7 +144,7 @@ def render(url: str, screenshot: Path | None = None) -> str:
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'data-loaded="true"' in done.stdout, done.stdout[-2000:]
     if screenshot is not None:
-        shot = chromium("--window-size=1280,900", f"--screenshot={screenshot}", url)
+        shot = chromium("--window-size=1400,900", f"--screenshot={screenshot}", url)   # where the batch table overflowed
         assert shot.returncode == 0, shot.stderr[-2000:]
     return done.stdout
 
@@ -185,3 +185,131 @@ def test_page_in_headless_chromium_shows_what_metrics_says(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     finally:
         server.stop()
+
+
+def saturating_online_load(url: str, seconds: float, clients: int = 4) -> dict[int, int]:
+    """Online requests back to back from more clients than the server admits: responses by status."""
+    stop = time.monotonic() + seconds
+    statuses: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while time.monotonic() < stop:
+                status = http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 24,
+                                                            "ignore_eos": True}).status_code
+                with lock:
+                    statuses[status] = statuses.get(status, 0) + 1
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs a chromium binary (Debian: apt-get install chromium)")
+def test_page_shows_refusals_and_why_offline_work_waits(tmp_path):
+    # online-only serves online requests alone: the batch below waits while online load lasts.
+    server = ServerProcess(tmp_path / "s.db", None, "--policy", "online-only", "--max-online-queue", "2").wait_ready()
+    try:
+        client = openai_client(server.url)
+        lines = [chat_line(f"line-{i}", f"request {i}", max_tokens=16, ignore_eos=True) for i in range(30)]
+        client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+        statuses = saturating_online_load(server.url, 12.0)
+        assert statuses.get(429, 0) > 0 and statuses.get(200, 0) > 0, statuses
+        time.sleep(1.5)   # a sample of the sampler after the last request
+        dom = render(f"{server.url}/dashboard?window_s=60", screenshot=tmp_path / "dashboard-refusals.png")
+        shown = page_numbers(dom)
+        text = httpx.get(f"{server.url}/metrics").text
+        rejected = {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples if sample.name == "backfill_requests_rejected_total"
+                    and sample.labels["class"] == "online"}
+        stalled = {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "backfill_offline_stalled_seconds_total"}
+        # Refusals: the page's counts are the clients' 429s, by reason, beside those served.
+        assert shown["refused_total"] == statuses[429] == sum(rejected.values())
+        assert shown["refused_queue_full"] == rejected["queue_full"] == statuses[429]
+        assert shown["refused_slo_overload"] == 0
+        assert shown["served_online"] == statuses[200]
+        # Offline work: none advanced (the policy serves online alone), and the page says why.
+        assert shown["offline_tokens"] == 0
+        assert stalled["online_saturates"] >= 6.0, stalled
+        assert shown["stalled_online_saturates_pct"] >= 100 * 6.0 / shown["window_s"] - 1, shown
+        assert 'data-stall-reason="online_saturates"' in dom and "online saturates the machine" in dom
+        assert (tmp_path / "dashboard-refusals.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        server.stop()
+
+
+def nearest_rank(q: float, values: list[float]) -> float:
+    """The exact quantile of values: the smallest one with at least q of them at or below it."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+
+
+def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path):
+    """The page's P99 TTFT (from histogram buckets) against the exact P99 of the same requests'
+    ttft_ms in the JSON access log, with one client and with four."""
+    import json
+
+    # Admission by predicted TTFT off: every request is served, so the page and the log see the same ones.
+    server = ServerProcess(tmp_path / "s.db", None, "--log-level", "info", "--log-format", "json",
+                           "--admission-ttft-share", "inf").wait_ready()
+    try:
+        figures = {}
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "warm up", "max_tokens": 8}, timeout=120)
+        time.sleep(3.0)   # the warm-up request out of the first window
+        for phase, clients in (("light", 1), ("heavy", 4)):
+            started = time.monotonic()
+
+            def client(k: int) -> None:
+                with httpx.Client(base_url=server.url, timeout=60) as http:
+                    for n in range(60 // clients):
+                        response = http.post("/v1/completions", headers={"x-request-id": f"{phase}-{k}-{n}"},
+                                             json={"prompt": "hello there " * (1 + n % 5), "max_tokens": 8})
+                        assert response.status_code == 200, response.text
+
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            time.sleep(1.5)   # one sample of the sampler after the phase's last request
+            window_s = math.ceil(time.monotonic() - started + 1)
+            page = httpx.get(f"{server.url}/dashboard/data", params={"window_s": window_s}).json()
+            shown_ms = page["models"][0]["window"]["ttft_p99_ms"]
+            lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+            ttfts = [line["ttft_ms"] for line in lines if line.get("logger") == "backfill.access"
+                     and line["request_id"].startswith(phase + "-") and line["status"] == 200]
+            assert page["models"][0]["window"]["online_requests"] == len(ttfts) == 60
+            exact_ms = nearest_rank(0.99, ttfts)
+            figures[phase] = (len(ttfts), shown_ms, exact_ms)
+            assert shown_ms == pytest.approx(exact_ms, rel=0.10), figures
+            time.sleep(3.0)   # the next phase's window starts after this one's last sample
+        print("P99 TTFT (requests, page ms, access log ms):", figures)
+    finally:
+        server.stop()
+
+
+def test_why_offline_work_does_not_advance(tmp_path):
+    from dataclasses import replace
+
+    from backfill.server.dashboard import DashboardSampler, Reading
+
+    with live_server(tmp_path) as server:
+        sampler = DashboardSampler(server.state)
+        before = Reading(0.0, (), (), 0.0, offline_tokens=10, online_tokens=0, online_busy_s=0.0, preemptions=0)
+        after = replace(before, t_s=1.0)
+        assert sampler.stall_reason(before, replace(after, offline_tokens=11), 5) is None   # it advanced
+        assert sampler.stall_reason(before, after, 0) == "no_offline_work"
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.95), 5) == "online_saturates"
+        # Online held the device from one reading to the next, its steps over half the second.
+        held = sampler.stall_reason(replace(before, online_seqs=1), replace(after, online_busy_s=0.6, online_seqs=2), 5)
+        assert held == "online_saturates"
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.6), 5) == "other"
+        server.state.offline_paused = lambda: True
+        assert sampler.stall_reason(before, replace(after, online_busy_s=0.95), 5) == "paused_by_node_gate"
+        assert sampler.stall_reason(before, after, 0) == "no_offline_work"   # nothing to hold back

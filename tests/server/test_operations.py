@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import chat_line, live_server, openai_client, upload, wait_final
+from server_helpers import chat_line, live_server, sample_value, openai_client, upload, wait_final
 
 
 def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
@@ -141,11 +141,11 @@ def test_metrics_tokens_latency_and_backlog(tmp_path):
                                       endpoint="/v1/chat/completions", completion_window="24h")
         wait_final(client, batch.id)
         text = httpx.get(f"{server.url}/metrics").text
-        assert f'backfill_prompt_tokens_total{{class="online"}} {float(out.usage.prompt_tokens)}' in text
-        assert 'backfill_e2e_request_latency_seconds_count{class="online"} 1.0' in text
-        assert 'backfill_e2e_request_latency_seconds_count{class="offline"} 2.0' in text
-        assert 'backfill_batches{status="completed"} 1.0' in text
-        assert "backfill_batch_lines_waiting 0.0" in text
+        assert sample_value(text, "backfill_prompt_tokens_total", **{"class": "online"}) == out.usage.prompt_tokens
+        assert sample_value(text, "backfill_e2e_request_latency_seconds_count", **{"class": "online"}) == 1
+        assert sample_value(text, "backfill_e2e_request_latency_seconds_count", **{"class": "offline"}) == 2
+        assert sample_value(text, "backfill_batches", status="completed") == 1
+        assert sample_value(text, "backfill_batch_lines_waiting") == 0
 
 
 def test_ready_says_warming_up_while_decode_buckets_compile(tmp_path):

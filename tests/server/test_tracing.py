@@ -4,6 +4,7 @@ real server exports them over HTTP; unconfigured, nothing is traced."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -168,20 +169,43 @@ class Collector:
         self.server.server_close()
 
 
-def test_a_server_given_an_otlp_endpoint_exports_its_traces(tmp_path, monkeypatch):
+def test_a_server_given_an_otlp_endpoint_exports_its_traces_and_its_json_log_joins_them(tmp_path, monkeypatch):
     import signal
 
     collector = Collector()
     monkeypatch.setenv("OTEL_SERVICE_NAME", "backfill-test")
-    server = ServerProcess(tmp_path / "s.db", None, "--otlp-traces-endpoint", collector.url).wait_ready()
+    server = ServerProcess(tmp_path / "s.db", None, "--otlp-traces-endpoint", collector.url,
+                           "--log-format", "json", "--log-level", "info", "--served-model-name", "tiny-test"
+                           ).wait_ready()
     try:
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60,
+                              headers={"x-request-id": "join-me-7"})
         assert response.status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200   # a probe: DEBUG, not in an INFO log
         server.signal(signal.SIGTERM)   # spans still batched are flushed on the way out
         assert server.proc.wait(timeout=60) == 0
+        log = server.log()
     finally:
         server.stop()
         collector.close()
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert lines and len(lines) == len([line for line in log.splitlines() if line.strip()]), log  # all JSON
+    access = [line for line in lines if line["logger"] == "backfill.access"]
+    assert [line["path"] for line in access] == ["/v1/completions"], access   # /health and /ready at DEBUG
+    line = access[0]
+    assert line["request_id"] == "join-me-7" and line["status"] == 200 and line["class"] == "online"
+    assert line["model"] == "tiny-test" and line["client"].startswith("127.0.0.1:")
+    joined = [span for _, span in collector.spans if span.trace_id.hex() == line["trace_id"]]
+    assert sorted(span.name for span in joined) == ["decode", "llm_request", "prompt", "queue"], joined
+    root = next(span for span in joined if span.name == "llm_request")
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
+    assert root.kind == SpanProto.SpanKind.SPAN_KIND_SERVER
+    attributes = {a.key: a.value for a in root.attributes}
+    assert attributes["backfill.request_id"].string_value == "join-me-7"
+    assert attributes["gen_ai.request.model"].string_value == "tiny-test"
+    assert attributes["gen_ai.system"].string_value == "backfill"
+    assert attributes["gen_ai.operation.name"].string_value == "text_completion"
+    assert attributes["gen_ai.response.id"].string_value.startswith("cmpl-")
     names = sorted(span.name for _, span in collector.spans)
     assert names == ["decode", "llm_request", "prompt", "queue"], names
     resource = collector.spans[0][0]
