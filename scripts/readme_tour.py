@@ -43,13 +43,15 @@ def _harvest_demo(out: str) -> float | None:
 
 
 def _harvest_node(out: str) -> float | None:
-    """The valve phase's offline tokens/s (the table's eighth column)."""
+    """The valve phase's offline tokens/s (the table's `off tok/s` column)."""
+    column = None
     for line in out.splitlines():
-        cells = line.split()
-        if len(cells) == 11 and cells[0] == "valve":
+        if column is None and "off tok/s" in line and line.split()[:1] == ["phase"]:
+            column = [c for c in re.split(r"\s{2,}", line.strip())].index("off tok/s")
+        elif column is not None and line.split()[:1] == ["valve"]:
             try:
-                return float(cells[7])
-            except ValueError:
+                return float(line.split()[column])
+            except (ValueError, IndexError):
                 return None
     return None
 

@@ -520,10 +520,11 @@ def format_table(results: dict[str, Any]) -> str:
                      _f(pause.get("os_suspend_ms", {}).get("p99"), 3),
                      _f(pause.get("offline_layer_ms", {}).get("p50"), 2), _f(off.get("tokens_per_s")),
                      _f(off.get("lost_tokens")), _f(mem.get("reclamations_per_min")),
-                     _f(mem.get("reclaim_ms", {}).get("p99"), 2), _f(off.get("nothing_lost"))))
+                     _f(mem.get("reclaim_ms", {}).get("p99"), 2), _no_loss(off, mem)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process)")
+    lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process; "
+                 "no loss: n/a where nothing was reclaimed, so nothing could be lost)")
     lines.append("targets (met only from enough samples):")
     for key, v in results["summary"].items():
         if "met_text" in v:
@@ -534,6 +535,16 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"  {key}: " + ", ".join(f"{k}={_f(x, 3)}" for k, x in v.items()))
     lines.extend(f"warning: {w}" for w in results.get("warnings", ()))
     return "\n".join(lines)
+
+
+def _no_loss(offline: dict[str, Any], memory: dict[str, Any]) -> str:
+    """'yes' / 'no' only where memory was reclaimed: with no reclamation, keeping every offline
+    request shows nothing about reclamation losing none."""
+    if not offline or offline.get("nothing_lost") is None:
+        return "-"
+    if not memory.get("reclamations"):
+        return "n/a"
+    return _f(offline["nothing_lost"])
 
 
 VERDICT_KEYS = ("quantity", "value", "target", "comparison", "tolerance", "samples", "min_samples", "sample_unit",

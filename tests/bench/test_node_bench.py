@@ -87,3 +87,10 @@ def test_a_trace_needs_a_rate_and_the_load_is_a_share():
         make_trace(NodeBenchConfig(), 100)
     with pytest.raises(PolicyInputError):
         NodeBenchConfig(online_load=1.5)
+
+
+def test_no_loss_is_n_a_where_nothing_was_reclaimed():
+    phases = {"valve": _phase(40, 100.0, 20.0, reclamations=0), "fifo": _phase(40, 100.0, 20.0, reclamations=6)}
+    rows = format_table({"phases": phases, "summary": summarize(phases, NodeBenchConfig())}).splitlines()
+    assert rows[1].split()[0] == "valve" and rows[1].split()[-1] == "n/a"
+    assert rows[2].split()[0] == "fifo" and rows[2].split()[-1] == "yes"
