@@ -70,9 +70,9 @@ class BurstScenario:
     steady_s: float = 15.0          # before the burst
     burst_s: float = 30.0           # AQUA: one minute; shorter on a 2-core CPU
     after_s: float = 15.0           # steady again (the queue drains)
-    prompt_len: str = "uniform:64:192"
-    output_len: str = "fixed:96"
-    kv_cache_gb: float = 0.08       # a few requests' KV: the memory contention AQUA addresses
+    prompt_len: str = "uniform:32:64"     # short requests: a 2-core CPU serves enough of them a minute
+    output_len: str = "fixed:32"
+    kv_cache_gb: float = 0.0166     # a few requests' KV (24 blocks in fp32): the contention AQUA addresses
     slice_iterations: int = 5       # CFS's k
     rounds: int = 1
     seed: int = 0
@@ -227,10 +227,37 @@ MIN_BURST_REQUESTS = 10
 CAPACITY_MAX_S = 180.0
 # A mode may run past its trace by this share of it (the queue a burst leaves), at least
 # MIN_DRAIN_S; then what still runs is cancelled and counted unfinished.
-DRAIN_SHARE = 1.0
+DRAIN_SHARE = 0.5
 MIN_DRAIN_S = 20.0
 # Starting the coordinator and the producer engine (its model load) on a 2-core CPU.
 PROCESSES_START_ESTIMATE_S = 30.0
+
+
+# A sized scenario holds this many requests a mode (P99 ratios need MIN_SAMPLES_P99 completed), its
+# phases lengthened in proportion up to MAX_TRACE_S when the measured rate gives fewer.
+SIZED_REQUESTS = 30
+MAX_TRACE_S = 150.0
+
+
+def expected_requests(scenario: BurstScenario) -> float:
+    """Requests the scenario's trace holds on average at its steady rate."""
+    assert scenario.steady_rate_per_s is not None
+    return scenario.steady_rate_per_s * (scenario.duration_s + (scenario.burst_factor - 1) * scenario.burst_s)
+
+
+def lengthen_to_hold(scenario: BurstScenario, log=print) -> BurstScenario:
+    """The scenario with its three phases lengthened in proportion so that it holds SIZED_REQUESTS
+    (at most MAX_TRACE_S of trace); unchanged when it holds them already."""
+    expected = expected_requests(scenario)
+    if expected >= SIZED_REQUESTS or scenario.duration_s >= MAX_TRACE_S:
+        return scenario
+    factor = min(SIZED_REQUESTS / max(expected, 1e-9), MAX_TRACE_S / scenario.duration_s)
+    longer = replace(scenario, steady_s=round(scenario.steady_s * factor, 1), burst_s=round(scenario.burst_s * factor, 1),
+                     after_s=round(scenario.after_s * factor, 1))
+    log(f"at this rate a {scenario.duration_s:g} s trace holds {expected:.1f} requests: lengthened to "
+        f"{longer.steady_s:g} + {longer.burst_s:g} + {longer.after_s:g} s ({expected_requests(longer):.0f} requests; "
+        f"P99 ratios need {MIN_SAMPLES_P99} completed in each mode)")
+    return longer
 
 
 def drain_cap_s(scenario: BurstScenario) -> float:
@@ -349,14 +376,13 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
             log(f"this machine serves {capacity:.2f} requests/s: steady {scenario.steady_rate_per_s:g}/s "
                 f"({scenario.steady_load:.0%}), burst {scenario.steady_rate_per_s * scenario.burst_factor:g}/s "
                 f"for {scenario.burst_s:g} s (--rate sets it)")
-            expected = scenario.steady_rate_per_s * (scenario.duration_s
-                                                     + (scenario.burst_factor - 1) * scenario.burst_s)
+            scenario = lengthen_to_hold(scenario, log)
+            expected = expected_requests(scenario)
             if expected < MIN_BURST_REQUESTS:
                 raise WorkloadError(
-                    f"at {capacity:.3f} requests/s measured on this machine, the {scenario.duration_s:g} s scenario "
-                    f"holds {expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give a longer --burst-s "
-                    f"(about {math.ceil(MIN_BURST_REQUESTS / (scenario.steady_rate_per_s * scenario.burst_factor))} "
-                    "s) or run it on a quieter or faster machine")
+                    f"at {capacity:.3f} requests/s measured on this machine, even a {scenario.duration_s:g} s scenario "
+                    f"holds {expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give shorter requests "
+                    "(--output-len fixed:16) or run it on a quieter or faster machine")
         log(f"estimate: at most {estimate_s(scenario, modes):.0f} s from here ({scenario.warmup_s:g} s warm-up, "
             f"the producer alone {scenario.producer_idle_s:g} s before the first mode and after each, "
             f"{len(modes) * scenario.rounds} modes of at most {scenario.duration_s + drain_cap_s(scenario):g} s)")

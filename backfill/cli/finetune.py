@@ -24,7 +24,8 @@ def add_commands(commands: CommandParser) -> None:
                                    "resumes from --out", _fill_run)
     commands.defer("finetune profile", "fit HARLI's co-location latency predictor (HARLI §5) on this machine "
                                        "and save it", _fill_profile)
-    commands.defer("bench finetune", "HARLI: finetuning co-located with the decode trace, four modes", _fill_bench)
+    commands.defer("bench finetune", "HARLI: finetuning beside the decode trace: a solo reference, then "
+                                     "separate / static / pause-only / harli (and partitioned, not in --sim)", _fill_bench)
     commands.defer("sim finetune", "HARLI's device form simulated: SM partitions between decode and LoRA "
                                    "finetuning on the H200 shape, four modes and a sensitivity table", _fill_sim)
 

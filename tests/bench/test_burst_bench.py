@@ -130,5 +130,20 @@ def test_the_estimate_counts_every_mode_its_drain_and_the_producer_alone():
     from backfill.bench.burst_bench import MIN_DRAIN_S, drain_cap_s, estimate_s
 
     scenario = BurstScenario(steady_s=5, burst_s=15, after_s=5, warmup_s=2, producer_idle_s=2)
-    assert drain_cap_s(scenario) == max(MIN_DRAIN_S, 25.0)
+    assert drain_cap_s(scenario) == max(MIN_DRAIN_S, 0.5 * 25.0)
     assert estimate_s(scenario, ("fcfs", "cfs-lent")) == 2 + 2 * 3 + 2 * (25 + drain_cap_s(scenario))
+
+
+def test_a_slow_machine_lengthens_the_trace_in_proportion_up_to_its_cap():
+    from backfill.bench.burst_bench import MAX_TRACE_S, SIZED_REQUESTS, expected_requests, lengthen_to_hold
+
+    lines: list[str] = []
+    slow = BurstScenario(steady_rate_per_s=0.2, steady_s=5, burst_s=15, after_s=5)    # 8 requests in 25 s
+    longer = lengthen_to_hold(slow, lines.append)
+    assert expected_requests(longer) == pytest.approx(SIZED_REQUESTS, rel=0.02)
+    assert longer.burst_s / longer.steady_s == pytest.approx(3.0, rel=0.02) and longer.duration_s <= MAX_TRACE_S
+    assert "lengthened to" in lines[0]
+    crawling = lengthen_to_hold(BurstScenario(steady_rate_per_s=0.01, steady_s=5, burst_s=15, after_s=5))
+    assert crawling.duration_s == pytest.approx(MAX_TRACE_S)
+    fast = BurstScenario(steady_rate_per_s=2.0, steady_s=5, burst_s=15, after_s=5)
+    assert lengthen_to_hold(fast) is fast
