@@ -17,6 +17,7 @@ import torch
 
 from backfill.bench.arrivals import poisson_arrivals, uniform_arrivals
 from backfill.bench.disb import DisbClient, DisbWorkload, load_disb
+from backfill.bench.heartbeat import Heartbeat
 from backfill.bench.lengths import parse_length_spec
 from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap, analyze
@@ -232,8 +233,6 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
     log(f"DISB {' '.join(letters) if not custom else custom.name or 'custom'}: {len(modes)} modes x {rounds} "
         f"round(s), {duration_s:g} s a mode and workload (about {duration_s * len(modes):.0f} s a workload after "
         f"the models load: {len(needed)} models, each analysed for idempotence unless its map is saved)")
-    from backfill.bench.heartbeat import Heartbeat
-
     with Heartbeat(log, "building the models and their idempotence maps"):
         models = load_models(needed, scales, metadata_dir, device)
     log("models (standalone ms): " + ", ".join(f"{n} {m.solo_s * 1e3:.1f} ({len(m.model)} ops)"
