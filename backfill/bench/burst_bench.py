@@ -456,16 +456,19 @@ def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> list[
     """The producer's windows over an idle period of the consumer (the baseline of its loss)."""
     if not scenario.producer or scenario.producer_idle_s <= 0:
         return []
+    log(f"   the producer alone for {scenario.producer_idle_s:g} s (the consumer idle)")
     started = time.monotonic()
     if processes.pinned:
         # The consumer's core kept busy by a loop that touches no memory: other people's jobs
         # on this shared machine then stay off it, as while the consumer computes, and do not
         # contend for the producer's caches and memory only while it is "alone" (AQUA §9.3's
         # producer alone has no neighbour at all).
-        while time.monotonic() - started < scenario.producer_idle_s:
-            pass
+        with Heartbeat(log, "the producer alone"):
+            while time.monotonic() - started < scenario.producer_idle_s:
+                pass
     else:
-        time.sleep(scenario.producer_idle_s)
+        with Heartbeat(log, "the producer alone"):
+            time.sleep(scenario.producer_idle_s)
     ws = processes.producer_windows((started, time.monotonic()))
     log(f"   producer alone: {_brief(producer_meter.summarize(ws))}")
     return ws
