@@ -251,7 +251,8 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
                 solo_runs[n] += [_timed_inference(m) for _ in range(3)]
             for mode in modes:
                 log(f"   {wl.name} round {k + 1}/{rounds}: {mode} for {duration_s / rounds:g} s")
-                results.append(run_once(wl, mode, models, duration_s / rounds, seed + k, device))
+                with Heartbeat(log, f"{mode} (requests queued at the end still finish)"):
+                    results.append(run_once(wl, mode, models, duration_s / rounds, seed + k, device))
         solo = {n: replace(m, solo_s=float(np.median(solo_runs[n]))) for n, m in models.items()}
         rows = summarize(results, wl, solo)
         report["workloads"][wl.name] = {"solo_ms": {n: m.solo_s * 1e3 for n, m in solo.items()}}
