@@ -8,7 +8,8 @@ running this script). With `--isa avx2` PyTorch, oneDNN and backfill's own kerne
 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), as on a CPU without AVX-512.
 
 Each command passes when it exits 0 (a server: answers a request, then stops on SIGINT), prints
-its first output within FIRST_OUTPUT_LIMIT_S, and, where the tour claims a harvest (demo, bench
+its first output within FIRST_OUTPUT_LIMIT_S and is never silent for longer than SILENCE_LIMIT_S,
+and, where the tour claims a harvest (demo, bench
 node, bench burst), shows a non-zero one. The table gives per command the first output's time,
 the longest silence, the wall time and the harvest. `--fast` runs the subset the test suite runs
 (tests/test_readme_tour.py): seconds each.
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FIRST_OUTPUT_LIMIT_S = 10.0      # python + torch import on a loaded 2-core machine take a few seconds
+SILENCE_LIMIT_S = 10.0           # a user watching a command never waits longer than this for a line
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 REPO = Path(__file__).resolve().parent.parent
 
@@ -247,10 +249,13 @@ def run_step(step: Step, clone: Path, python: str, isa: str, extensions_dir: str
         why = f"exit status {rc}"
     if not why and (first is None or first > FIRST_OUTPUT_LIMIT_S):
         why = f"first output after {'never' if first is None else f'{first:.1f} s'}"
+    silence = reader.longest_silence_s(wall_s)
+    if not why and silence > SILENCE_LIMIT_S:
+        why = f"silent for {silence:.0f} s (at most {SILENCE_LIMIT_S:.0f})"
     if not why and step.harvest is not None and not harvest:
         why = f"no harvest ({harvest})"
-    return Outcome(step.name, isa, " ".join(["backfill", *argv]), rc, first, reader.longest_silence_s(wall_s),
-                   wall_s, harvest, not why, why, out.splitlines()[-60:])
+    return Outcome(step.name, isa, " ".join(["backfill", *argv]), rc, first, silence, wall_s, harvest, not why, why,
+                   out.splitlines()[-60:])
 
 
 def _stop(proc: subprocess.Popen) -> None:
