@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
-from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict
+from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.errors import PolicyInputError
 from backfill.node.engine_proc import EngineProcess, EngineSpec, engine_kv_layout, engine_model_config, request_dict
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool, StaticMemPool
@@ -534,7 +534,22 @@ def format_table(results: dict[str, Any]) -> str:
         else:
             lines.append(f"  {key}: " + ", ".join(f"{k}={_f(x, 3)}" for k, x in v.items()))
     lines.extend(f"warning: {w}" for w in results.get("warnings", ()))
+    lines.append(closing(results))
     return "\n".join(lines)
+
+
+def closing(results: dict[str, Any]) -> str:
+    """The phase that harvested most offline tokens/s, and the targets read in a sentence."""
+    harvests = sorted(((r["offline"]["tokens_per_s"], name) for name, r in results["phases"].items()
+                       if r.get("offline", {}).get("tokens_per_s") is not None), reverse=True)
+    lead = ""
+    if harvests:
+        rate, name = harvests[0]
+        lead = (f"Most offline tokens/s: {name} ({rate:.1f}" + "".join(
+            f"; {other} {r:.1f}" for r, other in harvests[1:]) + "). ")
+    judged = [Verdict(**{k: v[k] for k in VERDICT_KEYS if k not in ("met", "met_text")})
+              for v in results["summary"].values() if "met_text" in v]
+    return lead + closing_sentence(judged)
 
 
 def _no_loss(offline: dict[str, Any], memory: dict[str, Any]) -> str:
