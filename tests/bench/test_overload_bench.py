@@ -31,3 +31,27 @@ def test_a_p99_on_too_few_requests_says_so_and_is_not_judged():
     text = format_report(result)
     assert "[P99 from 19 requests: fewer than 20, close to their maximum]" in text
     assert "n/a (too few samples: 19)" in text and "could not judge 2" in text
+
+
+def test_the_calibration_counts_requests_that_end_after_its_window_and_refuses_none(monkeypatch):
+    import asyncio
+
+    import pytest
+
+    from backfill.bench import overload_bench
+    from backfill.errors import WorkloadError
+
+    async def slow(client, phase, index, max_tokens, t0, counts=None, status=200):
+        await asyncio.sleep(0.2)                  # longer than the 0.05 s window
+        return Outcome(phase, 0.0, status, ttft_s=0.1, e2e_s=0.2)
+
+    monkeypatch.setattr(overload_bench, "_request", slow)
+    rate = asyncio.run(overload_bench._closed_loop(None, 2, 0.05, 16))
+    assert 5.0 < rate < 12.0                      # 2 requests over about 0.2 s, not 0
+
+    async def refused(*args, **kwargs):
+        return Outcome("calibrate", 0.0, 503)
+
+    monkeypatch.setattr(overload_bench, "_request", refused)
+    with pytest.raises(WorkloadError):
+        asyncio.run(overload_bench._closed_loop(None, 2, 0.05, 16))
