@@ -193,6 +193,8 @@ def run_overload_bench(*, dtype: str = "bfloat16", kv_cache_gb: float = 0.5, ttf
     starting = Heartbeat(lambda line: print(line, flush=True), "starting backfill serve (model load, latency profile)")
     with starting, served(server_args, health_timeout_s=900.0) as url:
         starting.stop()
+        print(f"server ready at {url} after {time.monotonic() - starting.started:.0f} s; a warm-up request, then "
+              "the load", flush=True)
         with Heartbeat(lambda line: print(line, flush=True), "load", counts.line, expected_s=load_s):
             result = asyncio.run(_drive(url, ttft_slo_ms, multiplier, burst_s, calm_s, sustainable_rps, max_tokens,
                                         calibrate_s, calibrate_clients, seed, counts))
