@@ -364,7 +364,7 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
             processes.start()
         if processes.pinned and scenario.threads is None:
             # One torch thread per core left to the consumer: more threads than cores make every
-            # operator's threads wait on each other (the modes run 5-10x slower than measured).
+            # operator's threads wait on each other (docs/offload.md).
             threads = len(os.sched_getaffinity(0))
             run_on_torch_thread(_set_threads, threads)
             log(f"consumer pinned to {threads} core(s) beside the producer's: {threads} torch thread(s)")
