@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from backfill.bench.heartbeat import Heartbeat
-from backfill.bench.server_process import served
+from backfill.bench.server_process import served, sigterm_as_interrupt
 from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence, ratio_text
 from backfill.errors import WorkloadError
 
@@ -191,7 +191,7 @@ def run_overload_bench(*, dtype: str = "bfloat16", kv_cache_gb: float = 0.5, ttf
           + f"{calm_s:g} s calm, {burst_s:g} s at {multiplier:g}x, {calm_s:g} s calm", flush=True)
     counts = Counts()
     starting = Heartbeat(lambda line: print(line, flush=True), "starting backfill serve (model load, latency profile)")
-    with starting, served(server_args, health_timeout_s=900.0) as url:
+    with sigterm_as_interrupt(), starting, served(server_args, health_timeout_s=900.0) as url:
         starting.stop()
         print(f"server ready at {url} after {time.monotonic() - starting.started:.0f} s; a warm-up request, then "
               "the load", flush=True)
