@@ -252,8 +252,8 @@ def lengthen_to_hold(scenario: BurstScenario, log=print) -> BurstScenario:
     if expected >= SIZED_REQUESTS or scenario.duration_s >= MAX_TRACE_S:
         return scenario
     factor = min(SIZED_REQUESTS / max(expected, 1e-9), MAX_TRACE_S / scenario.duration_s)
-    longer = replace(scenario, steady_s=round(scenario.steady_s * factor, 1), burst_s=round(scenario.burst_s * factor, 1),
-                     after_s=round(scenario.after_s * factor, 1))
+    longer = replace(scenario, steady_s=round(scenario.steady_s * factor, 1),
+                     burst_s=round(scenario.burst_s * factor, 1), after_s=round(scenario.after_s * factor, 1))
     log(f"at this rate a {scenario.duration_s:g} s trace holds {expected:.1f} requests: lengthened to "
         f"{longer.steady_s:g} + {longer.burst_s:g} + {longer.after_s:g} s ({expected_requests(longer):.0f} requests; "
         f"P99 ratios need {MIN_SAMPLES_P99} completed in each mode)")
