@@ -8,7 +8,8 @@ running this script). With `--isa avx2` PyTorch, oneDNN and backfill's own kerne
 (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), as on a CPU without AVX-512.
 
 Each command passes when it exits 0 (a server: answers a request, then stops on SIGINT), prints
-its first output within FIRST_OUTPUT_LIMIT_S, and, where the tour claims a harvest (demo, bench
+its first output within FIRST_OUTPUT_LIMIT_S and is never silent for longer than SILENCE_LIMIT_S,
+and, where the tour claims a harvest (demo, bench
 node, bench burst), shows a non-zero one. The table gives per command the first output's time,
 the longest silence, the wall time and the harvest. `--fast` runs the subset the test suite runs
 (tests/test_readme_tour.py): seconds each.
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FIRST_OUTPUT_LIMIT_S = 10.0      # python + torch import on a loaded 2-core machine take a few seconds
+SILENCE_LIMIT_S = 10.0           # a user watching a command never waits longer than this for a line
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,13 +45,15 @@ def _harvest_demo(out: str) -> float | None:
 
 
 def _harvest_node(out: str) -> float | None:
-    """The valve phase's offline tokens/s (the table's eighth column)."""
+    """The valve phase's offline tokens/s (the table's `off tok/s` column)."""
+    column = None
     for line in out.splitlines():
-        cells = line.split()
-        if len(cells) == 11 and cells[0] == "valve":
+        if column is None and "off tok/s" in line and line.split()[:1] == ["phase"]:
+            column = [c for c in re.split(r"\s{2,}", line.strip())].index("off tok/s")
+        elif column is not None and line.split()[:1] == ["valve"]:
             try:
-                return float(cells[7])
-            except ValueError:
+                return float(line.split()[column])
+            except (ValueError, IndexError):
                 return None
     return None
 
@@ -116,8 +120,8 @@ README_STEPS: tuple[Step, ...] = (
           "coserve", "--out", "runs/coserve"), 1200),
     Step("backfill bench engine", ("bench", "engine", "--batches", "1", "8", "--new-tokens", "8", "--no-hf",
                                    "--dtypes", "float32"), 600),
-    Step("backfill bench node --phases alone,valve,fifo --duration-s 60",
-         ("bench", "node", "--phases", "alone,valve,fifo", "--duration-s", "60"), 1200, harvest=_harvest_node),
+    Step("backfill bench node --phases alone,valve,fifo --duration-s 100",
+         ("bench", "node", "--phases", "alone,valve,fifo", "--duration-s", "100"), 1200, harvest=_harvest_node),
     Step("backfill profile", ("profile", "--out", "runs/profile.json"), 1200),
     Step("backfill sim coserve --rounds 4 --duration 240", ("sim", "coserve", "--rounds", "1", "--duration", "30",
                                                             "--out", "runs/sim-coserve"), 900),
@@ -146,8 +150,8 @@ README_STEPS: tuple[Step, ...] = (
           "--new-tokens", "8", "--no-hf", "--dtypes", "float32"), 600),
     Step("backfill serve --config node.toml", ("serve", "--config", "node.toml"), 600, server="/v1/models",
          setup=_node_toml),
-    Step("backfill sim coserve --loads 0.1 0.3 0.6 --slos 200/15",
-         ("sim", "coserve", "--loads", "0.1", "0.3", "0.6", "--slos", "200/15", "--duration", "30",
+    Step("backfill sim coserve --loads 0.1 0.3 0.6 --slos 1000/100",
+         ("sim", "coserve", "--loads", "0.1", "0.3", "0.6", "--slos", "1000/100", "--duration", "30",
           "--out", "runs/frontier"), 900),
     Step("backfill bench structured", ("bench", "structured", "--requests", "4", "--groups", "1",
                                        "--max-tokens", "32"), 600),
@@ -245,10 +249,13 @@ def run_step(step: Step, clone: Path, python: str, isa: str, extensions_dir: str
         why = f"exit status {rc}"
     if not why and (first is None or first > FIRST_OUTPUT_LIMIT_S):
         why = f"first output after {'never' if first is None else f'{first:.1f} s'}"
+    silence = reader.longest_silence_s(wall_s)
+    if not why and silence > SILENCE_LIMIT_S:
+        why = f"silent for {silence:.0f} s (at most {SILENCE_LIMIT_S:.0f})"
     if not why and step.harvest is not None and not harvest:
         why = f"no harvest ({harvest})"
-    return Outcome(step.name, isa, " ".join(["backfill", *argv]), rc, first, reader.longest_silence_s(wall_s),
-                   wall_s, harvest, not why, why, out.splitlines()[-60:])
+    return Outcome(step.name, isa, " ".join(["backfill", *argv]), rc, first, silence, wall_s, harvest, not why, why,
+                   out.splitlines()[-60:])
 
 
 def _stop(proc: subprocess.Popen) -> None:

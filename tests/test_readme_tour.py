@@ -37,6 +37,10 @@ def test_the_tour_reads_harvests_from_what_the_commands_print():
             "reclaim/min  no loss\nvalve      38.7       6.1         0.71     3.77            -       0.83      "
             "977.7      3391         48.7      yes")
     assert readme_tour._harvest_node(node) == 977.7
+    node12 = ("   phase  ttft p99  tpot p99  preempt/req  ack p99  sigstop p99  layer p50  off tok/s  lost tok  "
+              "reclaim/min  reclaim p99  no loss\n   valve      38.7       6.1         0.71     3.77            -  "
+              "     0.83       26.5         0          0.0            -      n/a")
+    assert readme_tour._harvest_node(node12) == 26.5
     burst = "cfs-lent      120/900        800     30.0/50.0    4.0/9.0        12   55.1"
     assert readme_tour._harvest_burst(burst) == 12
     # every README tour line has its step, and every step is a README line

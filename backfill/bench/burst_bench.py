@@ -13,6 +13,12 @@ between the two modes taken out), and against the producer alone (on one CPU thi
 the consumer's compute beside it).
 Modes run in turn, in rounds, on one loaded model, so they meet the same machine; the request
 records are saved, so runs made apart can be pooled (`--pool`).
+
+Sized to the machine it runs on: the consumer's capacity is measured once the producer runs and
+the processes are pinned (the conditions the modes meet), with one torch thread per core the
+consumer is given; the run announces how long it will take, prints a progress line at least
+every PROGRESS_EVERY_S, and cuts a mode that outlasts its trace by more than drain_cap_s (its
+unfinished requests are counted), so it ends within what it announced.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import numpy as np
 
 from backfill.bench.arrivals import step_arrivals
 from backfill.bench.driver import run_workload
+from backfill.bench.heartbeat import Heartbeat
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, Summary, compute_metrics
 from backfill.bench.prompts import PromptSource
 from backfill.bench.server_process import free_port
-from backfill.bench.verdict import MIN_SAMPLES_P99
+from backfill.bench.verdict import MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
 from backfill.offload import producer_meter
@@ -63,9 +70,9 @@ class BurstScenario:
     steady_s: float = 15.0          # before the burst
     burst_s: float = 30.0           # AQUA: one minute; shorter on a 2-core CPU
     after_s: float = 15.0           # steady again (the queue drains)
-    prompt_len: str = "uniform:64:192"
-    output_len: str = "fixed:96"
-    kv_cache_gb: float = 0.08       # a few requests' KV: the memory contention AQUA addresses
+    prompt_len: str = "uniform:32:64"     # short requests: a 2-core CPU serves enough of them a minute
+    output_len: str = "fixed:32"
+    kv_cache_gb: float = 0.0166     # a few requests' KV (24 blocks in fp32): the contention AQUA addresses
     slice_iterations: int = 5       # CFS's k
     rounds: int = 1
     seed: int = 0
@@ -216,27 +223,86 @@ def _scheduler(runner, mode: str, scenario: BurstScenario, url: str | None, toke
 CAPACITY_REQUESTS = 8
 # Fewer requests than this in a run make no burst: the scenario is refused with what to change.
 MIN_BURST_REQUESTS = 10
+# The capacity measurement's bound: the requests finished by then are what it measures.
+CAPACITY_MAX_S = 180.0
+# A mode may run past its trace by this share of it (the queue a burst leaves), at least
+# MIN_DRAIN_S; then what still runs is cancelled and counted unfinished.
+DRAIN_SHARE = 0.5
+MIN_DRAIN_S = 20.0
+# Starting the coordinator and the producer engine (its model load) on a 2-core CPU.
+PROCESSES_START_ESTIMATE_S = 30.0
 
 
-def measure_capacity(runner, scenario: BurstScenario, prompts: PromptSource, plen, olen, tokenizer) -> float:
+# A sized scenario holds this many requests a mode (P99 ratios need MIN_SAMPLES_P99 completed), its
+# phases lengthened in proportion up to MAX_TRACE_S when the measured rate gives fewer.
+SIZED_REQUESTS = 30
+MAX_TRACE_S = 150.0
+
+
+def expected_requests(scenario: BurstScenario) -> float:
+    """Requests the scenario's trace holds on average at its steady rate."""
+    assert scenario.steady_rate_per_s is not None
+    return scenario.steady_rate_per_s * (scenario.duration_s + (scenario.burst_factor - 1) * scenario.burst_s)
+
+
+def lengthen_to_hold(scenario: BurstScenario, log=print) -> BurstScenario:
+    """The scenario with its three phases lengthened in proportion so that it holds SIZED_REQUESTS
+    (at most MAX_TRACE_S of trace); unchanged when it holds them already."""
+    expected = expected_requests(scenario)
+    if expected >= SIZED_REQUESTS or scenario.duration_s >= MAX_TRACE_S:
+        return scenario
+    factor = min(SIZED_REQUESTS / max(expected, 1e-9), MAX_TRACE_S / scenario.duration_s)
+    longer = replace(scenario, steady_s=round(scenario.steady_s * factor, 1),
+                     burst_s=round(scenario.burst_s * factor, 1), after_s=round(scenario.after_s * factor, 1))
+    log(f"at this rate a {scenario.duration_s:g} s trace holds {expected:.1f} requests: lengthened to "
+        f"{longer.steady_s:g} + {longer.burst_s:g} + {longer.after_s:g} s ({expected_requests(longer):.0f} requests; "
+        f"P99 ratios need {MIN_SAMPLES_P99} completed in each mode)")
+    return longer
+
+
+def drain_cap_s(scenario: BurstScenario) -> float:
+    """How long a mode may run past its trace before what still runs is cancelled."""
+    return max(MIN_DRAIN_S, DRAIN_SHARE * scenario.duration_s)
+
+
+def estimate_s(scenario: BurstScenario, modes: tuple[str, ...]) -> float:
+    """The longest the run takes once the consumer is measured: warm-up, the producer alone before
+    the first mode and after each, and every mode of every round at most its trace plus its drain."""
+    idle = scenario.producer_idle_s * (1 + len(modes) * scenario.rounds) if scenario.producer else 0.0
+    return scenario.warmup_s + idle + scenario.rounds * len(modes) * (scenario.duration_s + drain_cap_s(scenario))
+
+
+def measure_capacity(runner, scenario: BurstScenario, prompts: PromptSource, plen, olen, tokenizer,
+                     log=print) -> float:
     """Requests per second the consumer completes with CAPACITY_REQUESTS of them arriving at once,
-    FCFS on the scenario's own memory (the batch it can hold)."""
+    FCFS on the scenario's own memory (the batch it can hold), within CAPACITY_MAX_S."""
     workload = build_workload(prompts, np.zeros(CAPACITY_REQUESTS), plen, olen, scenario.seed + 2000,
                               name="capacity")
     scheduler = run_on_torch_thread(_scheduler, runner, "fcfs", scenario, None, tokenizer)
-    records, _, (started, ended) = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload, progress=True))
-    done = [r for r in records if r.end_s is not None and r.error is None]
+    with Heartbeat(log, "measuring the consumer", lambda: _status(scheduler, CAPACITY_REQUESTS)):
+        records, _, (started, ended) = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload,
+                                                        max_duration_s=CAPACITY_MAX_S))
+    done = [r for r in records if r.end_s is not None and r.error is None and not r.cancelled]
     if not done:
-        raise WorkloadError("the consumer finished none of the capacity-measuring requests")
+        raise WorkloadError(f"the consumer finished none of {CAPACITY_REQUESTS} requests in {CAPACITY_MAX_S:g} s: "
+                            "this machine is too busy for the burst benchmark now (give --rate to skip the "
+                            "measurement, or run it on a quieter machine)")
     return len(done) / max(max(r.end_s for r in done) - min(r.send_s or 0.0 for r in done), 1e-3)
 
 
-async def _run(engine: AsyncEngine, workload: Workload, progress: bool = False
+def _status(scheduler: Scheduler, requests: int) -> str:
+    stats = scheduler.stats
+    return (f"{stats.finished['online']}/{requests} requests finished, {stats.output_tokens['online']} tokens, "
+            f"{stats.preempted_requests} preemptions")
+
+
+async def _run(engine: AsyncEngine, workload: Workload, max_duration_s: float | None = None
                ) -> tuple[list[RequestRecord], float, tuple[float, float]]:
     await engine.start()
     started = time.monotonic()
     try:
-        run = await run_workload(InProcessTarget(engine), workload, progress=progress, drain_offline=True)
+        run = await run_workload(InProcessTarget(engine), workload, progress=False, drain_offline=True,
+                                 max_duration_s=max_duration_s)
     finally:
         await engine.stop()
     return run.records, run.duration_s, (started, time.monotonic())
@@ -278,38 +344,55 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
     from backfill.serving.config import ServingConfig
     from backfill.serving.build import build_runner
 
-    loaded = load_model(None)
-    tokenizer = loaded.tokenizer
-    runner = run_on_torch_thread(build_runner, loaded.config, loaded.weights,
-                                 ServingConfig(policy="fcfs", kv_cache_gb=scenario.kv_cache_gb, device="cpu",
-                                               decode_attention=scenario.decode_attention, threads=scenario.threads))
+    log(f"bench burst: {len(modes)} modes x {scenario.rounds} round(s), each a {scenario.duration_s:g} s trace "
+        f"(at most {drain_cap_s(scenario):g} s more to drain); first the model, the producer and one measurement "
+        f"of the consumer size it to this machine, then the estimate")
+    with Heartbeat(log, "loading the model (a first run builds backfill's C++ kernels: minutes on a busy 2-core CPU)"):
+        loaded = load_model(None)
+        tokenizer = loaded.tokenizer
+        runner = run_on_torch_thread(build_runner, loaded.config, loaded.weights,
+                                     ServingConfig(policy="fcfs", kv_cache_gb=scenario.kv_cache_gb, device="cpu",
+                                                   decode_attention=scenario.decode_attention,
+                                                   threads=scenario.threads))
     log(f"model {loaded.config.name}: KV pool {runner.kv.num_blocks} blocks of {runner.kv.block_size} tokens "
         f"({runner.kv.nbytes / 2**20:.0f} MB)")
     prompts = PromptSource(tokenizer, seed=scenario.seed)
     plen, olen = parse_length_spec(scenario.prompt_len), parse_length_spec(scenario.output_len)
-    if scenario.steady_rate_per_s is None:
-        log(f"measuring this machine: {CAPACITY_REQUESTS} requests at once on the consumer (the steady rate "
-            f"follows from it)")
-        capacity = measure_capacity(runner, scenario, prompts, plen, olen, tokenizer)
-        scenario = replace(scenario, steady_rate_per_s=round(scenario.steady_load * capacity, 3))
-        log(f"this machine serves {capacity:.2f} requests/s: steady {scenario.steady_rate_per_s:g}/s "
-            f"({scenario.steady_load:.0%}), burst {scenario.steady_rate_per_s * scenario.burst_factor:g}/s "
-            f"for {scenario.burst_s:g} s (--rate sets it)")
-        expected = scenario.steady_rate_per_s * (scenario.duration_s + (scenario.burst_factor - 1) * scenario.burst_s)
-        if expected < MIN_BURST_REQUESTS:
-            raise WorkloadError(
-                f"at {capacity:.3f} requests/s measured on this machine, the {scenario.duration_s:g} s scenario holds "
-                f"{expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give a longer --burst-s (about "
-                f"{math.ceil(MIN_BURST_REQUESTS / (scenario.steady_rate_per_s * scenario.burst_factor))} s) or run "
-                "it on a quieter or faster machine")
     processes = Processes(scenario, log)
-    processes.start()
     try:
+        with Heartbeat(log, "starting the coordinator" + (" and the producer engine" if scenario.producer else "")):
+            processes.start()
+        if processes.pinned and scenario.threads is None:
+            # One torch thread per core left to the consumer: more threads than cores make every
+            # operator's threads wait on each other (docs/offload.md).
+            threads = len(os.sched_getaffinity(0))
+            run_on_torch_thread(_set_threads, threads)
+            log(f"consumer pinned to {threads} core(s) beside the producer's: {threads} torch thread(s)")
+        if scenario.steady_rate_per_s is None:
+            log(f"measuring this machine: {CAPACITY_REQUESTS} requests at once on the consumer, beside the running "
+                f"producer (the steady rate follows from it; at most {CAPACITY_MAX_S:g} s)")
+            capacity = measure_capacity(runner, scenario, prompts, plen, olen, tokenizer, log)
+            scenario = replace(scenario, steady_rate_per_s=round(scenario.steady_load * capacity, 3))
+            log(f"this machine serves {capacity:.2f} requests/s: steady {scenario.steady_rate_per_s:g}/s "
+                f"({scenario.steady_load:.0%}), burst {scenario.steady_rate_per_s * scenario.burst_factor:g}/s "
+                f"for {scenario.burst_s:g} s (--rate sets it)")
+            scenario = lengthen_to_hold(scenario, log)
+            expected = expected_requests(scenario)
+            if expected < MIN_BURST_REQUESTS:
+                raise WorkloadError(
+                    f"at {capacity:.3f} requests/s measured on this machine, even a {scenario.duration_s:g} s scenario "
+                    f"holds {expected:.1f} requests (a burst needs {MIN_BURST_REQUESTS}): give shorter requests "
+                    "(--output-len fixed:16) or run it on a quieter or faster machine")
+        log(f"estimate: at most {estimate_s(scenario, modes):.0f} s from here ({scenario.warmup_s:g} s warm-up, "
+            f"the producer alone {scenario.producer_idle_s:g} s before the first mode and after each, "
+            f"{len(modes) * scenario.rounds} modes of at most {scenario.duration_s + drain_cap_s(scenario):g} s)")
         if scenario.warmup_s > 0:
             warm = build_workload(prompts, np.arange(0, scenario.warmup_s, 1 / scenario.steady_rate_per_s), plen, olen,
                                   scenario.seed + 1000, name="warm-up")
-            asyncio.run(_run(AsyncEngine(_scheduler(runner, "cfs-host", scenario, None, tokenizer), tokenizer),
-                             warm))
+            scheduler = run_on_torch_thread(_scheduler, runner, "cfs-host", scenario, None, tokenizer)
+            with Heartbeat(log, "warm-up", lambda: _status(scheduler, len(warm.requests))):
+                asyncio.run(_run(AsyncEngine(scheduler, tokenizer), warm, max_duration_s=scenario.warmup_s
+                                 + drain_cap_s(scenario)))
         parts: dict[str, list[ModeRound]] = {m: [] for m in modes}
         thread_cpus_at_start = processes.thread_cpus() if processes.pinned else {}
         alone_before = _producer_alone(processes, scenario, log)
@@ -320,11 +403,16 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                 scheduler = run_on_torch_thread(_scheduler, runner, mode, scenario, processes.url, tokenizer)
                 log(f"== {mode} (round {k + 1}/{scenario.rounds}): {len(workload.requests)} requests over "
                     f"{scenario.duration_s:g} s")
-                records, duration_s, window = asyncio.run(_run(AsyncEngine(scheduler, tokenizer), workload,
-                                                               progress=True))
+                with Heartbeat(log, mode, lambda: _status(scheduler, len(workload.requests)),
+                               expected_s=scenario.duration_s):
+                    records, duration_s, window = asyncio.run(_run(
+                        AsyncEngine(scheduler, tokenizer), workload,
+                        max_duration_s=scenario.duration_s + drain_cap_s(scenario)))
                 stats = scheduler.stats
                 engine = {"preempted_requests": stats.preempted_requests, "recomputed_tokens": stats.recomputed_tokens,
                           "restored_tokens": stats.restored_tokens, "steps": stats.steps, "busy_s": stats.busy_s,
+                          "unfinished_requests": len(workload.requests) - sum(
+                              1 for r in records if r.end_s is not None and not r.cancelled and r.error is None),
                           **_pager_counters(scheduler.pager)}
                 if isinstance(scheduler.policy, CFSPolicy):
                     engine["cfs_paging_share"] = scheduler.policy.paging_share
@@ -346,8 +434,10 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
                     checkpoint({**report(scenario, {m: r for m, r in parts.items() if r}),
                                 "producer_pinned_apart": processes.pinned, "thread_cpus": thread_cpus_at_start,
                                 "partial": True})
-                log(f"   p99 TTFT {summarize(records, duration_s, _burst(scenario))['ttft_ms']['p99']:.0f} ms, "
-                    f"producer {_brief(producer)}")
+                p99 = summarize(records, duration_s, _burst(scenario))["ttft_ms"]["p99"]
+                cut = (f", {engine['unfinished_requests']} unfinished (cut at "
+                       f"{scenario.duration_s + drain_cap_s(scenario):g} s)" if engine["unfinished_requests"] else "")
+                log(f"   p99 TTFT {'-' if p99 is None else f'{p99:.0f}'} ms{cut}, producer {_brief(producer)}")
     finally:
         processes.stop()
     out = report(scenario, parts)
@@ -356,20 +446,29 @@ def run_burst_bench(scenario: BurstScenario = BurstScenario(), modes: tuple[str,
     return out
 
 
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _producer_alone(processes: Processes, scenario: BurstScenario, log) -> list[producer_meter.Window]:
     """The producer's windows over an idle period of the consumer (the baseline of its loss)."""
     if not scenario.producer or scenario.producer_idle_s <= 0:
         return []
+    log(f"   the producer alone for {scenario.producer_idle_s:g} s (the consumer idle)")
     started = time.monotonic()
     if processes.pinned:
         # The consumer's core kept busy by a loop that touches no memory: other people's jobs
         # on this shared machine then stay off it, as while the consumer computes, and do not
         # contend for the producer's caches and memory only while it is "alone" (AQUA §9.3's
         # producer alone has no neighbour at all).
-        while time.monotonic() - started < scenario.producer_idle_s:
-            pass
+        with Heartbeat(log, "the producer alone"):
+            while time.monotonic() - started < scenario.producer_idle_s:
+                pass
     else:
-        time.sleep(scenario.producer_idle_s)
+        with Heartbeat(log, "the producer alone"):
+            time.sleep(scenario.producer_idle_s)
     ws = processes.producer_windows((started, time.monotonic()))
     log(f"   producer alone: {_brief(producer_meter.summarize(ws))}")
     return ws
@@ -423,7 +522,7 @@ def report(scenario: BurstScenario, parts: dict[str, list[ModeRound]]) -> dict:
         out["producer_lending_loss_vs_alone"] = float(np.median(relative))
     if "fcfs" in modes:
         for mode in ("cfs-host", "cfs-lent"):
-            if mode in modes and modes[mode]["ttft_ms"]["p99"]:
+            if mode in modes and modes[mode]["ttft_ms"]["p99"] and modes["fcfs"]["ttft_ms"]["p99"]:
                 modes[mode]["p99_ttft_vs_fcfs"] = modes[mode]["ttft_ms"]["p99"] / modes["fcfs"]["ttft_ms"]["p99"]
                 modes[mode]["p99_tpot_vs_fcfs"] = modes[mode]["tpot_ms"]["p99"] / modes["fcfs"]["tpot_ms"]["p99"]
                 modes[mode]["p50_e2e_vs_fcfs"] = modes[mode]["e2e_ms"]["p50"] / modes["fcfs"]["e2e_ms"]["p50"]
@@ -473,15 +572,52 @@ def pool(results: list[dict]) -> dict:
     return out
 
 
+def _num(x: float | None, spec: str, scale: float = 1.0) -> str:
+    """x in the format spec; `-` in its width when nothing was measured."""
+    return format("-", spec.split(".")[0]) if x is None else format(scale * x, spec)
+
+
+def verdicts(result: dict) -> list[Verdict]:
+    """AQUA §9.3's claim for each CFS mode: its P99 TTFT under the burst below FCFS's, judged from
+    enough completed requests in both modes."""
+    out = []
+    fcfs = result["modes"].get("fcfs")
+    for mode in ("cfs-host", "cfs-lent"):
+        m = result["modes"].get(mode)
+        if m is None or fcfs is None:
+            continue
+        n = min(m.get("completed", 0), fcfs.get("completed", 0))
+        out.append(Verdict(f"{mode}: P99 TTFT / FCFS's", m.get("p99_ttft_vs_fcfs"), 1.0, samples=n,
+                           min_samples=MIN_SAMPLES_P99, sample_unit="completed requests (fewer of the two modes)"))
+    return out
+
+
+def closing(result: dict) -> str:
+    """Which mode had the lowest P99 TTFT, on how many requests, and the verdicts read in a sentence."""
+    ranked = sorted(((m["ttft_ms"]["p99"], mode, m["completed"]) for mode, m in result["modes"].items()
+                     if m["ttft_ms"]["p99"] is not None))
+    if not ranked:
+        return "No mode completed a request: no figure to read."
+    p99, mode, n = ranked[0]
+    others = ", ".join(f"{o} {q / 1e3:.2f} s (n={c})" for q, o, c in ranked[1:])
+    unfinished = {mode: sum(e.get("unfinished_requests", 0) for e in m["engine"])
+                  for mode, m in result["modes"].items()}
+    cut = [f"{mode} left {k} unfinished" for mode, k in unfinished.items() if k]
+    return (f"Lowest P99 TTFT under the burst: {mode}, {p99 / 1e3:.2f} s over {n} completed requests"
+            + (f" (against {others})" if others else "") + ". " + closing_sentence(verdicts(result))
+            + (f" Cut at the announced time: {', '.join(cut)}." if cut else ""))
+
+
 def format_table(result: dict) -> str:
     rows = ["mode       p50/p99 TTFT ms   burst p99 TTFT  p50/p99 TPOT ms   p50/p99 E2E s   "
             "paged out  producer tok/s"]
     for mode, m in result["modes"].items():
         paged = sum(e.get("pages_out", 0) for e in m["engine"])
         prod = m["producer_tokens_per_s"]
-        rows.append(f"{mode:<10} {m['ttft_ms']['p50']:>7.0f}/{m['ttft_ms']['p99']:<8.0f} "
-                    f"{m['burst_ttft_ms']['p99'] or 0:>10.0f}     {m['tpot_ms']['p50']:>6.1f}/{m['tpot_ms']['p99']:<8.1f} "
-                    f"{m['e2e_ms']['p50'] / 1e3:>6.1f}/{m['e2e_ms']['p99'] / 1e3:<7.1f} {paged:>8}   "
+        rows.append(f"{mode:<10} {_num(m['ttft_ms']['p50'], '>7.0f')}/{_num(m['ttft_ms']['p99'], '<8.0f')} "
+                    f"{_num(m['burst_ttft_ms']['p99'], '>10.0f')}     {_num(m['tpot_ms']['p50'], '>6.1f')}/"
+                    f"{_num(m['tpot_ms']['p99'], '<8.1f')} {_num(m['e2e_ms']['p50'], '>6.1f', 1e-3)}/"
+                    f"{_num(m['e2e_ms']['p99'], '<7.1f', 1e-3)} {paged:>8}   "
                     f"{'-' if prod is None else f'{prod:.1f}'}")
     for mode, m in result["modes"].items():
         for k, rnd in enumerate(m["rounds"]):
@@ -516,6 +652,8 @@ def format_table(result: dict) -> str:
             by_round = ", ".join(f"{100 * x:.1f}" for x in m["producer_loss_vs_alone_by_round"])
             rows.append(f"producer loss during {mode} vs the producer alone (median): "
                         f"{100 * m['producer_loss_vs_alone']:.1f}% (rounds: {by_round})")
+    rows += ["  " + v.describe() for v in verdicts(result)]
+    rows.append(closing(result))
     return "\n".join(rows)
 
 

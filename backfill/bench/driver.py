@@ -34,20 +34,25 @@ class RunResult:
     t0_monotonic_s: float = 0.0      # time.monotonic() of t0: subtract it from engine event times
     backlog_exhausted: bool = False  # some backlog ran out of requests before the end
     sample_error: str | None = None  # why stats sampling stopped early, if it did
+    cut_short: bool = False          # max_duration_s passed: open-loop requests still running were cancelled
 
 
 async def run_workload(target: Target, workload: Workload, *, progress: bool = True,
                        sample_interval_s: float | None = 1.0, drain_offline: bool = False,
-                       start_delay_s: float = 0.05) -> RunResult:
+                       start_delay_s: float = 0.05, max_duration_s: float | None = None) -> RunResult:
     """Drive `workload` against `target`; times in the records are seconds since t0. The target's
     gauges are sampled every sample_interval_s where it has them (None: never; reading a server's
-    /metrics costs CPU on both sides, which a run measuring the server's own cost must not add)."""
+    /metrics costs CPU on both sides, which a run measuring the server's own cost must not add).
+    max_duration_s bounds the run: open-loop requests still running then are cancelled (their
+    records marked `cancelled`) and the result says `cut_short`, so a benchmark ends when it said."""
     if not isinstance(target, Target):
         raise WorkloadError(f"{type(target).__name__} is not a benchmark Target (it needs generate())")
     if (sample_interval_s is not None and sample_interval_s <= 0) or start_delay_s < 0:
         raise WorkloadError("sample_interval_s must be > 0 and start_delay_s >= 0")
+    if max_duration_s is not None and not max_duration_s > 0:
+        raise WorkloadError(f"max_duration_s must be > 0, got {max_duration_s}")
     run = _Run(target, workload, progress, drain_offline)
-    return await run.go(sample_interval_s, start_delay_s)
+    return await run.go(sample_interval_s, start_delay_s, max_duration_s)
 
 
 class _Run:
@@ -62,6 +67,8 @@ class _Run:
         self.stop = asyncio.Event()
         self.t0 = 0.0
         self.offline_done = 0
+        self.open_tasks: list[asyncio.Task] = []
+        self.cut_short = False
         total = len(workload.requests) or None
         self.bar = tqdm(total=total, desc="online" if workload.online else "requests", unit="req",
                         disable=not progress, dynamic_ncols=True)
@@ -69,14 +76,18 @@ class _Run:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def go(self, sample_interval_s: float | None, start_delay_s: float) -> RunResult:
+    async def go(self, sample_interval_s: float | None, start_delay_s: float,
+                 max_duration_s: float | None = None) -> RunResult:
         self.t0 = time.monotonic() + start_delay_s
         started_unix_s = time.time() + start_delay_s
         backlogs = [asyncio.create_task(self._backlog(b)) for b in self.workload.offline_backlogs]
         sampler = (asyncio.create_task(self._sample(sample_interval_s))
                    if sample_interval_s is not None and isinstance(self.target, StatsSource) else None)
         try:
-            await self._open_loop()
+            if max_duration_s is None:
+                await self._open_loop()
+            else:
+                await self._bounded_open_loop(start_delay_s + max_duration_s)
             if self.workload.duration_s is not None:
                 await _sleep_until(self.t0 + self.workload.duration_s)
             end_s = self.now()
@@ -94,15 +105,24 @@ class _Run:
                 await asyncio.gather(sampler, return_exceptions=True)
             self.bar.close()
         records = sorted(self.records, key=lambda r: (r.send_s is None, r.send_s or 0.0))
-        return RunResult(records, self.samples, end_s, started_unix_s, self.t0, self.exhausted, self.sample_error)
+        return RunResult(records, self.samples, end_s, started_unix_s, self.t0, self.exhausted, self.sample_error,
+                         self.cut_short)
 
     async def _open_loop(self) -> None:
-        tasks = []
         for req in self.workload.requests:
             await _sleep_until(self.t0 + req.arrival_s)
             rec = self._record(req)
-            tasks.append(asyncio.create_task(self._send(req, rec, open_loop=True)))
-        await asyncio.gather(*tasks)
+            self.open_tasks.append(asyncio.create_task(self._send(req, rec, open_loop=True)))
+        await asyncio.gather(*self.open_tasks)
+
+    async def _bounded_open_loop(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._open_loop(), timeout_s)
+        except asyncio.TimeoutError:
+            self.cut_short = True
+            for task in self.open_tasks:   # those sent before the cut and still running
+                task.cancel()
+            await asyncio.gather(*self.open_tasks, return_exceptions=True)
 
     async def _backlog(self, backlog: OfflineBacklog) -> None:
         await _sleep_until(self.t0)

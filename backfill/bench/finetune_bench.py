@@ -315,7 +315,7 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
     for mode, rounds in results.items():
         table[mode] = {"samples_per_s": statistics.median(r["samples_per_s"] for r in rounds),
                        "p99_tpot_ms": statistics.median(r["p99_tpot_ms"] for r in rounds),
-                       "p99_itl_ms": statistics.median(r.get("p99_itl_ms", 0.0) for r in rounds),
+                       "p99_itl_ms": _median_or_none([r.get("p99_itl_ms") for r in rounds]),
                        "rounds_samples_per_s": [r["samples_per_s"] for r in rounds],
                        "rounds_p99_tpot_ms": [r["p99_tpot_ms"] for r in rounds]}
         table[mode]["qos"] = qos_verdict(rounds, table[mode]["p99_tpot_ms"], target_ms)
@@ -327,18 +327,45 @@ def _table(results: dict[str, list[dict]], target_ms: float) -> dict:
     return add_harli_ratios(table)
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def closing(table: dict, rounds: int) -> str:
+    """Which mode finetuned fastest within the decode QoS target, and the verdicts read in a sentence."""
+    from backfill.bench.verdict import Verdict, closing_sentence
+
+    judged = {mode: row for mode, row in table.items() if mode != SOLO}
+    verdicts = [Verdict(**{**{k: row["qos"][k] for k in ("value", "target", "samples", "min_samples", "comparison",
+                                                          "tolerance", "sample_unit")},
+                           "quantity": f"{mode}: decode P99 TPOT, ms"}) for mode, row in judged.items()]
+    within = sorted(((row["samples_per_s"], mode) for mode, row in judged.items() if row["meets_qos"] is True),
+                    reverse=True)
+    if within:
+        rate, mode = within[0]
+        lead = (f"Fastest finetuning within the decode target ({table[mode]['qos']['target']:.1f} ms P99 TPOT): "
+                f"{mode}, {rate:.3f} samples/s (medians over {rounds} round(s)). ")
+    elif any(row["meets_qos"] is None for row in judged.values()):
+        lead = "No mode can be called fastest within the decode target: some P99s rest on too few requests. "
+    else:
+        lead = "No mode met the decode target. "
+    return lead + closing_sentence(verdicts)
+
+
 def _markdown(table: dict, args) -> str:
     from backfill.bench.sim.finetune_sim import qos_text
 
     lines = [f"| mode | finetune samples/s | decode P99 TPOT ms (target {args.tpot_target_ms:.0f}) | P99 ITL ms | QoS |",
              "|---|---|---|---|---|"]
     for mode, row in table.items():
-        lines.append(f"| {mode} | {row['samples_per_s']:.3f} | {row['p99_tpot_ms']:.1f} | {row['p99_itl_ms']:.1f} | "
-                     f"{qos_text(row)} |")
+        itl = "-" if row["p99_itl_ms"] is None else f"{row['p99_itl_ms']:.1f}"
+        lines.append(f"| {mode} | {row['samples_per_s']:.3f} | {row['p99_tpot_ms']:.1f} | {itl} | {qos_text(row)} |")
     for mode in ("harli", "partitioned"):
         if mode in table:
             ratios = ", ".join(f"{k[2:]} {v:.2f}x" for k, v in table[mode].items() if k.startswith("x_"))
             lines.append(f"\n{mode}'s finetune throughput against: {ratios} (medians over {args.rounds} rounds)")
+    lines.append("\n" + closing(table, args.rounds))
     return "\n".join(lines)
 
 
@@ -370,10 +397,18 @@ def _run_sim(args, modes, loaded, latency, config) -> int:
     # max_seq_len tokens, at most 128 in the profile).
     prefill = lambda n: forward_ms * layers * n / 128  # noqa: E731
     costs = SimCosts(latency, unit_ms * config.layers_per_unit, pieces, config.batch_size, prefill, args.sim_noise_cv)
+    decode_ms = lambda ctx: latency.solo_ms(1, ctx, 1.0)  # noqa: E731
+    duration_s = sim_duration_s(args.duration, args.rounds, lambda d, k: len(online_requests(
+        d, args.online_load, k, prefill, decode_ms)))
+    if duration_s != args.duration:
+        print(f"simulating {duration_s:g} s of trace a mode instead of --duration {args.duration:g}: every round "
+              f"then has {SIM_MIN_REQUESTS}+ online requests behind its P99 (a simulation runs as long as it needs)",
+              flush=True)
+        args.duration = duration_s
+    print(f"simulated modes: {SOLO} (the reference) and {', '.join(modes)}, {args.rounds} round(s)", flush=True)
     results: dict[str, list[dict]] = {}
     for k in range(args.rounds):
-        requests = online_requests(args.duration, args.online_load, k, prefill,
-                                   lambda ctx: latency.solo_ms(1, ctx, 1.0))
+        requests = online_requests(args.duration, args.online_load, k, prefill, decode_ms)
         for mode in (SOLO, *modes):
             if mode == "separate":
                 r = simulate(None, requests, costs, args.duration, args.tpot_target_ms, seed=k,
@@ -393,6 +428,23 @@ def _run_sim(args, modes, loaded, latency, config) -> int:
     print(_markdown(table, args))
     print(f"wrote {out / 'sim-result.json'}")
     return 0
+
+
+# A simulated round holds at least this many online requests: the P99 verdicts' minimum with a
+# margin (a P99 of exactly 20 is close to their maximum).
+SIM_MIN_REQUESTS = 40
+
+
+def sim_duration_s(duration_s: float, rounds: int, requests_in) -> float:
+    """The simulated trace length a mode needs so that every round holds SIM_MIN_REQUESTS online
+    requests (requests_in(duration_s, round) counts them): duration_s, or longer in steps of 1.5x."""
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be positive, got {duration_s}")
+    for _ in range(40):
+        if min(requests_in(duration_s, k) for k in range(rounds)) >= SIM_MIN_REQUESTS:
+            return duration_s
+        duration_s = math.ceil(duration_s * 1.5)
+    raise ValueError(f"no trace up to {duration_s:g} s holds {SIM_MIN_REQUESTS} online requests")
 
 
 class _NoFinetune(ColocationPolicy):

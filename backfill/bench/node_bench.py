@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
-from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict
+from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.errors import PolicyInputError
 from backfill.node.engine_proc import EngineProcess, EngineSpec, engine_kv_layout, engine_model_config, request_dict
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool, StaticMemPool
@@ -520,10 +520,11 @@ def format_table(results: dict[str, Any]) -> str:
                      _f(pause.get("os_suspend_ms", {}).get("p99"), 3),
                      _f(pause.get("offline_layer_ms", {}).get("p50"), 2), _f(off.get("tokens_per_s")),
                      _f(off.get("lost_tokens")), _f(mem.get("reclamations_per_min")),
-                     _f(mem.get("reclaim_ms", {}).get("p99"), 2), _f(off.get("nothing_lost"))))
+                     _f(mem.get("reclaim_ms", {}).get("p99"), 2), _no_loss(off, mem)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process)")
+    lines.append("(latencies in ms; p99 over the phase's online requests; one torch thread per engine process; "
+                 "no loss: n/a where nothing was reclaimed, so nothing could be lost)")
     lines.append("targets (met only from enough samples):")
     for key, v in results["summary"].items():
         if "met_text" in v:
@@ -533,7 +534,32 @@ def format_table(results: dict[str, Any]) -> str:
         else:
             lines.append(f"  {key}: " + ", ".join(f"{k}={_f(x, 3)}" for k, x in v.items()))
     lines.extend(f"warning: {w}" for w in results.get("warnings", ()))
+    lines.append(closing(results))
     return "\n".join(lines)
+
+
+def closing(results: dict[str, Any]) -> str:
+    """The phase that harvested most offline tokens/s, and the targets read in a sentence."""
+    harvests = sorted(((r["offline"]["tokens_per_s"], name) for name, r in results["phases"].items()
+                       if r.get("offline", {}).get("tokens_per_s") is not None), reverse=True)
+    lead = ""
+    if harvests:
+        rate, name = harvests[0]
+        lead = (f"Most offline tokens/s: {name} ({rate:.1f}" + "".join(
+            f"; {other} {r:.1f}" for r, other in harvests[1:]) + "). ")
+    judged = [Verdict(**{k: v[k] for k in VERDICT_KEYS if k not in ("met", "met_text")})
+              for v in results["summary"].values() if "met_text" in v]
+    return lead + closing_sentence(judged)
+
+
+def _no_loss(offline: dict[str, Any], memory: dict[str, Any]) -> str:
+    """'yes' / 'no' only where memory was reclaimed: with no reclamation, keeping every offline
+    request shows nothing about reclamation losing none."""
+    if not offline or offline.get("nothing_lost") is None:
+        return "-"
+    if not memory.get("reclamations"):
+        return "n/a"
+    return _f(offline["nothing_lost"])
 
 
 VERDICT_KEYS = ("quantity", "value", "target", "comparison", "tolerance", "samples", "min_samples", "sample_unit",

@@ -17,6 +17,7 @@ import torch
 
 from backfill.bench.arrivals import poisson_arrivals, uniform_arrivals
 from backfill.bench.disb import DisbClient, DisbWorkload, load_disb
+from backfill.bench.heartbeat import Heartbeat
 from backfill.bench.lengths import parse_length_spec
 from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap, analyze
@@ -229,7 +230,11 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
     unknown = needed - set(scales)
     if unknown:
         raise RealtimeError(f"DISB clients use models without a DNN definition: {sorted(unknown)}")
-    models = load_models(needed, scales, metadata_dir, device)
+    log(f"DISB {' '.join(letters) if not custom else custom.name or 'custom'}: {len(modes)} modes x {rounds} "
+        f"round(s), {duration_s:g} s a mode and workload (about {duration_s * len(modes):.0f} s a workload after "
+        f"the models load: {len(needed)} models, each analysed for idempotence unless its map is saved)")
+    with Heartbeat(log, "building the models and their idempotence maps"):
+        models = load_models(needed, scales, metadata_dir, device)
     log("models (standalone ms): " + ", ".join(f"{n} {m.solo_s * 1e3:.1f} ({len(m.model)} ops)"
                                                 for n, m in models.items()))
     report = {"models": {n: {"solo_ms": m.solo_s * 1e3, "ops": len(m.model), "scale": scales[n]}
@@ -245,13 +250,58 @@ def run_disb(letters: list[str], modes: list[str], duration_s: float, rounds: in
             for n, m in models.items():  # standalone times re-measured beside the modes, round by round
                 solo_runs[n] += [_timed_inference(m) for _ in range(3)]
             for mode in modes:
-                results.append(run_once(wl, mode, models, duration_s / rounds, seed + k, device))
+                log(f"   {wl.name} round {k + 1}/{rounds}: {mode} for {duration_s / rounds:g} s")
+                with Heartbeat(log, f"{mode} (requests queued at the end still finish)"):
+                    results.append(run_once(wl, mode, models, duration_s / rounds, seed + k, device))
         solo = {n: replace(m, solo_s=float(np.median(solo_runs[n]))) for n, m in models.items()}
         rows = summarize(results, wl, solo)
         report["workloads"][wl.name] = {"solo_ms": {n: m.solo_s * 1e3 for n, m in solo.items()}}
         report["workloads"][wl.name].update(clients=wl.to_json()["clients"], modes=rows)
         log(format_rows(wl.name, rows))
     return report
+
+
+# REEF's targets on DISB (§6.3): RT latency close to RT-only's at no less BE throughput than SEQ.
+RT_P99_VS_RT_ONLY_TARGET = 1.05
+THROUGHPUT_VS_SEQ_TARGET = 1.0
+
+
+def verdicts(rows: dict) -> list:
+    """Each REEF mode's two targets against RT-only and SEQ of the same run, backed by its RT
+    request count (throughput is a rate over the whole run: one sample per mode-round)."""
+    from backfill.bench.verdict import MIN_SAMPLES_P99, Verdict
+
+    out = []
+    for mode, r in rows.items():
+        if not mode.startswith("reef"):
+            continue
+        out.append(Verdict(f"{mode}: RT P99 / RT-only's", r["rt_p99_vs_rt_only"], RT_P99_VS_RT_ONLY_TARGET,
+                           samples=r["rt_requests"], min_samples=MIN_SAMPLES_P99, sample_unit="RT requests"))
+        out.append(Verdict(f"{mode}: BE throughput / SEQ's", r["throughput_vs_seq"], THROUGHPUT_VS_SEQ_TARGET,
+                           samples=r["rt_requests"], min_samples=MIN_SAMPLES_P99, comparison=">=",
+                           sample_unit="RT requests"))
+    return out
+
+
+def closing(name: str, rows: dict) -> str:
+    """Which modes met both targets (or came closest), read in a sentence."""
+    judged = verdicts(rows)
+    both = [m for m in rows if m.startswith("reef")
+            and all(v.met for v in judged if v.quantity.startswith(f"{m}:"))]
+    if both:
+        best = max(both, key=lambda m: rows[m]["throughput_vs_seq"] or 0.0)
+        lead = (f"DISB {name}: {', '.join(both)} met both targets (RT P99 <= {RT_P99_VS_RT_ONLY_TARGET}x RT-only at "
+                f">= {THROUGHPUT_VS_SEQ_TARGET}x SEQ's throughput); {best} at {rows[best]['rt_p99_vs_rt_only']:.2f}x "
+                f"and {rows[best]['throughput_vs_seq']:.2f}x over {rows[best]['rt_requests']} RT requests.")
+    else:
+        lead = f"DISB {name}: no REEF mode met both targets this run."
+    conc = rows.get("concurrent")
+    if conc and conc["rt_p99_vs_rt_only"] is not None and conc["throughput_vs_seq"] is not None:
+        lead += (f" concurrent (no priorities): {conc['rt_p99_vs_rt_only']:.2f}x RT-only at "
+                 f"{conc['throughput_vs_seq']:.2f}x SEQ.")
+    from backfill.bench.verdict import closing_sentence
+
+    return lead + " " + closing_sentence(judged)
 
 
 def format_rows(name: str, rows: dict) -> str:
@@ -263,6 +313,7 @@ def format_rows(name: str, rows: dict) -> str:
         lines.append(f"  {mode:10s} | {r['rt_requests']:4d} | {f(r['rt_p50_norm'], '.2f')} | {f(r['rt_p99_norm'], '.2f')} | "
                      f"{f(r['rt_p99_vs_rt_only'], '.3f')} | {r['throughput_norm']:.3f} | {f(r['throughput_vs_seq'], '.2f')} | "
                      f"{pre or '-'}")
+    lines.append(closing(name, rows))
     return "\n".join(lines)
 
 

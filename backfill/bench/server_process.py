@@ -69,6 +69,27 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 @contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while the block runs, so a benchmark
+    stopped by `kill` or a timeout stops the processes it started (its `finally` blocks run) instead
+    of leaving them behind. Elsewhere than in the main thread, nothing changes."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def served(server_args: list[str], health_timeout_s: float = 180.0) -> Iterator[str]:
     """Run `python -m backfill.server` with server_args (not --host, --port or --db: they are
     chosen here, the database in a temporary folder) and yield its base URL while it runs."""

@@ -72,3 +72,36 @@ class Verdict:
                 "comparison": self.comparison, "tolerance": self.tolerance, "samples": self.samples,
                 "min_samples": self.min_samples, "sample_unit": self.sample_unit, "met": self.met,
                 "met_text": self.met_text}
+
+
+def ratio_text(value: float | None, digits: int = 2) -> str:
+    """A ratio as a user reads it: `1.11x` (`-` when nothing was measured)."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}x"
+
+
+def closing_sentence(verdicts: list[Verdict]) -> str:
+    """One sentence reading a run's targets: which were met, which missed (by how much), which
+    stood on too few samples to judge, each with its sample count."""
+    if not verdicts:
+        return "No target was judged."
+    parts = []
+    met = [v for v in verdicts if v.met is True]
+    missed = [v for v in verdicts if v.met is False]
+    thin = [v for v in verdicts if v.met is None]
+    if met:
+        parts.append(f"met {len(met)} of {len(verdicts)} targets (" + "; ".join(
+            f"{v.quantity} {v.value:.3g} {_against(v)}, n={v.samples}" for v in met) + ")")
+    if missed:
+        parts.append(f"missed {len(missed)} (" + "; ".join(
+            f"{v.quantity} {v.value:.3g} {_against(v)}, n={v.samples}" for v in missed) + ")")
+    if thin:
+        parts.append(f"could not judge {len(thin)} (" + "; ".join(
+            f"{v.quantity}: {v.samples} {v.sample_unit}, {v.min_samples} needed" for v in thin) + ")")
+    text = "; ".join(parts)
+    return "This run " + text + "."
+
+
+def _against(v: Verdict) -> str:
+    if v.comparison == "within":
+        return f"against {v.target:.3g} +/- {v.tolerance:.0%}"
+    return f"against the target {v.comparison} {v.target:.3g}"

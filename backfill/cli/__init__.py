@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     args = build_parser(argv).parse_args(argv)
+    args.argv = list(argv)   # the command line as given (a command that can be resumed prints it)
     try:
         return args.func(args)
     except BackfillError as exc:

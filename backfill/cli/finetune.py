@@ -24,7 +24,8 @@ def add_commands(commands: CommandParser) -> None:
                                    "resumes from --out", _fill_run)
     commands.defer("finetune profile", "fit HARLI's co-location latency predictor (HARLI §5) on this machine "
                                        "and save it", _fill_profile)
-    commands.defer("bench finetune", "HARLI: finetuning co-located with the decode trace, four modes", _fill_bench)
+    commands.defer("bench finetune", "HARLI: finetuning beside the decode trace: a solo reference, then "
+                                     "separate / static / pause-only / harli (and partitioned, not in --sim)", _fill_bench)
     commands.defer("sim finetune", "HARLI's device form simulated: SM partitions between decode and LoRA "
                                    "finetuning on the H200 shape, four modes and a sensitivity table", _fill_sim)
 
@@ -174,6 +175,9 @@ def _load_model(args: argparse.Namespace, **serving_changes):
 
 
 PROGRESS_EVERY_S = 5.0
+# samples/s is the pace of the last few steps: a rate over the whole run would lag a change of pace
+# (another process taking a core) by as long as the run has lasted.
+RATE_WINDOW_STEPS = 5
 
 
 def time_left(job, first_step: float, elapsed_s: float) -> str:
@@ -185,7 +189,31 @@ def time_left(job, first_step: float, elapsed_s: float) -> str:
     return f"about {left_s / 60:.1f} min left" if left_s >= 90 else f"about {left_s:.0f} s left"
 
 
+def recent_samples_per_s(events: list[dict], run_started_unix_s: float,
+                         window_steps: int = RATE_WINDOW_STEPS) -> float | None:
+    """Samples per second over the last `window_steps` steps of this run (events: the job's step
+    events, each with its wall-clock `time` and `samples`); steps before this run started (a resumed
+    job's) are not counted, and the first step of a run is timed from the run's start."""
+    mine = [e for e in events if e["time"] >= run_started_unix_s]
+    if not mine:
+        return None
+    recent = mine[-window_steps:]
+    earlier = mine[-window_steps - 1]["time"] if len(mine) > window_steps else run_started_unix_s
+    span_s = recent[-1]["time"] - earlier
+    return sum(e["samples"] for e in recent) / span_s if span_s > 0 else None
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that resumes this job: the same one (it resumes from --out)."""
+    import shlex
+
+    return "backfill " + shlex.join(argv)
+
+
 def cmd_finetune_run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+
     from backfill.finetune.job import FinetuneJob
     from backfill.serving.build import build_runner
 
@@ -196,20 +224,36 @@ def cmd_finetune_run(args: argparse.Namespace) -> int:
     job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out)
     print(f"finetuning {loaded.config.name}: {len(job.samples)} examples, {job.total_steps} steps "
           f"(from step {job.steps_done}), rank {config.rank}, targets {','.join(config.target_modules)}", flush=True)
-    started, printed = time.perf_counter(), len(job.events)
+    started, started_unix_s, printed = time.perf_counter(), time.time(), len(job.events)
     first_step, shown = job.progress_steps, time.perf_counter()
-    while job.run_unit():
-        now = time.perf_counter()
-        for event in job.events[printed:]:
-            rate = (event["step"] - printed) * config.batch_size / (now - started)
-            print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  {rate:.2f} samples/s  "
-                  f"{time_left(job, first_step, now - started)}", flush=True)
-            shown = now
-        printed = max(printed, len(job.events)) if job.events else printed
-        if now - shown >= PROGRESS_EVERY_S:  # a step takes minutes on a slow CPU: show it moving
-            print(f"step {job.steps_done + 1:5d}/{job.total_steps}  {100 * (job.progress_steps % 1):.0f}% of its "
-                  f"layer pieces done  {time_left(job, first_step, now - started)}", flush=True)
-            shown = now
+
+    def on_sigterm(signum, frame) -> None:   # SIGTERM ends the run as Ctrl-C does: with how to resume
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        while job.run_unit():
+            now = time.perf_counter()
+            for event in job.events[printed:]:
+                rate = recent_samples_per_s(job.events[:job.events.index(event) + 1], started_unix_s)
+                print(f"step {event['step']:5d}/{job.total_steps}  loss {event['loss']:.4f}  "
+                      f"{'-' if rate is None else f'{rate:.2f}'} samples/s  "
+                      f"{time_left(job, first_step, now - started)}", flush=True)
+                shown = now
+            printed = max(printed, len(job.events)) if job.events else printed
+            if now - shown >= PROGRESS_EVERY_S:  # a step takes minutes on a slow CPU: show it moving
+                print(f"step {job.steps_done + 1:5d}/{job.total_steps}  {100 * (job.progress_steps % 1):.0f}% of "
+                      f"its layer pieces done  {time_left(job, first_step, now - started)}", flush=True)
+                shown = now
+    except KeyboardInterrupt:
+        saved = job.checkpoints()
+        at = f"step {saved[-1][0]}" if saved else "the start (no checkpoint yet)"
+        print(f"\ninterrupted at step {job.steps_done}/{job.total_steps}; the newest checkpoint is at {at} "
+              f"(one every {config.checkpoint_every_steps} steps). Resume with:\n  {resume_command(getattr(args, 'argv', None) or sys.argv[1:])}",
+              flush=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"adapter: {args.out / 'adapter'}")
     return 0
 

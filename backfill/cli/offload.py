@@ -78,6 +78,7 @@ def _fill_offload_profile(p: argparse.ArgumentParser) -> None:
 
 def cmd_bench_burst(args: argparse.Namespace) -> None:
     from backfill.bench.burst_bench import BurstScenario, format_table, pool, run_burst_bench, save
+    from backfill.bench.server_process import sigterm_as_interrupt
 
     if args.pool:
         result = pool([json.loads(Path(path).read_text()) for path in args.pool])
@@ -90,7 +91,8 @@ def cmd_bench_burst(args: argparse.Namespace) -> None:
                              args.lend_mb, not args.no_producer, args.producer_tiny, args.warmup_s,
                              args.decode_attention, args.threads, args.producer_idle_s, not args.no_pin,
                              args.steady_load)
-    result = run_burst_bench(scenario, tuple(args.modes), checkpoint=lambda partial: save(partial, args.json))
+    with sigterm_as_interrupt():   # a SIGTERM still stops the coordinator and producer processes
+        result = run_burst_bench(scenario, tuple(args.modes), checkpoint=lambda partial: save(partial, args.json))
     print(format_table(result))
     save(result, args.json)
     print(f"wrote {args.json}")

@@ -53,13 +53,17 @@ def cmd_preempt(args: argparse.Namespace) -> int:
 
 
 def cmd_idempotence(args: argparse.Namespace) -> int:
+    from backfill.bench.heartbeat import Heartbeat
     from backfill.bench.realtime_bench import load_models, write_json
     from backfill.realtime.idempotence import format_table
 
     scales = _scales(args)
     maps = []
-    for name in args.models:
-        served = load_models({name}, scales, Path(args.metadata_dir))[name]
+    for k, name in enumerate(args.models):
+        print(f"{name} ({k + 1}/{len(args.models)}): building it and analysing its ops (a saved map is reused)",
+              flush=True)
+        with Heartbeat(lambda line: print(line, flush=True), name):
+            served = load_models({name}, scales, Path(args.metadata_dir))[name]
         maps.append(served.imap)
     print(format_table(maps))
     write_json({"models": [m.summary() for m in maps], "size": args.size}, args.json)

@@ -106,3 +106,44 @@ def test_a_scenario_without_a_rate_is_sized_before_it_makes_arrivals():
         BurstScenario().arrivals(0)
     with pytest.raises(WorkloadError):
         BurstScenario(steady_load=0.0)
+
+
+def test_the_table_closes_with_the_winner_and_the_verdicts_it_rests_on():
+    table = format_table(report(BurstScenario(steady_s=5, burst_s=10, after_s=5), parts_of([(100.0, 100.0, 97.0)])))
+    last = table.splitlines()[-1]
+    assert last.startswith("Lowest P99 TTFT under the burst: cfs-lent, 0.50 s over 20 completed requests")
+    assert "This run met 2 of 2 targets" in last and "n=20" in last
+    assert "cfs-host: P99 TTFT / FCFS's: 0.1 (target <= 1; n=20" in table
+
+
+def test_unfinished_requests_are_named_and_a_mode_without_figures_prints_dashes():
+    parts = parts_of([(100.0, 100.0, 97.0)])
+    parts["fcfs"][0].engine["unfinished_requests"] = 4
+    for r in parts["cfs-host"][0].records:           # every request cut before its first token
+        r.first_token_s, r.chunk_times_s, r.chunk_tokens, r.output_tokens, r.cancelled = None, [], [], 0, True
+    table = format_table(report(BurstScenario(steady_s=5, burst_s=10, after_s=5), parts))
+    assert "Cut at the announced time: fcfs left 4 unfinished." in table
+    assert table.splitlines()[2].split()[:3] == ["cfs-host", "-/-", "-"]
+
+
+def test_the_estimate_counts_every_mode_its_drain_and_the_producer_alone():
+    from backfill.bench.burst_bench import MIN_DRAIN_S, drain_cap_s, estimate_s
+
+    scenario = BurstScenario(steady_s=5, burst_s=15, after_s=5, warmup_s=2, producer_idle_s=2)
+    assert drain_cap_s(scenario) == max(MIN_DRAIN_S, 0.5 * 25.0)
+    assert estimate_s(scenario, ("fcfs", "cfs-lent")) == 2 + 2 * 3 + 2 * (25 + drain_cap_s(scenario))
+
+
+def test_a_slow_machine_lengthens_the_trace_in_proportion_up_to_its_cap():
+    from backfill.bench.burst_bench import MAX_TRACE_S, SIZED_REQUESTS, expected_requests, lengthen_to_hold
+
+    lines: list[str] = []
+    slow = BurstScenario(steady_rate_per_s=0.2, steady_s=5, burst_s=15, after_s=5)    # 8 requests in 25 s
+    longer = lengthen_to_hold(slow, lines.append)
+    assert expected_requests(longer) == pytest.approx(SIZED_REQUESTS, rel=0.02)
+    assert longer.burst_s / longer.steady_s == pytest.approx(3.0, rel=0.02) and longer.duration_s <= MAX_TRACE_S
+    assert "lengthened to" in lines[0]
+    crawling = lengthen_to_hold(BurstScenario(steady_rate_per_s=0.01, steady_s=5, burst_s=15, after_s=5))
+    assert crawling.duration_s == pytest.approx(MAX_TRACE_S)
+    fast = BurstScenario(steady_rate_per_s=2.0, steady_s=5, burst_s=15, after_s=5)
+    assert lengthen_to_hold(fast) is fast

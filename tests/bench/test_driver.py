@@ -107,3 +107,18 @@ def test_offline_only_runs_for_duration_and_reports_exhaustion(server):
 def test_rejects_non_targets():
     with pytest.raises(WorkloadError, match="not a benchmark Target"):
         asyncio.run(run_workload(object(), Workload(_online(1, 0.1, 1)), progress=False))
+
+
+def test_max_duration_cancels_what_is_still_running_and_says_so(server):
+    # 5 requests of 200 tokens at 10 ms a token (2 s each), the last sent at 0.82 s; cut at 0.5 s
+    wl = Workload(_online(5, 0.2, 200), ())
+    started = time.monotonic()
+    result = asyncio.run(_run(server, wl, max_duration_s=0.5))
+    assert time.monotonic() - started < 1.5
+    assert result.cut_short
+    assert 1 <= len(result.records) < 5                         # those sent before the cut only
+    assert all(r.cancelled and r.end_s is not None for r in result.records)
+    whole = asyncio.run(_run(server, Workload(_online(2, 0.02, 3), ()), max_duration_s=30))
+    assert not whole.cut_short and all(r.ok for r in whole.records)
+    with pytest.raises(WorkloadError):
+        asyncio.run(_run(server, wl, max_duration_s=0))

@@ -87,3 +87,19 @@ def test_a_trace_needs_a_rate_and_the_load_is_a_share():
         make_trace(NodeBenchConfig(), 100)
     with pytest.raises(PolicyInputError):
         NodeBenchConfig(online_load=1.5)
+
+
+def test_no_loss_is_n_a_where_nothing_was_reclaimed():
+    phases = {"valve": _phase(40, 100.0, 20.0, reclamations=0), "fifo": _phase(40, 100.0, 20.0, reclamations=6)}
+    rows = format_table({"phases": phases, "summary": summarize(phases, NodeBenchConfig())}).splitlines()
+    assert rows[1].split()[0] == "valve" and rows[1].split()[-1] == "n/a"
+    assert rows[2].split()[0] == "fifo" and rows[2].split()[-1] == "yes"
+
+
+def test_the_table_closes_with_the_best_harvest_and_the_targets_read():
+    phases = {"alone": _phase(40, 100.0, 20.0, offline=False), "valve": _phase(40, 150.0, 20.0, acks=40,
+                                                                               reclamations=6, lost=10, tokens=1200),
+              "fifo": _phase(40, 100.0, 20.0, reclamations=6, lost=100, tokens=600)}
+    last = format_table({"phases": phases, "summary": summarize(phases, NodeBenchConfig())}).splitlines()[-1]
+    assert last.startswith("Most offline tokens/s: valve (20.0; fifo 10.0). This run met ")
+    assert "missed" in last and "valve: online P99 TTFT / alone's 1.5" in last

@@ -41,3 +41,20 @@ def test_stop_ends_a_process_started_in_its_own_session_and_what_it_started():
             return
         time.sleep(0.1)
     raise AssertionError("a process of the stopped group is still alive")
+
+
+def test_sigterm_raises_keyboard_interrupt_inside_the_block_only():
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from backfill.bench.server_process import sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)                         # the handler interrupts this at once
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -32,3 +32,19 @@ def test_unknown_comparison_is_refused():
 def test_as_dict_round_trips_the_verdict():
     d = Verdict("q", 2.0, 1.0, samples=30, min_samples=20, sample_unit="requests").as_dict()
     assert d["met"] is False and d["met_text"] == "no" and d["samples"] == 30 and d["sample_unit"] == "requests"
+
+
+def test_the_closing_sentence_reads_met_missed_and_thin_verdicts_with_their_counts():
+    from backfill.bench.verdict import closing_sentence, ratio_text
+
+    met = Verdict("burst P99 TTFT / SLO", 1.5, 2.0, samples=40, min_samples=MIN_SAMPLES_P99,
+                  sample_unit="admitted requests")
+    missed = Verdict("after P99 TTFT / SLO", 1.11, 1.0, samples=23, min_samples=MIN_SAMPLES_P99)
+    thin = Verdict("before P99 TTFT / SLO", 0.5, 1.0, samples=19, min_samples=MIN_SAMPLES_P99,
+                   sample_unit="admitted requests")
+    text = closing_sentence([met, missed, thin])
+    assert text.startswith("This run met 1 of 3 targets (burst P99 TTFT / SLO 1.5 against the target <= 2, n=40)")
+    assert "missed 1 (after P99 TTFT / SLO 1.11 against the target <= 1, n=23)" in text
+    assert "could not judge 1 (before P99 TTFT / SLO: 19 admitted requests, 20 needed)" in text
+    assert closing_sentence([]) == "No target was judged."
+    assert ratio_text(1.1099999999999999) == "1.11x" and ratio_text(None) == "-" and ratio_text(float("nan")) == "-"

@@ -101,11 +101,13 @@ def simulate(policy, requests: list[SimRequest], costs: SimCosts, duration_s: fl
         t_ms += noisy(interval)
         running = decode_token(running, done, t_ms)
     p50_tpot_ms, p99_tpot_ms = tpot_percentiles_ms(done)
+    gaps = [b - a for s in done for a, b in zip(s["times"], s["times"][1:])]
+    p99_itl_ms = float(np.percentile(gaps, 99)) if gaps else None
     if separate_share_infer is not None:
         units = (1 - separate_share_infer) * t_ms / costs.unit_ms
     samples = units / costs.pieces_per_step * costs.samples_per_step
     return {"samples_per_s": samples / (t_ms / 1e3), "p99_tpot_ms": p99_tpot_ms,
-            "p50_tpot_ms": p50_tpot_ms, "completed": len(done)}
+            "p50_tpot_ms": p50_tpot_ms, "p99_itl_ms": p99_itl_ms, "completed": len(done)}
 
 
 def decode_token(running: list[dict], done: list[dict], t_ms: float) -> list[dict]:
