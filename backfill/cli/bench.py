@@ -162,7 +162,8 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
     scenario = scenario_from_args(args)
     serving = serving_config(args)
-    config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv)
+    config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv,
+                                          args.slowdown_factor)
     if args.loads or args.slos:
         from backfill.bench.frontier import parse_slos, run_frontier, settings
 
@@ -247,6 +248,8 @@ def _fill_sim_coserve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-overhead-ms", type=float, default=0.0,
                    help="host time each step adds beyond its cost table (Python between steps)")
     p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
+    p.add_argument("--slowdown-factor", type=float, default=2.0,
+                   help="with --slowdown-at-s: steps cost this many times more from then on in each mode's run")
     p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
     add_frontier_args(p)
     p.set_defaults(func=cmd_sim_coserve)

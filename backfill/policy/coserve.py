@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from backfill.policy.config import CoServeConfig
+from backfill.policy.drift import LatencyDrift
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.model_error import ModelErrorLog
 from backfill.policy.planner import PlanBuilder, decode_first, prefill_first, recompute_cost_order
@@ -63,6 +64,11 @@ class CoServePolicy(SchedulingPolicy):
         # from the profile differently; an unseen bucket follows the drift of all steps.
         self._corrections: dict[int, float] = {}
         self._overall_correction = 1.0
+        # The whole machine's drift from the profile, followed within seconds (drift.py); the bucket
+        # corrections above learn what is left of each step's error after it.
+        self.latency_drift = LatencyDrift()
+        self._now_s = 0.0
+        self._offline_tokens_factor = 1.0
         self._offline_tokens = self._offline_batch_tokens()
         self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
         self.riders = Riders(latency, self._estimate_ms, cost_share=config.rider_cost_share,
@@ -82,7 +88,8 @@ class CoServePolicy(SchedulingPolicy):
         return min(max(num_tokens, 1).bit_length(), 12)
 
     def correction_for(self, num_tokens: int) -> float:
-        return self._corrections.get(self._bucket(num_tokens), self._overall_correction)
+        bucket = self._corrections.get(self._bucket(num_tokens), self._overall_correction)
+        return self.latency_drift.factor * bucket
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         planned, self._planned = self._planned, None
@@ -93,13 +100,17 @@ class CoServePolicy(SchedulingPolicy):
             return
         if self.riders.observe_step(shape, duration_ms):
             return
-        ratio = min(4.0, max(0.25, duration_ms / estimate))
+        ratio = min(4.0, max(0.25, duration_ms / (self.latency_drift.factor * estimate)))
         bucket = self._bucket(shape.num_tokens)
         self._corrections[bucket] = 0.9 * self._corrections.get(bucket, self._overall_correction) + 0.1 * ratio
         self._overall_correction = 0.9 * self._overall_correction + 0.1 * ratio
 
     def _observe_error(self, mode: str, predicted_ms: float, measured_ms: float) -> None:
-        if self.model_error.observe(mode, predicted_ms, measured_ms) is None or mode != "co-serving":
+        if self.model_error.observe(mode, predicted_ms, measured_ms) is None:
+            return
+        # The step was planned at _now_s and has just ended.
+        self.latency_drift.observe(self._now_s + measured_ms / 1e3, predicted_ms, measured_ms)
+        if mode != "co-serving":
             return
         self._recent_ratios.append(measured_ms / predicted_ms)
         if self.config.adapt_margin and len(self._recent_ratios) >= MARGIN_MIN_STEPS:
@@ -127,11 +138,17 @@ class CoServePolicy(SchedulingPolicy):
         return self.config.preempt_target_ms * self.layout.num_layers / self.layout.longest_stretch_share
 
     def _offline_batch_tokens(self) -> int:
-        n = self.latency.max_new_tokens(BatchShape(), self._offline_step_budget_ms(), 0,
-                                        self.config.offline_batch_max_tokens)
+        # On a machine slower than its profile a batch of as many tokens runs past the preemption
+        # target: the batch shrinks with the drift.
+        factor = self._offline_tokens_factor = self.latency_drift.factor
+        n = largest_chunk(lambda shape: factor * self.latency.estimate_ms(shape), BatchShape(),
+                          self._offline_step_budget_ms(), 0, self.config.offline_batch_max_tokens)
         return max(1, n)
 
     def schedule(self, state: SchedulerState) -> StepPlan:
+        self._now_s = state.now_s
+        if abs(self.latency_drift.factor / self._offline_tokens_factor - 1.0) > 0.05:
+            self._offline_tokens = self._offline_batch_tokens()
         if state.online:
             return self._co_serving(state)
         return self._offline_batching(state)
