@@ -104,6 +104,10 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     from backfill.bench.coserve_bench import run_coserve_bench, run_http_bench, run_http_with_baseline, save_json
     scenario = scenario_from_args(args)
     serving = serving_config(args)
+    if args.profile:
+        from dataclasses import replace
+
+        serving = replace(serving, profile_path=args.profile)
     if args.url:
         from backfill.bench.coserve_bench import load_and_profile
 
@@ -208,6 +212,9 @@ def _fill_bench_coserve(p: argparse.ArgumentParser) -> None:
     add_scenario_args(p, rounds={})
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
+    p.add_argument("--profile", default=None,
+                   help="latency profile to plan with (default: the one `backfill profile` saved for these model "
+                        "options, measured on first use)")
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")
     p.add_argument("--api-key", default=None)

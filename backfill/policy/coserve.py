@@ -12,8 +12,9 @@ on recent co-serving steps (§4.5). Offline requests never hold blocks an online
 they are preempted, checkpointed ones first.
 
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
-whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
-(never past the SLO itself). Steps slowed by online prefills draw the bank down, so the next
+whose steps so far ran faster than its SLO has banked the difference, and a step may spend it,
+up to a few SLOs long (bank_step_max_slos): on a GPU such a step prefills the offline prompts that
+waited through a stretch of co-serving, which would otherwise keep their requests from decoding. Steps slowed by online prefills draw the bank down, so the next
 steps carry fewer offline tokens. What the bank cannot see is the future: an online request
 arriving later stalls every decoding request for its prefill, and a request that had spent its
 bank would end over the SLO. So the bank is only spent above a reserve for such prefills, sized
@@ -167,7 +168,7 @@ class CoServePolicy(SchedulingPolicy):
 
     def _banked_budget_ms(self, state: SchedulerState) -> float:
         """How long this step may take spending only what every decoding online request banked
-        above the reserve for future prefills (see the module doc); never more than the SLO."""
+        above the reserve for future prefills (see the module doc); at most bank_step_max_slos SLOs."""
         cfg = self.config
         target_tpot_ms = self.slo_margin * cfg.slo.tpot_ms
         decoding = [s for s in state.online if s.running and not s.in_prefill]
@@ -176,7 +177,7 @@ class CoServePolicy(SchedulingPolicy):
         # After this step a request has n + 1 tokens; its TPOT so far is
         # (now + step - first token) / n, which must stay within the target.
         allowance = min(self._tpot_allowance_ms(s, state.now_s, target_tpot_ms) for s in decoding)
-        return min(allowance - self._prefill_reserve_ms(), cfg.slo.tpot_ms)
+        return min(allowance - self._prefill_reserve_ms(), cfg.bank_step_max_slos * cfg.slo.tpot_ms)
 
     def _note_online_prompts(self, state: SchedulerState) -> None:
         for s in state.online:
