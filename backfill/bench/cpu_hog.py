@@ -26,6 +26,10 @@ class CpuHog:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -47,6 +47,9 @@ class CoServeConfig:
                               "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
                                    "suspended, where that pays for the step's lost work", group="coserve")
+    follow_drift: bool = knob(True, "step estimates follow measured over predicted step time online, so budgets "
+                              "shrink on a machine that slows (policy/drift.py)", group="coserve")
+
     def __post_init__(self) -> None:
         if not self.preempt_target_ms > 0:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")

@@ -90,7 +90,10 @@ class CoServePolicy(SchedulingPolicy):
 
     def correction_for(self, num_tokens: int) -> float:
         bucket = self._corrections.get(self._bucket(num_tokens), self._overall_correction)
-        return self.latency_drift.factor * bucket
+        return self._drift_factor() * bucket
+
+    def _drift_factor(self) -> float:
+        return self.latency_drift.factor if self.config.follow_drift else 1.0
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         planned, self._planned = self._planned, None
@@ -101,7 +104,7 @@ class CoServePolicy(SchedulingPolicy):
             return
         if self.riders.observe_step(shape, duration_ms):
             return
-        ratio = min(4.0, max(0.25, duration_ms / (self.latency_drift.factor * estimate)))
+        ratio = min(4.0, max(0.25, duration_ms / (self._drift_factor() * estimate)))
         bucket = self._bucket(shape.num_tokens)
         self._corrections[bucket] = 0.9 * self._corrections.get(bucket, self._overall_correction) + 0.1 * ratio
         self._overall_correction = 0.9 * self._overall_correction + 0.1 * ratio
@@ -141,14 +144,14 @@ class CoServePolicy(SchedulingPolicy):
     def _offline_batch_tokens(self) -> int:
         # On a machine slower than its profile a batch of as many tokens runs past the preemption
         # target: the batch shrinks with the drift.
-        factor = self._offline_tokens_factor = self.latency_drift.factor
+        factor = self._offline_tokens_factor = self._drift_factor()
         n = largest_chunk(lambda shape: factor * self.latency.estimate_ms(shape), BatchShape(),
                           self._offline_step_budget_ms(), 0, self.config.offline_batch_max_tokens)
         return max(1, n)
 
     def schedule(self, state: SchedulerState) -> StepPlan:
         self._now_s = state.now_s
-        if abs(self.latency_drift.factor / self._offline_tokens_factor - 1.0) > 0.05:
+        if abs(self._drift_factor() / self._offline_tokens_factor - 1.0) > 0.05:
             self._offline_tokens = self._offline_batch_tokens()
         if state.online:
             return self._co_serving(state)
