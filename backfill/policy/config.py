@@ -33,7 +33,7 @@ class CoServeConfig:
                                  "faster than its TPOT SLO", group="coserve")
     bank_step_max_slos: float = knob(3.0, "a step spending banked time takes at most this many TPOT SLOs (the SLO "
                                      "bounds a request's mean time per token, not each step)", group="coserve")
-    bank_reserve_prefills: float = knob(0.25, "banked time kept back for this many future online prefills",
+    bank_reserve_prefills: float = knob(1.0, "banked time kept back for this many future online prefills",
                                         group="coserve")
     rider_cost_share: float = knob(1.0, "offline tokens ride in a co-serving step only while they add at most this "
                                    "share of what an offline batch spends on them (1: break-even)", group="coserve")
@@ -42,7 +42,7 @@ class CoServeConfig:
     prefill_cost_share: float = knob(1.0, "an offline prompt chunk rides only while it adds at most this "
                                      "share of what an offline batch spends on its tokens (inf: the SLO budget alone "
                                      "decides, as in ConServe Algorithm 1)", group="coserve")
-    slo_margin_max: float = knob(0.95, "the most of the SLO budget an adapted margin plans to", group="coserve")
+    slo_margin_max: float = knob(0.85, "the most of the SLO budget an adapted margin plans to", group="coserve")
     adapt_margin: bool = knob(True, "the share of the SLO budget planned follows the latency model's measured "
                               "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "

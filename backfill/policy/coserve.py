@@ -112,8 +112,10 @@ class CoServePolicy(SchedulingPolicy):
     def _observe_error(self, mode: str, predicted_ms: float, measured_ms: float) -> None:
         if self.model_error.observe(mode, predicted_ms, measured_ms) is None:
             return
-        # The step was planned at _now_s and has just ended.
-        self.latency_drift.observe(self._now_s + measured_ms / 1e3, predicted_ms, measured_ms)
+        # The step was planned at _now_s and has just ended; the drift compares with a prediction that
+        # carries its factor (applied or, with follow_drift off, only reported).
+        unapplied = self.latency_drift.factor / self._drift_factor()
+        self.latency_drift.observe(self._now_s + measured_ms / 1e3, unapplied * predicted_ms, measured_ms)
         if mode != "co-serving":
             return
         self._recent_ratios.append(measured_ms / predicted_ms)
