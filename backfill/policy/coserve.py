@@ -14,12 +14,13 @@ they are preempted, checkpointed ones first.
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
 whose steps so far ran faster than its SLO has banked the difference, and a step may spend it,
 up to a few SLOs long (bank_step_max_slos): on a GPU such a step prefills the offline prompts that
-waited through a stretch of co-serving, which would otherwise keep their requests from decoding. Steps slowed by online prefills draw the bank down, so the next
-steps carry fewer offline tokens. What the bank cannot see is the future: an online request
-arriving later stalls every decoding request for its prefill, and a request that had spent its
-bank would end over the SLO. So the bank is only spent above a reserve for such prefills, sized
-by the longest prompt among recent online requests (a request has to earn it first: early tokens
-spend nothing). The paper's per-step budget, or the interference cap when one is set, is the floor.
+waited through a stretch of co-serving, which would otherwise keep their requests from decoding.
+Steps slowed by online prefills draw the bank down, so the next steps carry fewer offline tokens.
+What the bank cannot see is the future: an online request arriving later stalls every decoding
+request for its prefill, and a request that had spent its bank would end over the SLO. So the
+bank is only spent above a reserve for such prefills, sized by the longest prompt among recent
+online requests (a request has to earn it first: early tokens spend nothing). The paper's
+per-step budget, or the interference cap when one is set, is the floor.
 
 Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
 large as the preemption target allows: a step can only be aborted at a safepoint (three per
