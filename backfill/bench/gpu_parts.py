@@ -36,6 +36,7 @@ MIN_RECLAMATIONS = 20
 MODEL_START_S = 90.0
 H200_PROFILE = Path(__file__).parent / "data" / "h200-llama3-8b" / "profile-corrected.json"
 MODEL_8B = "--random-weights --shape llama3-8b"
+GPU_SETTING = "coserve:slo_margin_max=0.95,bank_reserve_prefills=0.25"
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,13 @@ def coserve_duration_s(load: float) -> float:
 
 def coserve_part(load: float) -> Part:
     duration = coserve_duration_s(load)
-    modes = ("online-only", "priority", "coserve")
+    # The defaults and the GPU setting of docs/coserving.md side by side.
+    modes = ("online-only", "priority", "coserve", GPU_SETTING)
     command = (f"$PY -m backfill.cli bench coserve {MODEL_8B} --dtype bfloat16 --device cuda --kv-cache-gb 24 "
                f"--duration {duration:.0f} --rounds 1 --warmup-s 10 --online-load {load} --ttft-slo-ms 200 "
                f"--tpot-slo-ms 15 --modes {' '.join(modes)} --out $P --json $P/coserve.json")
     return Part(f"coserve-{load}", f"co-serving at SLOs 200 / 15 ms, online load {load}: online-only, priority, "
-                                   "coserve (Llama-3-8B shape, bf16)", command,
+                                   "coserve with its defaults and the GPU setting (Llama-3-8B shape, bf16)", command,
                 MODEL_START_S + 10 + len(modes) * (duration + 5),
                 f"{online_requests(load, duration)} online requests a mode in {duration:.0f} s")
 
