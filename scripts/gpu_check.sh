@@ -4,15 +4,23 @@
 # never fatal. At the end OUT/summary.md and OUT/summary.json hold one table of every part's figures.
 #
 # Usage: scripts/gpu_check.sh [--dry-run] OUT
+#        scripts/gpu_check.sh [--dry-run] --part NAME OUT
 #   --dry-run   list the parts, their caps and commands, and check that the Python side imports
 #               without the server's dependencies; runs nothing on a device.
+#   --part NAME one part sized for its verdict (>= 100 online requests for a P99, >= 60 s windows),
+#               in one device call of its own; OUT/NAME/part.json records the commit and outcome.
+#               `--dry-run --part list` lists the parts, their estimates and which cannot fit one call
+#               (backfill/bench/gpu_parts.py plans them).
 # Environment: PYTHON (default .venv/bin/python where it exists, else python3), BACKFILL_TOKENIZER (a tokenizer.json for random-weight
 #   shapes; default .gpu/tokenizer when present), GPU_CHECK_TOTAL_S (overall deadline, default 585),
 #   GPU_CHECK_PARTS (space-separated subset of the part names, default all).
 set -uo pipefail
 DRY_RUN=0
 if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
-OUT=${1:?usage: scripts/gpu_check.sh [--dry-run] OUT}
+PART=""
+if [ "${1:-}" = "--part" ]; then PART=${2:?--part needs a name (or list)}; shift 2; fi
+OUT=${1:-}
+[ -n "$OUT" ] || [ "$PART" = list ] || { echo "usage: scripts/gpu_check.sh [--dry-run] [--part NAME] OUT"; exit 2; }
 cd "$(dirname "$0")/.."
 # the checkout's venv where there is one (a development machine), else the image's python3 (the device)
 if [ -x .venv/bin/python ]; then PY=${PYTHON:-$PWD/.venv/bin/python}; else PY=${PYTHON:-python3}; fi
@@ -23,6 +31,25 @@ if [ -z "${BACKFILL_TOKENIZER:-}" ] && [ -f .gpu/tokenizer/tokenizer.json ]; the
 fi
 export PYTHONUNBUFFERED=1
 MODEL_8B=(--random-weights --shape llama3-8b)
+
+if [ -n "$PART" ]; then
+  if [ "$PART" = list ]; then "$PY" -m backfill.bench.gpu_parts --list; exit $?; fi
+  cmd=$("$PY" -m backfill.bench.gpu_parts --command "$PART") || exit $?   # exit 3: cannot fit one call
+  cmd=${cmd//\$PY/$PY}
+  P="$OUT/$PART"
+  if [ $DRY_RUN = 1 ]; then echo "gpu_check --part $PART: ${cmd//\$P/$P}"; exit 0; fi
+  mkdir -p "$P"
+  CAP=${GPU_CHECK_PART_S:-560}
+  echo "== $PART (cap ${CAP} s) at $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')"
+  t0=$(date +%s)
+  BACKFILL_TEST_DEVICE=cuda timeout -k 10 "$CAP" bash -c "${cmd//\$P/$P}" > "$P/log.txt" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - t0 ))
+  if [ $rc -eq 0 ]; then outcome=ok; elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then outcome=timeout; else outcome=failed; fi
+  "$PY" -m backfill.bench.gpu_parts --record "$P" "$PART" "$outcome" "$took" "$rc"
+  tail -n 6 "$P/log.txt"
+  [ $rc -eq 0 ]; exit $?
+fi
 
 # name | cap in seconds | what it measures | command (OUT/<name> is $P)
 PARTS=(

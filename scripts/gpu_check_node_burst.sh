@@ -31,13 +31,16 @@ TOTAL_S=${NODE_BURST_TOTAL_S:-135}
 DEVICE=${NODE_BURST_DEVICE:-cuda}
 NODE_MODEL=${NODE_BURST_NODE_MODEL:-random:smollm2-135m}
 SHAPE=${NODE_BURST_SHAPE:-smollm2-135m}
+NODE_S=${NODE_BURST_NODE_S:-6}     # seconds per node phase (60 for a verdict: gpu_check.sh --part node-burst)
+BURST_S=${NODE_BURST_BURST_S:-4}   # seconds of the 2x burst
+NODE_CAP=$(( NODE_S * 3 + 45 )); BURST_CAP=$(( BURST_S * 6 + 20 ))
 export PYTHONUNBUFFERED=1
 
 PARTS=(
   "imports|15|$PY -c 'import sys, backfill.bench.node_bench, backfill.node.engine_proc, backfill.node.online_engine, backfill.node.offline_engine, backfill.bench.device_burst, backfill.bench.node_burst_summary, backfill.memory.cuda_vmm, backfill.serving.scheduler; bad = [m for m in (\"fastapi\", \"pydantic\", \"starlette\", \"uvicorn\", \"gguf\", \"llguidance\", \"ray\") if m in sys.modules]; print(\"absent-on-device modules imported:\", bad or \"none\"); sys.exit(1 if bad else 0)'"
   "cuda-tests|20|BACKFILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider --junitxml=$OUT/cuda-tests.xml tests/memory"
-  "node|60|$PY -m backfill.bench.node_bench --device $DEVICE --model $NODE_MODEL --phases alone,valve,fifo --duration-s 6 --warmup-s 2 --arrivals gamma:4:2 --json $OUT/node.json"
-  "burst|45|$PY -m backfill.bench.device_burst --device $DEVICE --shape $SHAPE --steady-s 1.5 --burst-s 4 --json $OUT/burst.json"
+  "node|$NODE_CAP|$PY -m backfill.bench.node_bench --device $DEVICE --model $NODE_MODEL --phases alone,valve,fifo --duration-s $NODE_S --warmup-s 2 --arrivals gamma:4:2 --json $OUT/node.json"
+  "burst|$BURST_CAP|$PY -m backfill.bench.device_burst --device $DEVICE --shape $SHAPE --steady-s 1.5 --burst-s $BURST_S --json $OUT/burst.json"
 )
 
 if [ $DRY_RUN = 1 ]; then

@@ -75,9 +75,9 @@ SHAPE_FLAGS = {"random_weights", "shape"}
 
 @pytest.mark.parametrize("command, extra", [
     (("bench", "coserve"), {"modes", "url", "served_model", "label", "api_key", "offline_mark", "online_baseline", "phase", "baseline_file",
-                            "out", "json", "loads", "slos"}),
-    (("sim", "coserve"), {"modes", "profile", "machine", "step_overhead_ms", "noise_cv", "out", "json", "loads",
-                          "slos"}),
+                            "out", "json", "loads", "slos", "profile"}),
+    (("sim", "coserve"), {"modes", "profile", "machine", "step_overhead_ms", "noise_cv", "slowdown_factor", "out",
+                          "json", "loads", "slos"}),
     (("bench", "server"), {"out", "json"}),
 ])
 def test_scenario_commands_take_the_engine_scenario_and_coserve_fields(command, extra):

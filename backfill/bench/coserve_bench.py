@@ -41,6 +41,7 @@ from typing import Callable
 
 from backfill.bench.arrivals import gamma_arrivals
 from backfill.bench.ceiling import offline_ceilings
+from backfill.bench.cpu_hog import hog_after
 from backfill.bench.driver import RunResult, run_workload
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
@@ -176,7 +177,10 @@ def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: 
     """A round's scheduler counters for the report, preemption times in s since the round's t0; with
     a policy that logs its latency model's error, that error per step mode (signed, one per step)."""
     model_error = policy.model_error if policy is not None else None
+    drift = policy.latency_drift if policy is not None else None
     return {"model_error": model_error.samples() if model_error is not None else {},
+            # A list, so that rounds concatenate (pool_rounds summarises them).
+            "latency_drift": [drift.report(t0_s)] if drift is not None else [],
             "steps": stats.steps, "aborted_steps": stats.aborted_steps, "resumed_steps": stats.resumed_steps,
             "wasted_tokens": stats.wasted_tokens, "wasted_forward_s": stats.wasted_forward_s,
             "preempted_requests": stats.preempted_requests, "checkpointed_tokens": stats.checkpointed_tokens,
@@ -210,10 +214,12 @@ def _summed(counters: list[dict]) -> dict:
 
 def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
     """One mode's rounds as one run: each round's times follow the previous round's end."""
-    records, samples, preemptions, counters = [], [], [], []
+    records, samples, preemptions, counters, drift_timeline = [], [], [], [], []
     offset_s = 0.0
     for k, part in enumerate(rounds):
         prefix = f"r{k}-" if len(rounds) > 1 else ""
+        for report in part.engine.get("latency_drift", []):
+            drift_timeline += [(round(t + offset_s, 3), f) for t, f in report["timeline"]]
         records += [_shifted(r, offset_s, prefix) for r in part.run.records]
         samples += [(t + offset_s, stats) for t, stats in part.run.samples]
         shifted = [e | {"at_s": e["at_s"] + offset_s} for e in part.engine.get("preemptions", [])]
@@ -226,6 +232,11 @@ def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
     # The report keeps each step mode's error summary, not every step's sample.
     engine_stats["model_error"] = {mode: s.to_dict() for mode, errors in engine_stats.get("model_error", {}).items()
                                    if (s := summarize(errors)) is not None}
+    drifts = engine_stats.pop("latency_drift", [])
+    if drifts:
+        engine_stats["latency_drift"] = {"max_factor": max(d["max_factor"] for d in drifts),
+                                         "end_factor": drifts[-1]["factor"], "steps": sum(d["steps"] for d in drifts),
+                                         "flags": sum(d["flags"] for d in drifts), "timeline": drift_timeline}
     return ModeResult(metrics, records, {"engine": engine_stats, "rounds": len(rounds)})
 
 
@@ -304,7 +315,8 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
         label = f" (round {k + 1}/{scenario.rounds})" if scenario.rounds > 1 else ""
         log(f"== {spec.label}{label}: {workload.name}, {len(workload.requests)} online requests, "
             f"SLO TTFT {slo.ttft_ms:.0f} ms / TPOT {slo.tpot_ms:.1f} ms")
-        part = asyncio.run(_run_round(engine, workload, progress))
+        with hog_after(round_scenario.slowdown_at_s, log):
+            part = asyncio.run(_run_round(engine, workload, progress))
         return part, {"model": name, "dtype": serving.resolved_dtype, "workload": dict(workload.meta)}
 
     results = run_in_rounds(scenario, modes, run_mode)
@@ -427,7 +439,20 @@ def headline(results: dict[str, ModeResult]) -> str:
             rows.append(f"{mode}: offline ceiling {c.ceiling_tokens_per_s:.1f} tok/s (batches in all the time "
                         f"online work leaves); reached {c.measured_tokens_per_s / c.ceiling_tokens_per_s:.0%} of it")
     rows += model_error_lines(results)
+    rows += drift_lines(results)
     return "\n".join(rows)
+
+
+def drift_lines(results: dict[str, ModeResult]) -> list[str]:
+    """One line per mode whose policy corrected its latency model online (policy/drift.py)."""
+    rows = []
+    for mode, r in results.items():
+        d = r.config.get("engine", {}).get("latency_drift")
+        if d and d["steps"]:
+            rows.append(f"{mode}: latency model corrected online: steps ran up to {d['max_factor']:.2f}x the "
+                        f"profile's estimate (at the end {d['end_factor']:.2f}x; {d['steps']} steps), "
+                        f"{d['flags']} persisting drift(s) flagged for re-profiling")
+    return rows
 
 
 def model_error_lines(results: dict[str, ModeResult]) -> list[str]:

@@ -176,6 +176,9 @@ def markdown_table(results: Mapping[str, ModeResult], baseline: str | None,
               if res.config.get("engine", {}).get("model_error")}
     if errors:
         lines += _model_error_section(errors)
+    drifts = {name: d for name, res in results.items() if (d := res.config.get("engine", {}).get("latency_drift"))}
+    if drifts:
+        lines += _drift_section(drifts)
     ceilings = offline_ceilings(results) if ceilings is None else ceilings
     if ceilings:
         lines += _ceiling_section(ceilings)
@@ -192,6 +195,21 @@ def _model_error_section(errors: Mapping[str, Mapping[str, dict]]) -> list[str]:
         for step_mode, e in sorted(by_mode.items()):
             lines.append(f"| {name} | {step_mode} | {e['steps']} | {e['median']:.1%} | {e['p90']:.1%} | "
                          f"{e['bias']:+.1%} |")
+    return lines
+
+
+def _drift_section(drifts: Mapping[str, dict]) -> list[str]:
+    lines = ["", "## Latency model corrected online", "",
+             "The factor the policy applied to its profile's step estimates, from measured over predicted step "
+             "time (backfill/policy/drift.py); a drift flagged is one that lasted long enough to re-profile.", "",
+             "| mode | steps | largest factor | at the end | drifts flagged | factor over time (s: x) |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, d in drifts.items():
+        points = d["timeline"]
+        every = max(1, len(points) // 12)
+        trace = ", ".join(f"{t:.0f}: {f:.2f}" for t, f in points[::every])
+        lines.append(f"| {name} | {d['steps']} | {d['max_factor']:.2f} | {d['end_factor']:.2f} | {d['flags']} | "
+                     f"{trace} |")
     return lines
 
 

@@ -29,6 +29,9 @@ class CoserveScenario:
                                      group="scenario")
     tpot_slo_ms: float | None = knob(None, "online TPOT SLO, ms; unset: online-only's P99 in this run",
                                      group="scenario")
+    # A noisy neighbour, the same schedule in every mode (bench/cpu_hog.py; simulated: sim coserve).
+    slowdown_at_s: float | None = knob(None, "slow the machine this many seconds into each mode's run of each round "
+                                       "(a busy loop pinned to one core, stopped at the run's end)", group="scenario")
     # Interleaved rounds compare modes run minutes apart less on a machine whose speed drifts.
     rounds: int = knob(1, "interleave the modes in this many rounds of duration/rounds each and pool them",
                        group="rounds")
@@ -40,6 +43,8 @@ class CoserveScenario:
 
         if not self.duration_s > 0 or not 0 < self.online_load <= 1.0 or not self.cv > 0:
             raise InvalidRequestError("need duration_s > 0, 0 < online_load <= 1 and cv > 0")
+        if self.slowdown_at_s is not None and not self.slowdown_at_s >= 0:
+            raise InvalidRequestError(f"slowdown_at_s must be >= 0, got {self.slowdown_at_s}")
         if self.rounds < 1:
             raise InvalidRequestError(f"rounds must be >= 1, got {self.rounds}")
         if not self.warmup_s >= 0:

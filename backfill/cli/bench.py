@@ -104,6 +104,10 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
     from backfill.bench.coserve_bench import run_coserve_bench, run_http_bench, run_http_with_baseline, save_json
     scenario = scenario_from_args(args)
     serving = serving_config(args)
+    if args.profile:
+        from dataclasses import replace
+
+        serving = replace(serving, profile_path=args.profile)
     if args.url:
         from backfill.bench.coserve_bench import load_and_profile
 
@@ -162,7 +166,8 @@ def cmd_sim_coserve(args: argparse.Namespace) -> int:
 
     scenario = scenario_from_args(args)
     serving = serving_config(args)
-    config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv)
+    config, latency, machine = load_inputs(serving, args.profile, args.machine, args.step_overhead_ms, args.noise_cv,
+                                          args.slowdown_factor)
     if args.loads or args.slos:
         from backfill.bench.frontier import parse_slos, run_frontier, settings
 
@@ -207,6 +212,9 @@ def _fill_bench_coserve(p: argparse.ArgumentParser) -> None:
     add_scenario_args(p, rounds={})
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), help=MODES_HELP)
     p.add_argument("--url", default=None, help="measure this OpenAI-compatible server instead")
+    p.add_argument("--profile", default=None,
+                   help="latency profile to plan with (default: the one `backfill profile` saved for these model "
+                        "options, measured on first use)")
     p.add_argument("--served-model", default=None, help="model name to send with --url")
     p.add_argument("--label", default="http", help="mode name for --url results")
     p.add_argument("--api-key", default=None)
@@ -247,6 +255,8 @@ def _fill_sim_coserve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-overhead-ms", type=float, default=0.0,
                    help="host time each step adds beyond its cost table (Python between steps)")
     p.add_argument("--noise-cv", type=float, default=0.0, help="lognormal spread of each step's time")
+    p.add_argument("--slowdown-factor", type=float, default=2.0,
+                   help="with --slowdown-at-s: steps cost this many times more from then on in each mode's run")
     p.add_argument("--out", default="runs/sim-coserve", help="report folder (JSON, Markdown, PNG)")
     add_frontier_args(p)
     p.set_defaults(func=cmd_sim_coserve)

@@ -31,6 +31,8 @@ class CoServeConfig:
                              group="coserve")
     bank_tpot_slack: bool = knob(True, "a decoding online request may spend the time it banked by running "
                                  "faster than its TPOT SLO", group="coserve")
+    bank_step_max_slos: float = knob(3.0, "a step spending banked time takes at most this many TPOT SLOs (the SLO "
+                                     "bounds a request's mean time per token, not each step)", group="coserve")
     bank_reserve_prefills: float = knob(1.0, "banked time kept back for this many future online prefills",
                                         group="coserve")
     rider_cost_share: float = knob(1.0, "offline tokens ride in a co-serving step only while they add at most this "
@@ -45,6 +47,9 @@ class CoServeConfig:
                               "error on recent co-serving steps (slo_margin until enough are seen)", group="coserve")
     release_suspended: bool = knob(True, "co-serving steps may take requests of the offline step an arrival "
                                    "suspended, where that pays for the step's lost work", group="coserve")
+    follow_drift: bool = knob(True, "step estimates follow measured over predicted step time online, so budgets "
+                              "shrink on a machine that slows (policy/drift.py)", group="coserve")
+
     def __post_init__(self) -> None:
         if not self.preempt_target_ms > 0:
             raise InvalidRequestError(f"preempt_target_ms must be positive, got {self.preempt_target_ms}")
@@ -56,6 +61,8 @@ class CoServeConfig:
             raise InvalidRequestError("slo_margin must be in (0, 1]")
         if not 0.0 < self.slo_margin_max <= 1.0:
             raise InvalidRequestError("slo_margin_max must be in (0, 1]")
+        if not self.bank_step_max_slos >= 1.0:
+            raise InvalidRequestError("bank_step_max_slos must be >= 1")
         if not self.bank_reserve_prefills >= 0:
             raise InvalidRequestError("bank_reserve_prefills must be >= 0")
         if not self.rider_cost_share >= 0:

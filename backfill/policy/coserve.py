@@ -12,13 +12,15 @@ on recent co-serving steps (§4.5). Offline requests never hold blocks an online
 they are preempted, checkpointed ones first.
 
 The TPOT SLO bounds a request's mean time per output token, not every step: a decoding request
-whose steps so far ran faster than its SLO has banked the difference, and a step may spend it
-(never past the SLO itself). Steps slowed by online prefills draw the bank down, so the next
-steps carry fewer offline tokens. What the bank cannot see is the future: an online request
-arriving later stalls every decoding request for its prefill, and a request that had spent its
-bank would end over the SLO. So the bank is only spent above a reserve for such prefills, sized
-by the longest prompt among recent online requests (a request has to earn it first: early tokens
-spend nothing). The paper's per-step budget, or the interference cap when one is set, is the floor.
+whose steps so far ran faster than its SLO has banked the difference, and a step may spend it,
+up to a few SLOs long (bank_step_max_slos): on a GPU such a step prefills the offline prompts that
+waited through a stretch of co-serving, which would otherwise keep their requests from decoding.
+Steps slowed by online prefills draw the bank down, so the next steps carry fewer offline tokens.
+What the bank cannot see is the future: an online request arriving later stalls every decoding
+request for its prefill, and a request that had spent its bank would end over the SLO. So the
+bank is only spent above a reserve for such prefills, sized by the longest prompt among recent
+online requests (a request has to earn it first: early tokens spend nothing). The paper's
+per-step budget, or the interference cap when one is set, is the floor.
 
 Offline batching mode (no online work): offline runs in big batches, ignoring the budget, as
 large as the preemption target allows: a step can only be aborted at a safepoint (three per
@@ -37,6 +39,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from backfill.policy.config import CoServeConfig
+from backfill.policy.drift import LatencyDrift
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.model_error import ModelErrorLog
 from backfill.policy.planner import PlanBuilder, decode_first, prefill_first, recompute_cost_order
@@ -63,6 +66,11 @@ class CoServePolicy(SchedulingPolicy):
         # from the profile differently; an unseen bucket follows the drift of all steps.
         self._corrections: dict[int, float] = {}
         self._overall_correction = 1.0
+        # The whole machine's drift from the profile, followed within seconds (drift.py); the bucket
+        # corrections above learn what is left of each step's error after it.
+        self.latency_drift = LatencyDrift()
+        self._now_s = 0.0
+        self._offline_tokens_factor = 1.0
         self._offline_tokens = self._offline_batch_tokens()
         self._recent_online_prompts: OrderedDict[str, int] = OrderedDict()  # seq id -> prompt tokens
         self.riders = Riders(latency, self._estimate_ms, cost_share=config.rider_cost_share,
@@ -82,7 +90,11 @@ class CoServePolicy(SchedulingPolicy):
         return min(max(num_tokens, 1).bit_length(), 12)
 
     def correction_for(self, num_tokens: int) -> float:
-        return self._corrections.get(self._bucket(num_tokens), self._overall_correction)
+        bucket = self._corrections.get(self._bucket(num_tokens), self._overall_correction)
+        return self._drift_factor() * bucket
+
+    def _drift_factor(self) -> float:
+        return self.latency_drift.factor if self.config.follow_drift else 1.0
 
     def observe_step(self, shape: BatchShape, duration_ms: float) -> None:
         planned, self._planned = self._planned, None
@@ -93,13 +105,19 @@ class CoServePolicy(SchedulingPolicy):
             return
         if self.riders.observe_step(shape, duration_ms):
             return
-        ratio = min(4.0, max(0.25, duration_ms / estimate))
+        ratio = min(4.0, max(0.25, duration_ms / (self._drift_factor() * estimate)))
         bucket = self._bucket(shape.num_tokens)
         self._corrections[bucket] = 0.9 * self._corrections.get(bucket, self._overall_correction) + 0.1 * ratio
         self._overall_correction = 0.9 * self._overall_correction + 0.1 * ratio
 
     def _observe_error(self, mode: str, predicted_ms: float, measured_ms: float) -> None:
-        if self.model_error.observe(mode, predicted_ms, measured_ms) is None or mode != "co-serving":
+        if self.model_error.observe(mode, predicted_ms, measured_ms) is None:
+            return
+        # The step was planned at _now_s and has just ended; the drift compares with a prediction that
+        # carries its factor (applied or, with follow_drift off, only reported).
+        unapplied = self.latency_drift.factor / self._drift_factor()
+        self.latency_drift.observe(self._now_s + measured_ms / 1e3, unapplied * predicted_ms, measured_ms)
+        if mode != "co-serving":
             return
         self._recent_ratios.append(measured_ms / predicted_ms)
         if self.config.adapt_margin and len(self._recent_ratios) >= MARGIN_MIN_STEPS:
@@ -127,11 +145,17 @@ class CoServePolicy(SchedulingPolicy):
         return self.config.preempt_target_ms * self.layout.num_layers / self.layout.longest_stretch_share
 
     def _offline_batch_tokens(self) -> int:
-        n = self.latency.max_new_tokens(BatchShape(), self._offline_step_budget_ms(), 0,
-                                        self.config.offline_batch_max_tokens)
+        # On a machine slower than its profile a batch of as many tokens runs past the preemption
+        # target: the batch shrinks with the drift.
+        factor = self._offline_tokens_factor = self._drift_factor()
+        n = largest_chunk(lambda shape: factor * self.latency.estimate_ms(shape), BatchShape(),
+                          self._offline_step_budget_ms(), 0, self.config.offline_batch_max_tokens)
         return max(1, n)
 
     def schedule(self, state: SchedulerState) -> StepPlan:
+        self._now_s = state.now_s
+        if abs(self._drift_factor() / self._offline_tokens_factor - 1.0) > 0.05:
+            self._offline_tokens = self._offline_batch_tokens()
         if state.online:
             return self._co_serving(state)
         return self._offline_batching(state)
@@ -150,7 +174,7 @@ class CoServePolicy(SchedulingPolicy):
 
     def _banked_budget_ms(self, state: SchedulerState) -> float:
         """How long this step may take spending only what every decoding online request banked
-        above the reserve for future prefills (see the module doc); never more than the SLO."""
+        above the reserve for future prefills (see the module doc); at most bank_step_max_slos SLOs."""
         cfg = self.config
         target_tpot_ms = self.slo_margin * cfg.slo.tpot_ms
         decoding = [s for s in state.online if s.running and not s.in_prefill]
@@ -159,7 +183,7 @@ class CoServePolicy(SchedulingPolicy):
         # After this step a request has n + 1 tokens; its TPOT so far is
         # (now + step - first token) / n, which must stay within the target.
         allowance = min(self._tpot_allowance_ms(s, state.now_s, target_tpot_ms) for s in decoding)
-        return min(allowance - self._prefill_reserve_ms(), cfg.slo.tpot_ms)
+        return min(allowance - self._prefill_reserve_ms(), cfg.bank_step_max_slos * cfg.slo.tpot_ms)
 
     def _note_online_prompts(self, state: SchedulerState) -> None:
         for s in state.online:

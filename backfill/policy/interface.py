@@ -17,6 +17,7 @@ from backfill.types import SLO, RequestClass
 
 if TYPE_CHECKING:
     from backfill.memory.pager import SwapReport
+    from backfill.policy.drift import LatencyDrift
     from backfill.policy.model_error import ModelErrorLog
 
 __all__ = ["RunningStep", "SafepointLayout", "Scheduled", "SchedulerState", "SchedulingPolicy", "SeqView",
@@ -145,6 +146,8 @@ class SchedulingPolicy(Protocol):
     latency: LatencyModel | None = None
     # Each planned step's predicted time against the time it took (ConServe §4.5); None: not logged.
     model_error: ModelErrorLog | None = None
+    # Measured over predicted step time, followed online and applied to its estimates; None: none.
+    latency_drift: LatencyDrift | None = None
 
     @property
     def slo(self) -> SLO | None:

@@ -160,13 +160,13 @@ def test_requests_of_the_suspended_step_ride_when_their_savings_pay_for_its_lost
 def test_interference_slack_caps_a_co_serving_step_near_its_online_work_alone():
     # Online work alone: 4 decodes = 20 ms; a 10% slack leaves 2 ms = 2 offline tokens.
     policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
-                                                  interference_slack=0.1))
+                                                  interference_slack=0.1, bank_tpot_slack=False))
     online = [decoding(i, ON, arrival=0.5) for i in range(4)]
     plan = policy.schedule(state(*online, *[decoding(i, OFF) for i in range(100)]))
     assert plan.info["budget_ms"] == pytest.approx(22.0)
     assert plan.num_tokens - 4 == 6  # the 20 ms floor holds up to 8 tokens, then 2 more fit in 2 ms
     uncapped = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
-                                                    interference_slack=float("inf")))
+                                                    interference_slack=float("inf"), bank_tpot_slack=False))
     assert uncapped.schedule(state(*online, *[decoding(i, OFF) for i in range(100)])).info["budget_ms"] == 50
 
 
@@ -176,13 +176,19 @@ def online_decoding(i, *, outputs, decode_s, now=1.0) -> SeqView:
 
 
 def test_a_request_ahead_of_its_tpot_slo_lends_the_banked_time_to_offline_tokens():
-    cfg = uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, **FILL)  # target 40 ms per token
+    cfg = uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=0.8, bank_step_max_slos=1.0,
+                          **FILL)  # target 40 ms per token
     offline = [decoding(i, OFF) for i in range(100)]
     # 20 tokens in 0.5 s: 25 ms each, 300 ms banked against the 40 ms target. The step may take up
-    # to the SLO itself (50 ms), never the whole bank.
+    # to bank_step_max_slos SLOs (here 1: 50 ms), never the whole bank.
     ahead = online_decoding(0, outputs=20, decode_s=0.5)
     banked = CoServePolicy(LATENCY, LAYOUT, cfg).schedule(state(ahead, *offline))
     assert banked.info["budget_ms"] == 50
+    # Three SLOs: 150 ms of the 300 banked (less the reserve for a 41-token prefill) in one step.
+    three = CoServePolicy(LATENCY, LAYOUT, replace(cfg, bank_step_max_slos=3.0)).schedule(state(ahead, *offline))
+    assert three.info["budget_ms"] == 150
+    with pytest.raises(InvalidRequestError):
+        replace(cfg, bank_step_max_slos=0.5)
     per_step = CoServePolicy(LATENCY, LAYOUT,
                              uncapped_config(slo=cfg.slo, slo_margin=0.8, bank_tpot_slack=False, **FILL))
     plain = per_step.schedule(state(ahead, *offline))
@@ -212,7 +218,8 @@ def test_the_least_banked_decoding_request_sets_the_budget():
 
 def test_the_bank_keeps_a_reserve_for_the_longest_recent_online_prefill():
     policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=5000, tpot_ms=50), slo_margin=0.8,
-                                                  interference_slack=0.1))
+                                                  interference_slack=0.1, bank_reserve_prefills=1.0,
+                                                  bank_step_max_slos=1.0))
     offline = [decoding(i, OFF) for i in range(100)]
     ahead = online_decoding(0, outputs=20, decode_s=0.5)  # 300 ms banked
     # A 300-token prompt seen recently: prefilling it again would take 20 + 292 ms > 300 ms.
@@ -341,7 +348,7 @@ def test_offline_tokens_added_to_a_step_drift_with_its_online_part():
     # of two tokens are never measured. Offline decodes riding on an online decode must be
     # estimated with the online step's drift, not with the overall drift the big batches set.
     policy = CoServePolicy(LATENCY, LAYOUT, uncapped_config(slo=SLO(ttft_ms=500, tpot_ms=50), slo_margin=1.0,
-                                                  interference_slack=0.1))
+                                                  interference_slack=0.1, bank_tpot_slack=False))
     for _ in range(40):
         policy.observe_step(BatchShape(num_tokens=300), 1.5 * LATENCY.estimate_ms(BatchShape(num_tokens=300)))
         policy.observe_step(BatchShape(num_tokens=1), 0.8 * LATENCY.estimate_ms(BatchShape(num_tokens=1)))

@@ -49,21 +49,40 @@ class SimMachine:
     block_size: int = 16
     step_overhead_ms: float = 0.0   # host time per step the cost table leaves out
     noise_cv: float = 0.0           # lognormal spread of each step's time (mean 1)
+    slowdown_factor: float = 2.0    # steps cost this much more from the scenario's slowdown_at_s on
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks < 1 or self.block_size < 1:
             raise InvalidRequestError("the simulated machine needs num_kv_blocks >= 1 and block_size >= 1")
         if not self.step_overhead_ms >= 0 or not self.noise_cv >= 0:
             raise InvalidRequestError("step_overhead_ms and noise_cv must be >= 0")
+        if not self.slowdown_factor > 0:
+            raise InvalidRequestError("slowdown_factor must be > 0")
+
+
+@dataclass(frozen=True)
+class _SlowedFrom:
+    """A machine whose steps cost `factor` times more from at_s on (a noisy neighbour)."""
+
+    cost: StepCost
+    clock: VirtualClock
+    at_s: float
+    factor: float
+
+    def estimate_ms(self, shape) -> float:
+        return self.cost.estimate_ms(shape) * (self.factor if self.clock() >= self.at_s else 1.0)
 
 
 class _Replay:
     """One mode's run of one workload on a fresh scheduler: open-loop arrivals, a closed-loop backlog."""
 
     def __init__(self, workload: Workload, make_scheduler, machine: SimMachine, real_config: ModelConfig,
-                 seed: int) -> None:
+                 seed: int, slowdown_at_s: float | None = None) -> None:
         self.clock = VirtualClock()
-        self.runner = SimulatedRunner(real_config, machine.num_kv_blocks, machine.cost, self.clock,
+        cost = machine.cost
+        if slowdown_at_s is not None:
+            cost = _SlowedFrom(cost, self.clock, slowdown_at_s, machine.slowdown_factor)
+        self.runner = SimulatedRunner(real_config, machine.num_kv_blocks, cost, self.clock,
                                       block_size=machine.block_size, on_time=self._deliver,
                                       step_overhead_ms=machine.step_overhead_ms, noise_cv=machine.noise_cv,
                                       seed=seed)
@@ -163,7 +182,8 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
         def make_scheduler(runner):
             return build_scheduler(runner, cfg, None, real_config.name, latency)
 
-        part = _Replay(workload, make_scheduler, machine, real_config, seed=k).run()
+        part = _Replay(workload, make_scheduler, machine, real_config, seed=k,
+                       slowdown_at_s=round_scenario.slowdown_at_s).run()
         return part, {"model": real_config.name, "simulated": True, "workload": dict(workload.meta)}
 
     results = run_in_rounds(scenario, modes, run_mode)
@@ -174,7 +194,8 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
 
 
 def load_inputs(serving: ServingConfig, profile: str | Path | None = None, machine: str | Path | None = None,
-                step_overhead_ms: float = 0.0, noise_cv: float = 0.0) -> tuple[ModelConfig, LatencyModel, SimMachine]:
+                step_overhead_ms: float = 0.0, noise_cv: float = 0.0,
+                slowdown_factor: float = 2.0) -> tuple[ModelConfig, LatencyModel, SimMachine]:
     """The model's shape, the profile the policies plan with (by default the one `backfill profile`
     saved for these options) and the machine (by default the profile itself, with the KV pool the
     serving config sizes). Without mixed-step graphs (serving.mixed_graphs or cuda_graphs off), both
@@ -190,4 +211,4 @@ def load_inputs(serving: ServingConfig, profile: str | Path | None = None, machi
         latency, cost = latency.without_mixed_graphs(), cost.without_mixed_graphs()
     blocks = KVBlockPool.blocks_in_memory(config, int(serving.kv_cache_gb * 2**30), serving.block_size,
                                           serving.torch_dtype)
-    return config, latency, SimMachine(cost, blocks, serving.block_size, step_overhead_ms, noise_cv)
+    return config, latency, SimMachine(cost, blocks, serving.block_size, step_overhead_ms, noise_cv, slowdown_factor)

@@ -1,6 +1,7 @@
 """The co-serving scenario simulated: the benchmark's workload and report on the simulated runner."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -164,3 +165,21 @@ def test_mixed_step_graphs_are_priced_only_where_the_engine_knob_turns_them_on(t
                                       machine=tmp_path / "gpu.json")
     assert not latency.graphs_mixed(step) and not machine.cost.graphs_mixed(step)
     assert machine.cost.estimate_ms(step) == CPU_LIKE.estimate_ms(step) >= 20.0
+
+
+def test_a_machine_that_slows_mid_run_is_followed_by_the_latency_model():
+    # Steps cost twice the profile from 15 s into each mode's run; the policy's correction follows.
+    slowed = simulate(scenario=replace(SCENARIO, slowdown_at_s=15.0),
+                      modes=("online-only", "coserve", "coserve:follow_drift=off"))
+    drift = slowed["coserve"].config["engine"]["latency_drift"]
+    assert drift["max_factor"] > 1.6 and drift["end_factor"] > 1.6
+    before = [f for t, f in drift["timeline"] if t < 14.0]
+    after = [f for t, f in drift["timeline"] if t > 17.0]
+    assert before and after and max(before) < 1.1 and min(after) > 1.6   # within 2 s of the slowdown
+    steady = simulate(modes=("coserve",))["coserve"].config["engine"]["latency_drift"]
+    assert steady["max_factor"] < 1.05 and steady["flags"] == 0
+    # Online latency under the slowdown stays near online-only's under the same schedule.
+    alone, co = slowed["online-only"].metrics.online, slowed["coserve"].metrics.online
+    assert co.tpot_ms.p99 <= 1.25 * alone.tpot_ms.p99 and co.ttft_ms.p99 <= 1.25 * alone.ttft_ms.p99
+    with pytest.raises(InvalidRequestError):
+        SimMachine(CPU_LIKE, 512, slowdown_factor=0.0)
