@@ -391,6 +391,9 @@ class Generation:
             raise StopAsyncIteration
         event = await self._queue.get()
         index = self._index[event.request_id]
+        while self.finish_reasons[index] is not None:   # end_now's end of a choice that had just finished
+            event = await self._queue.get()
+            index = self._index[event.request_id]
         if event.token_ids:
             if self.first_token_s is None:
                 self.first_token_s = event.time
@@ -408,6 +411,18 @@ class Generation:
             self.finish_reasons[index] = event.finish_reason
             self._unfinished -= 1
         return index, event
+
+    def end_now(self) -> None:
+        """End every unfinished choice now as cancelled (the drain deadline): the engine drops it and
+        the reader gets its finished event, so a stream ends with an error chunk and [DONE] and a
+        non-streamed request answers 503 (outcome_error), instead of a cut connection."""
+        if self._closed:
+            return
+        for request in self.requests:
+            if self.finish_reasons[self._index[request.request_id]] is None:
+                self._engine.close(request.request_id, finished=False)
+                self._queue.put_nowait(TokenEvent(request.request_id, (), "", finished=True,
+                                                  finish_reason=FinishReason.CANCELLED))
 
     async def aclose(self) -> None:
         if self._closed:

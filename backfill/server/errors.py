@@ -40,9 +40,9 @@ class APIError(BackfillError):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.headers = dict(headers or {})
-        if status_code == 429:
-            # Every 429 says when to come back (clients such as openai-python honour it, reading
-            # retry-after-ms first).
+        if status_code in (429, 503):
+            # Every 429 and 503 says when to come back (clients such as openai-python honour it,
+            # reading retry-after-ms first).
             self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
             self.headers.setdefault("retry-after-ms", str(1000 * int(self.headers["Retry-After"])))
         self.status_code = status_code
