@@ -58,14 +58,18 @@ GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")   # vLLM's guided_decoding
 
 
 class StrictBody(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """A request object, or an object inside one: an unknown key is a 400 naming its path
+    (`messages[0].foo`, `stream_options.foo`), so that a misspelt option never runs as if absent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     def check_supported(self) -> None:
         """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
 
 
 class OpenBody(StrictBody):
-    """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
+    """Keeps unknown top-level fields (in model_extra) so that check_supported can take the "not
+    used" values of the fields it refuses and refuse the others with a 400 naming each."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
