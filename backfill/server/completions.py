@@ -19,7 +19,7 @@ from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.metrics import ServerMetrics
 from backfill.server.schemas import ChatCompletionBody, CompletionBody, validate_body
 from backfill.server.sse import DONE, ChunkTemplate, sse
-from backfill.server.structured import check_grammar, requested_grammar
+from backfill.server.structured import check_grammar, check_tool_schemas, requested_grammar
 from backfill.server.tool_calls import (ToolCallStream, call_text, forced_grammar, parse_tool_calls,
                                         template_defines_tools, tool_schema, tools_system_prompt)
 from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
@@ -140,6 +140,8 @@ class CompletionService:
         """(field, grammar) constraining this request's output, checked against the tokenizer; or None."""
         grammar = requested_grammar(body)
         tools_grammar = forced_grammar(body) if isinstance(body, ChatCompletionBody) else None
+        if isinstance(body, ChatCompletionBody) and body.tool_choice_mode() != "none":
+            check_tool_schemas(self.grammars, body, forced=tools_grammar is not None)
         if tools_grammar is not None:
             if grammar is not None:
                 raise bad_request(f"{grammar[0]} cannot be combined with tool_choice {body.tool_choice_mode()!r} "
@@ -366,11 +368,11 @@ class Generation:
             for request in self.requests:
                 service.engine.open(request, self._queue)
                 opened += 1
-        except BaseException:
+        except BaseException as exc:
             for request in self.requests[:opened]:
                 service.engine.close(request.request_id, finished=False)
             if self._span is not None:
-                self._tracer.end(self._span, self)
+                self._tracer.end(self._span, self, refused=exc)
             raise
         self._class = prepared.request.request_class.value
         self._metrics.in_flight.labels(self._class).inc()

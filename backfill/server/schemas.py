@@ -289,16 +289,14 @@ class CompletionBody(_GenerationBody):
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise bad_request("one prompt per request (send several requests, or use the Batch API)",
+                                  param="prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
             raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return prompt
-        if len(prompt) > 1:
-            raise bad_request("one prompt per request (send several requests, or use the Batch API)",
-                              param="prompt")
-        return prompt[0]
+        return prompt
 
 
 class BatchCreateBody(StrictBody):
