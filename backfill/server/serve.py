@@ -163,7 +163,7 @@ class DrainingServer(uvicorn.Server):
         if not self.draining:
             self.draining = True
             log.warning("%s: draining (new requests refused after --drain-pre-stop-s; exit within "
-                     "--drain-timeout-s)", signal.Signals(sig).name)
+                        "--drain-timeout-s)", signal.Signals(sig).name)
         self.drain.begin_drain()
 
     async def on_tick(self, counter: int) -> bool:
