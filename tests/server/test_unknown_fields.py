@@ -152,13 +152,21 @@ def test_the_typos_of_the_report_are_refused(client, endpoint, body, expected):
     assert_error(client.post(endpoint, json=body), 400, param=expected)
 
 
-def test_the_openai_clients_extra_body_typo_is_refused(app):
+def test_the_openai_clients_extra_body_typo_is_refused(tmp_path):
     import openai
-    from server_helpers import LiveServer
+    from server_helpers import live_server
 
-    with LiveServer(app) as server:
+    with live_server(tmp_path) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=2, extra_body={"top_kk": 5})
         assert refused.value.body["param"] == "top_kk"
+
+
+def test_an_unknown_part_of_the_file_upload_is_400_naming_it(client):
+    response = client.post("/v1/files", files={"file": ("in.jsonl", b'{"a": 1}\n')},
+                           data={"purpose": "batch", "purpse": "batch"})
+    assert_error(response, 400, param="purpse")
+    ok = client.post("/v1/files", files={"file": ("in.jsonl", b'{"a": 1}\n')}, data={"purpose": "batch"})
+    assert ok.status_code == 200, ok.text
