@@ -124,14 +124,13 @@ MODEL_DIR=$OUT/model
 
 # coserve plans with a step-latency profile, measured for minutes on first use; where none is
 # cached for these flags, the one docs/results holds for this machine kind seeds the cache.
-SEED_PROFILE="$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" "$PY" - <<'PYEOF' || exit 1
+seed_profile() {  # SEED_FILE: copied to the cached profile's path of the commands' defaults, if absent
+    SEED_PROFILE="$1" "$PY" - <<'PYEOF'
 import os
 import shutil
 from backfill.engine.weights import load_model
 from backfill.serving.build import default_profile_path
-from backfill.serving.config import ServingConfig
-
-from backfill.serving.config import COMMAND_DEFAULTS
+from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 
 cfg = ServingConfig(**COMMAND_DEFAULTS)   # ENGINE_FLAGS empty: the commands' defaults
 path = default_profile_path(load_model(cfg.model).config.name, cfg)
@@ -140,6 +139,8 @@ if not path.exists():
     shutil.copy(os.environ["SEED_PROFILE"], path)
     print(f"seeded {path} from {os.environ['SEED_PROFILE']}")
 PYEOF
+}
+seed_profile "$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" || exit 1
 
 if [[ " $PARTS " == *" backfill "* ]]; then
     if start_backfill "" && MODEL=$(served_model "$URL") && bursts backfill "$URL" "$MODEL" && [[ $COSERVE == 1 ]] \
@@ -223,6 +224,7 @@ if [[ " $PARTS " == *" backfill-avx2 "* ]]; then
     # PyTorch, oneDNN and backfill's kernels (native_build.py) held to AVX2: bursts only.
     echo "== backfill serve with AVX2 forced"
     export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+    seed_profile "$ROOT/docs/results/profile-cpu-zen5-avx2-fp32-cd.json"   # auto dtype is float32 here
     if start_backfill -avx2 && MODEL=$(served_model "$URL"); then
         bursts backfill-avx2 "$URL" "$MODEL"
     fi

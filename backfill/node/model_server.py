@@ -241,7 +241,7 @@ def serve_model(socket_path: str, db_path: str, node: NodeSettings, entry: Model
         server = DrainingServer(uvicorn.Config(app, host=node.host, port=entry.port, log_level="warning",
                                                timeout_graceful_shutdown=5.0, lifespan="on", access_log=False,
                                                http=header_timeout_protocol(config.header_timeout_s)),
-                                on_exit=app.state.backfill.begin_drain)
+                                app.state.backfill)
         try:
             server.run()
         except SystemExit as exc:

@@ -87,9 +87,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig, store: Store) -> FastA
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
+    async def refuse_while_draining() -> None:
+        state.check_not_draining()   # 503 + Retry-After once SIGTERM's pre-stop delay has passed
+
     add_health_routes(app, state)
     dashboard = add_dashboard_routes(app, state)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(refuse_while_draining), Depends(authorize)])
     for add_routes in (add_model_routes, add_completion_routes, add_file_routes, add_batch_routes,
                        add_fine_tuning_routes, add_adapter_routes):
         add_routes(v1, state)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 import time
 import uuid
 from typing import Callable
@@ -23,6 +24,7 @@ from backfill.server.completions import CompletionService, check_outcome, respon
 from backfill.server.errors import APIError, from_backfill_error
 from backfill.server.schemas import BatchLine, parse_json, validate_body
 from backfill.server.store import LineFailure, PendingLine, Store
+from backfill.server.store_integrity import DamagedContentError
 from backfill.types import FinishReason, RequestClass
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ RECORD_ATTEMPTS = 3        # tries to commit one line's result before marking th
 RECORD_RETRY_DELAY_S = 0.2
 MAX_LISTED_ERRORS = 1000  # validation errors listed in a failed batch's errors
 MAX_LINE_ATTEMPTS = 3      # runs of one line that end without an answer before it is marked failed
+MAX_BACKOFF_S = 30.0       # the longest pause between tries after store errors
 _KIND = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
 
 
@@ -110,6 +113,11 @@ def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict]
     return runnable, failures, errors
 
 
+def backoff_s(base_s: float, failures: int) -> float:
+    """The pause after the failures-th failure in a row: doubling from base_s, at most MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, base_s * 2 ** max(0, failures - 1))
+
+
 def validation_entry(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
     """One entry of a failed batch's errors.data (OpenAI's shape)."""
     return {"code": code, "message": message, "param": param, "line": line}
@@ -127,6 +135,8 @@ class BatchWorker:
         # an idle worker only looks now and then (for a batch another process put in the store).
         self.idle_poll_interval_s = max(idle_poll_interval_s, poll_interval_s)
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        # Batches whose validation hit a store error: (tries, monotonic time of the next try).
+        self._validation_retry: dict[str, tuple[int, float]] = {}
         self._attempts: dict[tuple[str, int], int] = {}   # runs of a line without a stored result
         self.unwritable: set[tuple[str, int]] = set()     # lines whose result the store refused for good
         self._wake = asyncio.Event()
@@ -170,15 +180,24 @@ class BatchWorker:
         self._main = None
 
     async def _loop(self) -> None:
+        failures = 0
         while not self._stopped:
             self._wake.clear()   # before the tick: a wake-up during it triggers the next one at once
             busy = True
             try:
                 busy = await self._tick()
+                failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a database hiccup must not end offline processing for good
-                log.exception("batch worker tick failed; retrying")
+            except Exception as exc:  # a database hiccup must not end offline processing for good
+                # One line per failure, and ever longer pauses while it lasts: a store that keeps
+                # failing must not fill the log with a traceback every poll.
+                failures += 1
+                delay_s = backoff_s(self.poll_interval_s, failures)
+                log.warning("batch worker: a look at the store failed (%s: %s); retrying in %.1f s",
+                            type(exc).__name__, exc, delay_s, exc_info=log.isEnabledFor(logging.DEBUG))
+                await asyncio.sleep(delay_s)
+                continue
             try:
                 await asyncio.wait_for(self._wake.wait(), self.poll_interval_s if busy else self.idle_poll_interval_s)
             except asyncio.TimeoutError:
@@ -188,8 +207,10 @@ class BatchWorker:
         """One look at the store; whether any batch is open (validating, cancelling, running)."""
         store = self.store
         validating = await asyncio.to_thread(store.batch_ids, "validating")
+        for batch_id in set(self._validation_retry) - set(validating):   # cancelled meanwhile
+            del self._validation_retry[batch_id]
         for batch_id in validating:
-            await self._validate(batch_id)
+            await self._validate_isolated(batch_id)
         cancelling = await asyncio.to_thread(store.batch_ids, "cancelling")
         for batch_id in cancelling:
             await self._end(batch_id, "cancelled")
@@ -219,6 +240,37 @@ class BatchWorker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.to_thread(self.store.finish_batch, batch_id, status)
+
+    async def _validate_isolated(self, batch_id: str) -> None:
+        """Validate one batch without letting its failure hold up the others: an input file whose
+        stored bytes are damaged fails the batch at once (the error names the damage), and so does
+        a crash; a store that is busy or failing (OperationalError) puts the batch aside for a
+        growing pause. Each is one log line per try."""
+        retry = self._validation_retry.get(batch_id)
+        if retry is not None and time.monotonic() < retry[1]:
+            return
+        try:
+            await self._validate(batch_id)
+        except (DamagedContentError, sqlite3.DatabaseError) as exc:
+            if isinstance(exc, sqlite3.OperationalError):   # locked, busy, I/O: may pass; try again later
+                attempts = (retry[0] if retry else 0) + 1
+                delay_s = backoff_s(self.poll_interval_s, attempts)
+                self._validation_retry[batch_id] = (attempts, time.monotonic() + delay_s)
+                log.warning("batch %s: reading its input failed (%s); trying again in %.1f s", batch_id, exc,
+                            delay_s)
+                return
+            log.error("batch %s failed: its input file cannot be read: %s", batch_id, exc)
+            entry = validation_entry("input_file_damaged", f"the input file cannot be read: {exc}",
+                                     param="input_file_id")
+        except Exception:   # a bug: fail this batch (its traceback logged once), not every batch after it
+            log.exception("batch %s failed: validating its input crashed", batch_id)
+            entry = validation_entry("validation_crashed", "validating the input file failed on an internal "
+                                     "error (logged by the server)")
+        else:
+            self._validation_retry.pop(batch_id, None)
+            return
+        self._validation_retry.pop(batch_id, None)
+        await asyncio.to_thread(self.store.fail_batch, batch_id, [entry])
 
     async def _validate(self, batch_id: str) -> None:
         row = await asyncio.to_thread(self.store.batch_row, batch_id)

@@ -19,7 +19,7 @@ from backfill.server.errors import APIError, bad_request, not_found
 from backfill.server.metrics import ServerMetrics
 from backfill.server.schemas import ChatCompletionBody, CompletionBody, validate_body
 from backfill.server.sse import DONE, ChunkTemplate, sse
-from backfill.server.structured import check_grammar, requested_grammar
+from backfill.server.structured import check_grammar, check_tool_schemas, requested_grammar
 from backfill.server.tool_calls import (ToolCallStream, call_text, forced_grammar, parse_tool_calls,
                                         template_defines_tools, tool_schema, tools_system_prompt)
 from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
@@ -147,6 +147,8 @@ class CompletionService:
         """(field, grammar) constraining this request's output, checked against the tokenizer; or None."""
         grammar = requested_grammar(body)
         tools_grammar = forced_grammar(body) if isinstance(body, ChatCompletionBody) else None
+        if isinstance(body, ChatCompletionBody) and body.tool_choice_mode() != "none":
+            check_tool_schemas(self.grammars, body, forced=tools_grammar is not None)
         if tools_grammar is not None:
             if grammar is not None:
                 raise bad_request(f"{grammar[0]} cannot be combined with tool_choice {body.tool_choice_mode()!r} "
@@ -373,11 +375,11 @@ class Generation:
             for request in self.requests:
                 service.engine.open(request, self._queue)
                 opened += 1
-        except BaseException:
+        except BaseException as exc:
             for request in self.requests[:opened]:
                 service.engine.close(request.request_id, finished=False)
             if self._span is not None:
-                self._tracer.end(self._span, self)
+                self._tracer.end(self._span, self, refused=exc)
             raise
         self._class = prepared.request.request_class.value
         self._metrics.in_flight.labels(self._metrics.model_name, self._class).inc()
@@ -405,6 +407,9 @@ class Generation:
             raise StopAsyncIteration
         event = await self._queue.get()
         index = self._index[event.request_id]
+        while self.finish_reasons[index] is not None:   # end_now's end of a choice that had just finished
+            event = await self._queue.get()
+            index = self._index[event.request_id]
         if event.token_ids:
             if self.first_token_s is None:
                 self.first_token_s = event.time
@@ -425,6 +430,18 @@ class Generation:
             self.finish_reasons[index] = event.finish_reason
             self._unfinished -= 1
         return index, event
+
+    def end_now(self) -> None:
+        """End every unfinished choice now as cancelled (the drain deadline): the engine drops it and
+        the reader gets its finished event, so a stream ends with an error chunk and [DONE] and a
+        non-streamed request answers 503 (outcome_error), instead of a cut connection."""
+        if self._closed:
+            return
+        for request in self.requests:
+            if self.finish_reasons[self._index[request.request_id]] is None:
+                self._engine.close(request.request_id, finished=False)
+                self._queue.put_nowait(TokenEvent(request.request_id, (), "", finished=True,
+                                                  finish_reason=FinishReason.CANCELLED))
 
     async def aclose(self) -> None:
         if self._closed:

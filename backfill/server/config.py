@@ -57,7 +57,12 @@ class ServerConfig:
     max_body_mb: float = knob(200.0, "largest request body, MiB (OpenAI's batch input limit); larger get 413",
                               group="server")
     max_offline_in_flight: int = knob(64, "batch lines in the engine at once", group="server")
-    drain_timeout_s: float = knob(30.0, "on SIGTERM, time allowed for in-flight work", group="server")
+    drain_timeout_s: float = knob(30.0, "on SIGTERM, the most time from the signal to the exit: in-flight requests "
+                                  "run until just before it, then end with a 503 error (streams: an error chunk "
+                                  "and [DONE]); the process exits 0 within it", group="server")
+    drain_pre_stop_s: float = knob(0.0, "on SIGTERM, keep taking new requests this long while /ready says 503 "
+                                   "'draining', so that a load balancer stops routing here before requests are "
+                                   "refused; counted within --drain-timeout-s", group="server")
     served_model_name: str | None = knob(None, "model id clients send; unset: the model's name", group="server")
     log_level: str = knob("info", "log level", group="server", choices=LOG_LEVELS)
     log_format: str = knob("text", "log lines as text, or json: one object a line (an access line's request id, "
@@ -92,6 +97,10 @@ class ServerConfig:
             raise ServerConfigError(f"admission_ttft_share must be a positive number or inf, got "
                                     f"{self.admission_ttft_share!r}")
         check_non_negative(ServerConfigError, "drain_timeout_s", self.drain_timeout_s)
+        check_non_negative(ServerConfigError, "drain_pre_stop_s", self.drain_pre_stop_s)
+        if self.drain_pre_stop_s > self.drain_timeout_s:
+            raise ServerConfigError(f"drain_pre_stop_s ({self.drain_pre_stop_s:g}) must not exceed drain_timeout_s "
+                                    f"({self.drain_timeout_s:g}): the pre-stop delay is part of the drain")
         check_positive(ServerConfigError, "header_timeout_s", self.header_timeout_s)
         check_positive(ServerConfigError, "body_timeout_s", self.body_timeout_s)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from typing import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,9 +41,9 @@ class APIError(BackfillError):
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.headers = dict(headers or {})
-        if status_code == 429:
-            # Every 429 says when to come back (clients such as openai-python honour it, reading
-            # retry-after-ms first).
+        if status_code in (429, 503):
+            # Every 429 and 503 says when to come back (clients such as openai-python honour it,
+            # reading retry-after-ms first).
             self.headers.setdefault("Retry-After", str(DEFAULT_RETRY_AFTER_S))
             self.headers.setdefault("retry-after-ms", str(1000 * int(self.headers["Retry-After"])))
         self.status_code = status_code
@@ -133,21 +134,27 @@ def validation_error(errors: list[dict]) -> APIError:
     """One readable 400 from pydantic's error list: the first problem, named by its field path."""
     if not errors:
         return bad_request("invalid request")
+    unknown = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+    if unknown is not None:
+        # An unknown key is the most specific problem, even inside one form of a union field.
+        param = field_path(part for part in unknown["loc"] if not _is_type_tag(str(part)))
+        return bad_request(f"{param}: unknown field; remove it (the fields this endpoint takes are in the "
+                           f"OpenAPI document, /openapi.json)", param=param)
     first = errors[0]
-    raw = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    tag_at = next((i for i, part in enumerate(raw) if _is_type_tag(part)), None)
+    raw = [part for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    tag_at = next((i for i, part in enumerate(raw) if _is_type_tag(str(part))), None)
     if tag_at is not None:
         # A union field: say which forms it accepts instead of one branch's complaint.
         prefix = raw[:tag_at]
         forms = []
         for error in errors:
-            loc = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
+            loc = [part for part in error.get("loc", ()) if part not in ("body", "query", "path")]
             if loc[:tag_at] == prefix and len(loc) > tag_at and loc[tag_at] not in forms:
-                forms.append(loc[tag_at])
-        param = ".".join(prefix) or None
+                forms.append(str(loc[tag_at]))
+        param = field_path(prefix) or None
         text = f"invalid value; expected {' or '.join(forms)}"
         return bad_request(f"{param}: {text}" if param else text, param=param)
-    param = ".".join(raw) or None
+    param = field_path(raw) or None
     message = first.get("msg", "invalid value")
     text = f"{param}: {message}" if param else message
     if len(errors) > 1:
@@ -155,5 +162,15 @@ def validation_error(errors: list[dict]) -> APIError:
     return bad_request(text, param=param)
 
 
+def field_path(parts: Iterable[str | int]) -> str:
+    """A field's path as a client writes it: messages[0].content, stream_options.include_usage."""
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
+    """A union's branch in a pydantic location: a type (str, list[TextPart]) or a model's class name
+    (NamedToolChoice); field names are lower case."""
+    return part in ("str", "int", "float", "bool", "dict", "list") or "[" in part or part[:1].isupper()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from backfill.errors import BackfillError, FinetuneConfigError, FinetuneError
 from backfill.finetune.config import ALL_TARGETS, FinetuneConfig
@@ -45,14 +45,7 @@ SEED_MAX = 2**31 - 1  # OpenAI's range for a job's seed
 SUFFIX_PATTERN = r"^[A-Za-z0-9_-]+$"   # part of a model name: no ':' (the name's separator)
 
 
-class ClosedBody(StrictBody):
-    """A fine-tuning body part whose unknown keys are refused: a misspelt hyperparameter must not
-    start a job trained with the default instead."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class Hyperparameters(ClosedBody):
+class Hyperparameters(StrictBody):
     """OpenAI's three, plus backfill's training-loop knobs (ignored by OpenAI's own API)."""
 
     n_epochs: Literal["auto"] | int = "auto"
@@ -64,7 +57,7 @@ class Hyperparameters(ClosedBody):
     max_seq_len: int | None = None
 
 
-class LoraOptions(ClosedBody):
+class LoraOptions(StrictBody):
     """backfill's extension field: the adapter's shape (FinetuneConfig's defaults where left out)."""
 
     rank: int | None = None
@@ -72,11 +65,11 @@ class LoraOptions(ClosedBody):
     target_modules: list[str] | None = None
 
 
-class SupervisedMethod(ClosedBody):
+class SupervisedMethod(StrictBody):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(ClosedBody):
+class Method(StrictBody):
     type: Literal["supervised"]
     supervised: SupervisedMethod | None = None
 

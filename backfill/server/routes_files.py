@@ -15,6 +15,9 @@ from backfill.server.state import ServerState
 UPLOAD_PURPOSES = ("batch", FINE_TUNE_PURPOSE)
 
 
+UPLOAD_PARTS = ("purpose", "file")   # the parts of POST /v1/files' multipart body
+
+
 def add_file_routes(v1: APIRouter, state: ServerState) -> None:
     store = state.store
 
@@ -23,6 +26,10 @@ def add_file_routes(v1: APIRouter, state: ServerState) -> None:
         ["purpose", "file"]))
     async def upload_file(request: Request) -> dict:
         parts = await read_multipart(request, state.limit_bytes, state.config.body_timeout_s)
+        for name in parts:   # as in the JSON bodies: a misspelt part is refused, never ignored
+            if name not in UPLOAD_PARTS:
+                raise bad_request(f"{name}: unknown field; this endpoint takes {' and '.join(UPLOAD_PARTS)}",
+                                  param=name)
         purpose = parts.get("purpose")
         if purpose is None:
             raise bad_request("purpose is required", param="purpose")

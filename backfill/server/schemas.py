@@ -58,14 +58,18 @@ GRAMMAR_BACKENDS = ("auto", "llguidance", "guidance")   # vLLM's guided_decoding
 
 
 class StrictBody(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """A request object, or an object inside one: an unknown key is a 400 naming its path
+    (`messages[0].foo`, `stream_options.foo`), so that a misspelt option never runs as if absent."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     def check_supported(self) -> None:
         """Checks beyond the schema (values backfill cannot honour); APIError when one fails."""
 
 
 class OpenBody(StrictBody):
-    """Keeps unknown fields (in model_extra) so that the unsupported ones can be named in a 400."""
+    """Keeps unknown top-level fields (in model_extra) so that check_supported can take the "not
+    used" values of the fields it refuses and refuse the others with a 400 naming each."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -285,16 +289,14 @@ class CompletionBody(_GenerationBody):
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str):
-            return prompt
-        if not prompt:
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise bad_request("one prompt per request (send several requests, or use the Batch API)",
+                                  param="prompt")
+            prompt = prompt[0]
+        if len(prompt) == 0:
             raise bad_request("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return prompt
-        if len(prompt) > 1:
-            raise bad_request("one prompt per request (send several requests, or use the Batch API)",
-                              param="prompt")
-        return prompt[0]
+        return prompt
 
 
 class BatchCreateBody(StrictBody):

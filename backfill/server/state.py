@@ -21,6 +21,9 @@ from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
 
 
+DRAIN_CUT_MARGIN_S = 1.0     # requests are ended this long before the drain deadline (at most a quarter of it)
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -33,7 +36,9 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     in_flight: dict[str, int] = field(default_factory=lambda: {cls: 0 for cls in CLASSES})
     draining: bool = False
-    drain_deadline_s: float | None = None
+    drain_deadline_s: float | None = None     # monotonic: the process exits by then
+    refuse_from_s: float | None = None        # monotonic: new requests get 503 from then (after the pre-stop delay)
+    drain_cut: bool = False                   # requests still running near the deadline were ended
     # Called with (class, requests in flight) on every change: a node's model server reports its
     # online lifecycle to the node runtime's gate from here (backfill/node/model_server.py).
     on_in_flight_change: Callable[[str, int], None] | None = None
@@ -43,6 +48,8 @@ class ServerState:
     admission: TtftAdmission | None = None
     # Admitted online requests and the TTFT predicted for each when it was admitted.
     online: dict[Generation, float] = field(default_factory=dict)
+    # Every HTTP request's generation in flight (online and flex): what the drain deadline ends.
+    generations: set[Generation] = field(default_factory=set)
 
     @property
     def served_model(self) -> str:
@@ -54,15 +61,44 @@ class ServerState:
         return int(self.config.max_body_mb * 2**20)
 
     def check_not_draining(self) -> None:
-        if self.draining:
-            raise APIError(503, "the server is shutting down", code="service_unavailable")
+        """503 with Retry-After once the drain refuses new work (after the pre-stop delay)."""
+        if self.draining and time.monotonic() >= self.refuse_from_s:
+            raise APIError(503, "the server is shutting down; retry (another replica, or this one once restarted)",
+                           code="service_unavailable",
+                           headers={"Connection": "close"})   # Retry-After: APIError's default
 
     def begin_drain(self) -> None:
-        """Stop taking work (SIGTERM): new requests get 503, the batch worker starts no new lines."""
+        """SIGTERM: /ready says 503 at once; new requests get 503 once the pre-stop delay has passed;
+        the batch worker starts no new lines; what is in flight runs on (drain_finished says until when)."""
         if not self.draining:
+            now = time.monotonic()
             self.draining = True
-            self.drain_deadline_s = time.monotonic() + self.config.drain_timeout_s
+            self.refuse_from_s = now + self.config.drain_pre_stop_s
+            self.drain_deadline_s = now + self.config.drain_timeout_s
             self.worker.stop_accepting()
+
+    def drain_finished(self) -> bool:
+        """Polled while draining: whether the server may stop listening and shut down now.
+
+        Done once nothing is in flight (and the pre-stop delay has passed). Requests still running
+        when the deadline is near are ended (Generation.end_now: a stream gets an error chunk and
+        [DONE], a non-streamed request a JSON 503), early enough that their answers and the
+        shutdown fit in the deadline; batch lines still running then stay pending in the
+        database and run again after a restart."""
+        now = time.monotonic()
+        online_busy = any(self.in_flight.values())
+        if now < self.refuse_from_s:
+            return False
+        if not online_busy and self.worker.in_flight == 0:
+            return True
+        cut_at = self.drain_deadline_s - min(DRAIN_CUT_MARGIN_S, self.config.drain_timeout_s / 4)
+        if now < cut_at:
+            return False
+        if not self.drain_cut:
+            self.drain_cut = True
+            for generation in list(self.generations):
+                generation.end_now()
+        return not online_busy or now >= self.drain_deadline_s
 
     def admit(self, prepared: Prepared) -> float:
         """Take the request or raise 503 / 429; returns its predicted TTFT (ms; 0 when not predicted)."""
@@ -91,6 +127,9 @@ class ServerState:
         return predicted_ms
 
     def track(self, generation: Generation, predicted_ms: float) -> None:
+        self.generations.add(generation)
+        if self.drain_cut:   # admitted just before the drain refused new work, after the cut
+            generation.end_now()
         if generation.request.request_class is RequestClass.ONLINE:
             self.online[generation] = predicted_ms
 
@@ -98,6 +137,7 @@ class ServerState:
         self.in_flight[request_class] -= 1
         if self.on_in_flight_change is not None:
             self.on_in_flight_change(request_class, self.in_flight[request_class])
+        self.generations.discard(generation)
         predicted_ms = self.online.pop(generation, None) if generation is not None else None
         if predicted_ms and self.admission is not None and generation.first_token_s is not None:
             self.admission.observe(predicted_ms, (generation.first_token_s - generation.request.arrival_time) * 1e3)

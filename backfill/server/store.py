@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -38,6 +39,9 @@ from typing import Iterator
 from backfill.errors import ServerConfigError
 from backfill.server import store_integrity
 from backfill.server.store_integrity import DamagedContentError, StoreIntegrityError, sha256_hex
+
+log = logging.getLogger(__name__)
+ROW_NAMES = {"files": "file", "batch_results": "batch result"}   # a checksummed table's row, in words
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -136,6 +140,7 @@ class Store:
         self._lock = threading.Lock()
         self.last_error: str | None = None   # the last failed read or write, for /health
         self.damaged_reads = 0   # reads refused because their checksum did not match (a metric)
+        self.unchecked_rows = 0  # rows stored before checksums were kept (read unchecked; /ready says how many)
         try:
             store_integrity.preflight(self.path, fresh)
             try:
@@ -160,8 +165,15 @@ class Store:
         try:
             conn.executescript(SCHEMA)
             store_integrity.add_checksum_columns(conn)
+            unchecked = store_integrity.unchecked_rows(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
+        self.unchecked_rows = sum(unchecked.values())
+        if self.unchecked_rows:
+            log.warning("%s: %s stored before checksums were kept: they are served unchecked (damage to "
+                        "their bytes cannot be detected); /ready reports them as store.unchecked_rows",
+                        self.path, " and ".join(f"{n} {ROW_NAMES[table]}{'s' * (n != 1)}"
+                                                for table, n in unchecked.items() if n))
         if str(mode).lower() != "wal":
             raise ServerConfigError(f"{self.path}: SQLite refused WAL mode (got {mode})")
 
@@ -173,8 +185,9 @@ class Store:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return {"status": "error", "path": str(self.path), "error": self.last_error}
         if self.last_error is not None:
-            return {"status": "degraded", "path": str(self.path), "error": self.last_error}
-        return {"status": "ok", "path": str(self.path)}
+            return {"status": "degraded", "path": str(self.path), "error": self.last_error,
+                    "unchecked_rows": self.unchecked_rows}
+        return {"status": "ok", "path": str(self.path), "unchecked_rows": self.unchecked_rows}
 
     def _take_lock(self) -> int:
         lock_path = self.path.with_name(self.path.name + ".lock")

@@ -54,6 +54,12 @@ def add_checksum_columns(conn: sqlite3.Connection) -> None:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN sha256 TEXT")
 
 
+def unchecked_rows(conn: sqlite3.Connection) -> dict[str, int]:
+    """Rows stored before checksums were kept (sha256 NULL), per table: read unchecked, so reported."""
+    return {table: conn.execute(f"SELECT COUNT(*) FROM {table} WHERE sha256 IS NULL").fetchone()[0]
+            for table in CHECKSUMMED_TABLES}
+
+
 def preflight(path: Path, fresh: bool) -> None:
     """Before SQLite opens path: refuse an empty or orphaned database (or move it aside if fresh)."""
     problem = _empty_problem(path)

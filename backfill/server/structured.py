@@ -55,6 +55,19 @@ def requested_grammar(body: ChatCompletionBody | CompletionBody) -> tuple[str, s
     return found[0] if found else None
 
 
+def check_tool_schemas(compiler: GrammarCompiler, body: ChatCompletionBody, forced: bool) -> None:
+    """Each tool's parameters: a valid JSON schema (400 naming tools[i].function.parameters and what
+    is wrong in it), and, when a tool call is forced (the schemas become the output's grammar), one
+    the grammar library compiles; never the combined grammar's internals in the message."""
+    for index, tool in enumerate(body.tools or ()):
+        if tool.function.parameters is None:
+            continue
+        param = f"tools[{index}].function.parameters"
+        grammar = _schema_grammar(tool.function.parameters, param)
+        if forced:
+            check_grammar(compiler, param, grammar)
+
+
 def _schema_grammar(schema: object, param: str) -> str:
     if isinstance(schema, str):
         try:

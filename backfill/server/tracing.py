@@ -88,13 +88,19 @@ class RequestTracer:
             span.add_event("preempted", {"backfill.preemption.kind": kind, "backfill.request_id": request_id},
                            timestamp=self.wall_ns(at_s))
 
-    def end(self, span: Span, generation: Generation) -> None:
-        """Close the request's span with its queue / prompt / decode children (their times are known now)."""
+    def end(self, span: Span, generation: Generation, refused: BaseException | None = None) -> None:
+        """Close the request's span with its queue / prompt / decode children (their times are known now).
+        refused: the engine turned the request down before it ran (a 4xx answer): the span says
+        why, without the ERROR status of a server failure or a cancel."""
         from opentelemetry import trace
 
         with self._lock:
             for sub in generation.requests:
                 self._open.pop(sub.request_id, None)
+        if refused is not None:
+            span.set_attribute("error.type", type(refused).__name__)
+            span.end()
+            return
         arrival = generation.request.arrival_time
         parent = trace.set_span_in_context(span)
         stages = []

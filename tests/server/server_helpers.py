@@ -114,13 +114,16 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None,
 class ServerProcess:
     """`python -m backfill.server --tiny` as a subprocess (for kill -9 and SIGTERM tests)."""
 
-    def __init__(self, db: Path, port: int | None = None, *extra: str) -> None:
+    def __init__(self, db: Path, port: int | None = None, *extra: str, prefix: tuple[str, ...] = (),
+                 tiny: bool = True, env: dict[str, str] | None = None) -> None:
+        """prefix: a command the server runs under (`unshare --pid --fork --mount-proc` makes it PID 1)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = db.with_name(f"server-{self.port}-{time.monotonic_ns()}.log")
-        command = [sys.executable, "-m", "backfill.server", "--tiny", "--port", str(self.port), "--db", str(db),
-                   "--log-level", "warning", *extra]
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        command = [*prefix, sys.executable, "-m", "backfill.server", *(("--tiny",) if tiny else ()),
+                   "--port", str(self.port), "--db", str(db), "--log-level", "warning", *extra]
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **(env or {}))
+        self.prefixed = bool(prefix)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -143,6 +146,18 @@ class ServerProcess:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+
+    def server_pid(self) -> int:
+        """The server's own process id: the child of the prefix's command, if any, else proc's."""
+        deadline = time.monotonic() + 10
+        while self.prefixed:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            if children:
+                return int(children[0])
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return self.proc.pid
 
     def stop(self) -> None:
         if self.proc.poll() is None:

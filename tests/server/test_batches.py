@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -240,3 +241,34 @@ def test_idle_worker_polls_rarely_and_wakes_for_a_new_batch(tmp_path):
     # 0.5 s idle at a 0.01 s poll would be ~50 looks; at 30 s, the first one only.
     assert result["idle"] == 1
     assert result["status"] == "completed" and result["busy"] >= 2
+
+
+def test_batch_on_damaged_input_fails_at_once_and_others_proceed(tmp_path, caplog):
+    """Stored bytes of one input file change on disk: its batch fails within 5 s with an error
+    naming the damage, logged once without a traceback; a batch on a good file created after it
+    completes, and the worker polls on as before (no tight retry loop)."""
+    import sqlite3
+
+    caplog.set_level(logging.INFO, logger="backfill.server.batches")
+    with live_server(tmp_path) as server:
+        client = openai_client(server.url)
+        damaged = upload(client, [chat_line("a"), chat_line("b")])
+        with sqlite3.connect(tmp_path / "server.db") as raw:   # the bytes change; their checksum does not
+            raw.execute("UPDATE files SET content = CAST(replace(content, 'hi', 'hj') AS BLOB) WHERE id = ?",
+                        (damaged.id,))
+        created = time.monotonic()
+        bad = client.batches.create(input_file_id=damaged.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+        good = client.batches.create(input_file_id=upload(client, [chat_line("c")]).id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+        failed = wait_final(client, bad.id, timeout_s=5.0)
+        assert time.monotonic() - created < 5.0
+        assert failed.status == "failed", failed
+        (error,) = failed.errors.data
+        assert error.code == "input_file_damaged" and error.param == "input_file_id"
+        assert damaged.id in error.message and "damaged" in error.message and "SHA-256" in error.message
+        assert wait_final(client, good.id).status == "completed"
+        time.sleep(1.5)   # several polls later: still one line
+        lines = [r for r in caplog.records if bad.id in r.getMessage()]
+        assert len(lines) == 1 and lines[0].exc_info is None and "\n" not in lines[0].getMessage(), \
+            [r.getMessage() for r in lines]

@@ -60,10 +60,10 @@ def test_malformed_json_is_400(client, raw):
     ("stream_options", {"include_usage": True}, "stream_options"),
     ("messages", [], "messages"),
     ("messages", "hi", "messages"),
-    ("messages", [{"role": "wizard", "content": "x"}], "messages.0.role"),
-    ("messages", [{"role": "user", "content": [{"type": "image_url"}]}], "messages.0.content"),
+    ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
     ("service_tier", "gold", "service_tier"),
-    ("tools", [{"type": "function"}], "tools.0.function"),
+    ("tools", [{"type": "function"}], "tools[0].function"),
     ("tool_choice", "sometimes", "tool_choice"),
 ])
 def test_invalid_field_is_400_naming_it(client, field, value, param):

@@ -123,3 +123,8 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, stream):
 
     assert text(include_stop_str_in_output=True) == (expected, "stop")
     assert text() == (expected[:-len(stop)], "stop")
+
+
+@pytest.mark.parametrize("prompt", ["", [""], []])
+def test_an_empty_prompt_is_400_naming_prompt(client, prompt):
+    assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400, param="prompt")

@@ -82,7 +82,7 @@ def test_kill9_mid_batch_then_restart_finishes_every_line_once(tmp_path, server_
 
 def test_sigterm_drains_online_requests_and_keeps_batch_progress(tmp_path, server_processes):
     db = tmp_path / "term.db"
-    first = server_processes(db, "--max-offline-in-flight", "4", "--drain-timeout-s", "20")
+    first = server_processes(db, "--max-offline-in-flight", "4", "--drain-timeout-s", "40")
     client = openai_client(first.url)
     batch_id = submit_batch(client)
     wait_for(client, batch_id, lambda b: b.request_counts.completed >= 4)
@@ -91,11 +91,15 @@ def test_sigterm_drains_online_requests_and_keeps_batch_progress(tmp_path, serve
     finish: list[str] = []
 
     def stream_online() -> None:
-        body = {"prompt": "drain me", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{first.url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:   # cut by the drain deadline
+                        finish.append(chunk["error"]["code"])
+                        continue
+                    choice = chunk["choices"][0]
                     streamed.append(choice["text"])
                     if choice["finish_reason"]:
                         finish.append(choice["finish_reason"])

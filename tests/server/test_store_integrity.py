@@ -207,3 +207,22 @@ def test_damaged_batch_result_goes_to_the_error_file_not_the_output(tmp_path):
     assert "result_damaged" in errors and '"custom_id": "b"' in errors and "999" not in errors
     assert store.damaged_reads == 1
     store.close()
+
+
+def test_rows_stored_before_checksums_are_reported_not_skipped_silently(tmp_path, caplog):
+    db = tmp_path / "s.db"
+    store = Store(db)
+    file_id = store.create_file("batch", "in.jsonl", chat_line("a").encode())["id"]
+    assert store.health()["unchecked_rows"] == 0
+    store.close()
+    with sqlite3.connect(db) as raw:   # as a database written before the checksums were kept
+        raw.execute("UPDATE files SET sha256 = NULL WHERE id = ?", (file_id,))
+    caplog.set_level(logging.WARNING, logger="backfill.server.store")
+    store = Store(db)
+    try:
+        assert store.health()["unchecked_rows"] == 1
+        (warning,) = [r.getMessage() for r in caplog.records if "before checksums" in r.getMessage()]
+        assert "1 file stored before checksums" in warning and str(db) in warning
+        assert store.file_content(file_id) == chat_line("a").encode()   # still served
+    finally:
+        store.close()

@@ -164,3 +164,15 @@ def test_unknown_tool_choice_function_through_openai(client):
         client.chat.completions.create(model=None, messages=MESSAGES, max_tokens=2, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "launch"}})
     assert err.value.body["param"] == "tool_choice" and "launch" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "bad"}}])
+def test_an_invalid_tool_schema_names_the_tool_not_tool_choice(http, tool_choice):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {
+        "a": {"type": "strin"}}}}}
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "tools": [WEATHER, bad], "tool_choice": tool_choice,
+                                                       "max_tokens": 3})
+    error = assert_error(response, 400, param="tools[1].function.parameters")
+    assert "properties/a/type" in error["message"]
+    assert "%json" not in error["message"] and "start:" not in error["message"]   # no grammar internals

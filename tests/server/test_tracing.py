@@ -114,6 +114,19 @@ def test_a_caller_traceparent_makes_the_request_part_of_its_trace(tmp_path):
     assert second.parent is None and second.context.trace_id != first.context.trace_id
 
 
+def test_a_request_the_engine_refuses_is_a_400_span_not_an_error_labelled_cancelled(tmp_path):
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    with traced_server(tmp_path, exporter) as server:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [10**6], "max_tokens": 2})
+        assert response.status_code == 400, response.text
+    (span,) = [span for span in exporter.get_finished_spans() if span.name == "llm_request"]
+    assert span.status.status_code is not StatusCode.ERROR, span.status
+    assert span.attributes["error.type"] == "InvalidRequestError"
+    assert "gen_ai.response.finish_reasons" not in span.attributes
+
+
 def test_batch_lines_get_spans_of_their_own(tmp_path):
     exporter = InMemorySpanExporter()
     with traced_server(tmp_path, exporter, policy="coserve") as server:
