@@ -51,8 +51,8 @@ class PlanBuilder:
         if token_cap is not None:
             n = min(n, token_cap)
         # Never schedule past the context: the mechanism finishes such sequences.
-        n = min(n, self.state.max_model_len - seq.num_computed_tokens)
-        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_computed_tokens
+        n = min(n, self.state.max_model_len - seq.num_context_tokens)
+        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_context_tokens
         n = min(n, fits)
         if n <= 0:
             return 0
@@ -62,7 +62,7 @@ class PlanBuilder:
         self._undo.append((blocks, self.shape))
         self.scheduled_ids.add(seq.seq_id)
         self.tokens += n
-        self.shape = self.shape.plus(n, seq.num_computed_tokens)
+        self.shape = self.shape.plus(n, seq.num_context_tokens)
         return n
 
     def mark(self) -> int:
