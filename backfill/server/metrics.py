@@ -111,13 +111,22 @@ class _EngineCollector(Collector):
                                    labels=["class"])
         tokens = CounterMetricFamily("backfill_output_tokens", "Output tokens generated, per class",
                                      labels=["class"])
+        # In prompt tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate.
+        prefix_queries = CounterMetricFamily("backfill_prefix_cache_queries", "Prompt tokens looked up in the "
+                                             "prefix cache at a request's first schedule, per class", labels=["class"])
+        prefix_hits = CounterMetricFamily("backfill_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                          "(their KV mapped, not computed), per class", labels=["class"])
         for cls in CLASSES:
             queue.add_metric([cls], waiting[cls])
             active.add_metric([cls], running[cls])
             tokens.add_metric([cls], stats.output_tokens.get(cls, 0))
+            prefix_queries.add_metric([cls], stats.prefix_cache_queries.get(cls, 0))
+            prefix_hits.add_metric([cls], stats.prefix_cache_hits.get(cls, 0))
         yield queue
         yield active
         yield tokens
+        yield prefix_queries
+        yield prefix_hits
         yield GaugeMetricFamily("backfill_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                                 value=scheduler.kv.usage)
         counters = (
