@@ -103,9 +103,28 @@ def decode_first(seqs: list[SeqView]) -> list[SeqView]:
     return sorted(seqs, key=lambda s: (s.in_prefill or not s.running, s.arrival_s))
 
 
-def prefill_first(seqs: list[SeqView]) -> list[SeqView]:
-    """Requests waiting for (the rest of) their prompt before running decodes, each group by arrival."""
-    return sorted(seqs, key=lambda s: (s.running and not s.in_prefill, s.arrival_s))
+# HyGen's prefix-sharing order waits a prompt at most this long behind later ones that find their
+# prefix cached: after that it goes by arrival again, so no line starves.
+PREFIX_GROUP_MAX_WAIT_S = 30.0
+
+
+def prefill_first(seqs: list[SeqView], now_s: float | None = None,
+                  max_wait_s: float = PREFIX_GROUP_MAX_WAIT_S) -> list[SeqView]:
+    """Requests waiting for (the rest of) their prompt before running decodes, each group by arrival.
+
+    Given now_s, prompts not yet started go in HyGen's prefix-sharing order: those that waited
+    max_wait_s first, by arrival; then the longest cached prefix first (lines sharing a prefix run
+    together while its blocks are cached, before an eviction makes the next group recompute it).
+    """
+    if now_s is None:
+        return sorted(seqs, key=lambda s: (s.running and not s.in_prefill, s.arrival_s))
+
+    def key(s: SeqView) -> tuple:
+        if s.running or s.num_computed_tokens or now_s - s.arrival_s >= max_wait_s:
+            return (s.running and not s.in_prefill, 0, 0, s.arrival_s)
+        return (False, 1, -s.num_cached_tokens, s.arrival_s)
+
+    return sorted(seqs, key=key)
 
 
 def recompute_cost_order(victims: list[SeqView]) -> list[SeqView]:
