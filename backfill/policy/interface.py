@@ -46,6 +46,9 @@ class SeqView(NamedTuple):
     # Holding no blocks: the leading tokens whose KV the prefix cache holds (mapped, not computed,
     # when it is next scheduled; always short of its last token).
     num_cached_tokens: int = 0
+    # The content address of the next full prompt block it would compute (None: no such block, or
+    # prefix caching is off): two prompts with the same one would compute the same KV twice.
+    next_block_key: bytes | None = None
 
     @property
     def is_online(self) -> bool:

@@ -38,6 +38,7 @@ class PlanBuilder:
         self.tokens = 0
         self.shape = BatchShape()
         self._undo: list[tuple[int, BatchShape]] = []  # per scheduled entry: its blocks, the shape before it
+        self._computing: dict[bytes, str] = {}   # next prompt blocks the plan computes, by address
 
     @property
     def tokens_left(self) -> int:
@@ -46,6 +47,11 @@ class PlanBuilder:
     def add(self, seq: SeqView, token_cap: int | None = None) -> int:
         """Schedule as many of seq's pending tokens as limits and free blocks allow; return the count."""
         if seq.seq_id in self.scheduled_ids or seq.seq_id in self.preempted or len(self.scheduled) >= self.max_seqs:
+            return 0
+        key = seq.next_block_key
+        if key is not None and not seq.running and key in self._computing:
+            # HyGen: a prompt whose next blocks another prompt of this step computes waits a step
+            # and maps them from the prefix cache instead of computing them twice.
             return 0
         n = min(seq.num_pending_tokens, self.chunk_tokens, self.tokens_left)
         if token_cap is not None:
@@ -63,6 +69,8 @@ class PlanBuilder:
         self.scheduled_ids.add(seq.seq_id)
         self.tokens += n
         self.shape = self.shape.plus(n, seq.num_context_tokens)
+        if key is not None:
+            self._computing.setdefault(key, seq.seq_id)
         return n
 
     def mark(self) -> int:
@@ -77,6 +85,7 @@ class PlanBuilder:
             self.free_blocks += blocks
             self.scheduled_ids.discard(item.seq_id)
             self.tokens -= item.num_tokens
+        self._computing = {k: v for k, v in self._computing.items() if v in self.scheduled_ids}
         self.shape = self._undo[mark][1]
         del self.scheduled[mark:], self._undo[mark:]
 

@@ -136,8 +136,7 @@ class Scheduler:
     def snapshot(self) -> SchedulerState:
         suspension = self.step_preemption.suspended
         suspended = suspension.kv_state if suspension is not None else {}
-        views = tuple(s.view(seq_id in suspended, self._cached_prefix_tokens(s) if not s.block_table else 0)
-                      for seq_id, s in self.seqs.items())
+        views = tuple(s.view(seq_id in suspended, *self._prefix_state(s)) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len,
                               suspension.ran_s * 1e3 if suspension is not None else 0.0)
@@ -247,11 +246,20 @@ class Scheduler:
         step has logits to sample (and a shared block is never written)."""
         return (seq.num_tokens - 1) // self.kv.block_size
 
-    def _cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of seq (holding no blocks) the prefix cache holds now: a probe."""
+    def _prefix_state(self, seq: Sequence) -> tuple[int, BlockHash | None]:
+        """For the policy: the leading tokens the prefix cache holds now (a probe, for a request holding
+        no blocks), and the address of the next full prompt block it would compute (None: none)."""
         if not self.kv.prefix_caching:
-            return 0
-        return len(self.kv.cached_blocks(self._block_hashes(seq, self._mappable_blocks(seq)))) * self.kv.block_size
+            return 0, None
+        mappable = self._mappable_blocks(seq)
+        if seq.block_table:
+            if seq.num_computed >= len(seq.prompt_ids):
+                return 0, None
+            at = seq.num_computed // self.kv.block_size
+            return 0, self._block_hashes(seq, mappable)[at] if at < mappable else None
+        hashes = self._block_hashes(seq, mappable)
+        cached = len(self.kv.cached_blocks(hashes))
+        return cached * self.kv.block_size, hashes[cached] if cached < mappable else None
 
     def _map_cached_prefix(self, seq: Sequence) -> None:
         """Put the cached run of seq's leading blocks in its (empty) block table; the first time, count

@@ -96,14 +96,15 @@ class Sequence:
         """What besides its tokens sets its KV apart (the adapter's load), for block addresses."""
         return self.adapter.cache_key if self.adapter is not None else ""
 
-    def view(self, suspended: bool, num_cached_tokens: int = 0) -> SeqView:
+    def view(self, suspended: bool, num_cached_tokens: int = 0, next_block_key: BlockHash | None = None) -> SeqView:
         """This request as the policy sees it; suspended: its tokens are in the suspended step;
-        num_cached_tokens: what a prefix-cache hit would map when it is next scheduled."""
+        num_cached_tokens: what a prefix-cache hit would map when it is next scheduled;
+        next_block_key: the address of the next full prompt block it would compute."""
         request = self.request
         return SeqView(request.request_id, request.request_class, request.arrival_time, len(self.prompt_ids),
                        self.num_tokens, self.num_computed, len(self.block_table), self.status is SeqStatus.RUNNING,
                        self.checkpoint.num_tokens, request.sampling.max_tokens, len(self.output_ids),
-                       self.first_token_s, suspended, num_cached_tokens)
+                       self.first_token_s, suspended, num_cached_tokens, next_block_key)
 
     def append_token(self, token: int, now_s: float, eos_token_ids: tuple[int, ...],
                      max_model_len: int) -> FinishReason | None:

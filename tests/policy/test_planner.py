@@ -41,3 +41,14 @@ def test_prefix_sharing_order_runs_cached_lines_first_within_a_bounded_wait():
     # Without a clock: arrival order, as before prefix caching.
     assert [s.seq_id for s in prefill_first(seqs)] == ["old", "run", "plain", "hit", "best", "dec"]
     assert [s.seq_id for s in prefill_first(seqs, now_s=100.0, max_wait_s=1000.0)][:2] == ["run", "best"]
+
+
+def test_a_prompt_whose_next_block_another_computes_waits_a_step():
+    first = SeqView("first", OFFLINE, 0.0, 100, 100, 32, 2, True, next_block_key=b"k2")
+    twin = SeqView("twin", OFFLINE, 1.0, 90, 90, 0, 0, False, num_cached_tokens=32, next_block_key=b"k2")
+    other = SeqView("other", OFFLINE, 2.0, 90, 90, 0, 0, False, next_block_key=b"x0")
+    plan = PlanBuilder(_state(first, twin, other), 512, 8, 512)
+    assert plan.add(first) == 68
+    assert plan.add(twin) == 0 and plan.add(other) == 90
+    plan.rollback(0)
+    assert plan.add(twin) == 58   # nothing computes its block now: it goes

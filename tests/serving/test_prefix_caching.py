@@ -203,3 +203,15 @@ def test_two_adapters_on_one_prefix_never_share_blocks(tiny_runner, adapter_dirs
     assert len({tuple(off[f"r{i}"]) for i in range(3)}) == 3   # the adapters change the output
     # Only the same adapter's earlier request supplies cached blocks.
     assert hits == {"r0": 0, "r1": 0, "r2": 0, "r3": 24, "r4": 24}
+
+
+def test_lines_sharing_an_uncached_prefix_compute_it_once(tiny_runner):
+    """HyGen: submitted together, the first line computes the system prompt and the others wait a
+    step to map it, rather than all computing it in one step."""
+    scheduler = Scheduler(_pool(tiny_runner, 48, True), FCFSPolicy())
+    lines = _lines(4)
+    for r in lines:
+        scheduler.add(r)
+    out, cached = _drain(scheduler)
+    assert cached == {"o0": 0, "o1": 24, "o2": 24, "o3": 24}
+    assert out == {r.request_id: _solo(tiny_runner, r) for r in lines}
