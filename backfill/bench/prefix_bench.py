@@ -65,9 +65,12 @@ def iter_questions(tokenizer, seed: int, low: int = 16, high: int = 40) -> Itera
     rng = random.Random(seed)
     for i in itertools.count():
         want = rng.randint(low, high)
-        text = f"Question {i}: what do {rng.choice(TOPICS)} and {rng.choice(TOPICS)} have in common"
-        while len(tokenizer.encode(text, add_special_tokens=False)) < want:
-            text += f" {rng.choice(WORDS)}"
+        text = f"Q{i}: why {rng.choice(TOPICS)}"
+        while len(tokenizer.encode(text + "?", add_special_tokens=False)) < want:
+            longer = f"{text} {rng.choice(WORDS)}"
+            if len(tokenizer.encode(longer + "?", add_special_tokens=False)) > high:
+                break
+            text = longer
         yield text + "?"
 
 
