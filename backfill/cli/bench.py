@@ -68,6 +68,8 @@ def _fill_overload(p: argparse.ArgumentParser) -> None:
 def _fill_prefix(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--policy", default="coserve", help="scheduling policy of the in-process engine")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process engine (unset: "
+                                                              "torch's default, every core)")
     p.add_argument("--scenarios", nargs="+", choices=["batch", "coserve", "stream"], default=["batch"],
                    help="batch: a Batch file sharing a system prompt; coserve: online and offline each sharing "
                         "one; stream: offline distinct prefixes beside a steady online system prompt")
@@ -97,7 +99,11 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1")
     if args.duration_s <= 0 or args.online_rate <= 0:
         raise InvalidRequestError("--duration-s and --online-rate must be positive")
-    cfg = serving_config(args, policy=args.policy)
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequestError("--threads must be >= 1")
+    from dataclasses import replace
+
+    cfg = replace(serving_config(args, policy=args.policy), threads=args.threads)
     caching = tuple(mode == "on" for mode in args.caching)
     results = {}
     for scenario in args.scenarios:
