@@ -80,3 +80,4 @@ class TokenEvent:
     time: float = field(default_factory=time.monotonic)
     logprobs: tuple[TokenLogprob, ...] = ()   # one per token in token_ids when the request asked for them
     scheduled_s: float | None = None   # on the first token's event: when a step first ran the request
+    num_cached_tokens: int = 0   # prompt tokens whose KV the prefix cache supplied (OpenAI's cached_tokens)

@@ -29,6 +29,9 @@ def add_commands(commands: CommandParser) -> None:
     commands.defer("bench overload", "10x the sustainable online rate against backfill serve: admitted "
                                      "P99 TTFT vs the SLO, 429s with Retry-After, latency after the burst",
                    _fill_overload)
+    commands.defer("bench prefix", "prefix caching on and off: a Batch file sharing a system prompt, co-serving "
+                                   "with shared prompts, offline distinct prefixes beside a steady online one",
+                   _fill_prefix)
     commands.group("sim", "simulations: the real scheduler and policies, with steps costed on a virtual clock "
                           "instead of run")
     commands.defer("sim coserve", "the coserve benchmark's scenario, simulated (seconds instead of minutes; "
@@ -60,6 +63,63 @@ def _fill_overload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-arg", action="append", default=[], help="extra flag for backfill serve (repeatable)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.set_defaults(func=cmd_bench_overload)
+
+
+def _fill_prefix(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--policy", default="coserve", help="scheduling policy of the in-process engine")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process engine (unset: "
+                                                              "torch's default, every core)")
+    p.add_argument("--scenarios", nargs="+", choices=["batch", "coserve", "stream"], default=["batch"],
+                   help="batch: a Batch file sharing a system prompt; coserve: online and offline each sharing "
+                        "one; stream: offline distinct prefixes beside a steady online system prompt")
+    p.add_argument("--caching", nargs="+", choices=["on", "off"], default=["on", "off"],
+                   help="run with the prefix cache on, off, or both (in turn)")
+    p.add_argument("--lines", type=int, default=64, help="batch: lines in the file")
+    p.add_argument("--system-tokens", type=int, default=1024, help="the offline lines' shared system prompt, tokens")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per offline line")
+    p.add_argument("--concurrency", type=int, default=64, help="batch: lines in flight (the Batch worker's 64)")
+    p.add_argument("--duration-s", type=float, default=60.0, help="coserve, stream: length of the online trace")
+    p.add_argument("--online-rate", type=float, default=0.5, help="coserve, stream: online requests per second")
+    p.add_argument("--online-system-tokens", type=int, default=512, help="the online chat's system prompt, tokens")
+    p.add_argument("--online-max-tokens", type=int, default=32)
+    p.add_argument("--url", default=None, help="batch: send the file's lines to this OpenAI-compatible server "
+                                               "instead (e.g. vLLM's), at the same concurrency")
+    p.add_argument("--served-model", default=None, help="model name to send with --url")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.set_defaults(func=cmd_bench_prefix)
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from backfill.bench.prefix_bench import print_summary, run_batch_scenario, run_coserve_scenario, write_json
+
+    for name in ("lines", "concurrency", "system_tokens", "max_tokens", "online_system_tokens", "online_max_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.duration_s <= 0 or args.online_rate <= 0:
+        raise InvalidRequestError("--duration-s and --online-rate must be positive")
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequestError("--threads must be >= 1")
+    from dataclasses import replace
+
+    cfg = replace(serving_config(args, policy=args.policy), threads=args.threads)
+    caching = tuple(mode == "on" for mode in args.caching)
+    results = {}
+    for scenario in args.scenarios:
+        if scenario == "batch":
+            result = run_batch_scenario(cfg, args.lines, args.system_tokens, args.max_tokens, args.concurrency,
+                                        caching, args.url, args.served_model, args.api_key)
+        else:
+            result = run_coserve_scenario(cfg, scenario, args.duration_s, args.online_rate,
+                                          args.online_system_tokens, args.system_tokens, args.online_max_tokens,
+                                          args.max_tokens, caching)
+        print_summary(scenario, result)
+        results[scenario] = result
+    if args.json:
+        write_json(args.json, results)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> int:

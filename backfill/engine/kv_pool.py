@@ -3,15 +3,23 @@
 Each sequence owns a block table (list of block ids); token at position p lives in block
 block_table[p // block_size] at offset p % block_size. The pool only allocates, frees and
 copies blocks; which sequence deserves blocks is decided elsewhere.
+
+Prefix caching (as vLLM v1's automatic prefix caching): a full block may be registered under its
+content address (engine/prefix_cache.py); blocks carry reference counts, so several block tables
+map one cached block. A freed block that holds a cached prefix stays findable, counted free, until
+an allocation needs its memory. Eviction knows the request classes (Echo): blocks only offline
+requests used go first, least recently used first; blocks an online request used go last.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from backfill.engine.config import ModelConfig
+from backfill.engine.prefix_cache import BlockHash, root_hash
 from backfill.errors import OutOfBlocksError
 
 
@@ -33,9 +41,10 @@ class HostBlocks:
 class KVBlockPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 planes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 planes: tuple[torch.Tensor, torch.Tensor] | None = None, prefix_caching: bool = True) -> None:
         """planes: K and V tensors to use instead of fresh ones (memory shared with other
-        processes, memory/kv_arena.py); each [layers, num_blocks, block_size, kv_heads, head_dim]."""
+        processes, memory/kv_arena.py); each [layers, num_blocks, block_size, kv_heads, head_dim].
+        prefix_caching: full blocks may be registered and found by content; off, register is a no-op."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.config = config
@@ -58,9 +67,19 @@ class KVBlockPool:
         slots = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k_slots = [layer.view(slots) for layer in self.k]
         self.v_slots = [layer.view(slots) for layer in self.v]
-        # LIFO free list: recently freed blocks are reused first (warm in cache).
+        self.prefix_caching = prefix_caching
+        # The root of every block address in this pool: a block's values depend on these too.
+        self.hash_root: BlockHash = root_hash(config.name, str(dtype), str(block_size))
+        # LIFO free list of blocks holding no cached prefix: reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._allocated = bytearray(num_blocks)
+        self._refs = [0] * num_blocks
+        # Free blocks that hold a cached prefix, least recently used first, in two classes (Echo):
+        # [0] used by offline requests only, evicted first; [1] used by an online request.
+        self._evictable: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+        self._hash_of: dict[int, BlockHash] = {}
+        self._block_of: dict[BlockHash, int] = {}
+        self._online_used = bytearray(num_blocks)
+        self.evictions = 0
         # Blocks taken away by a node runtime (Valve §4.3 reclamation) are neither free nor usable.
         self._retired: set[int] = set()
 
@@ -74,15 +93,28 @@ class KVBlockPool:
 
     @classmethod
     def for_memory(cls, config: ModelConfig, kv_bytes: int, block_size: int = 16,
-                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KVBlockPool":
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                   prefix_caching: bool = True) -> "KVBlockPool":
         """Size the pool to use about kv_bytes of memory."""
-        return cls(config, cls.blocks_in_memory(config, kv_bytes, block_size, dtype), block_size, dtype, device)
+        return cls(config, cls.blocks_in_memory(config, kv_bytes, block_size, dtype), block_size, dtype, device,
+                   prefix_caching=prefix_caching)
 
     # --- allocation -------------------------------------------------------------------------
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: never-cached free blocks and free cached ones (evictable)."""
+        return len(self._free) + len(self._evictable[0]) + len(self._evictable[1])
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding a cached prefix (reclaimable: evicted when memory is needed)."""
+        return len(self._evictable[0]) + len(self._evictable[1])
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a content address, in use or free."""
+        return len(self._block_of)
 
     @property
     def num_usable(self) -> int:
@@ -90,7 +122,7 @@ class KVBlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self.num_free
 
     @property
     def usage(self) -> float:
@@ -100,19 +132,39 @@ class KVBlockPool:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocksError(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        ids = [self._free.pop() for _ in range(n)]
-        for i in ids:
-            self._allocated[i] = 1
+        """n blocks for new KV: never-cached free blocks first, then evicted cached ones (offline
+        class before online, each least recently used first)."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        ids = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                lru = self._evictable[0] if self._evictable[0] else self._evictable[1]
+                block, _ = lru.popitem(last=False)
+                self._uncache(block)
+                self.evictions += 1
+            self._refs[block] = 1
+            ids.append(block)
         return ids
 
     def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; a block nobody references is free again (findable
+        until evicted when it holds a cached prefix)."""
         for i in block_ids:
-            if not 0 <= i < self.num_blocks or not self._allocated[i]:
+            if not 0 <= i < self.num_blocks or not self._refs[i]:
                 raise ValueError(f"block {i} is not allocated")
-            self._allocated[i] = 0
-            self._free.append(i)
+        # In reverse: a table's last blocks (its own suffix) become the least recently used, so
+        # they are evicted before the prefix other requests share (vLLM v1 frees in this order).
+        for i in reversed(block_ids):
+            self._refs[i] -= 1
+            if self._refs[i]:
+                continue
+            if i in self._hash_of:
+                self._evictable[self._online_used[i]][i] = None
+            else:
+                self._free.append(i)
 
     def grow(self, block_table: list[int], num_tokens: int) -> list[int]:
         """Extend block_table in place so it can hold num_tokens; return the new block ids."""
@@ -124,13 +176,80 @@ class KVBlockPool:
         return new
 
     def is_allocated(self, block_id: int) -> bool:
-        return bool(self._allocated[block_id])
+        return bool(self._refs[block_id])
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables map this block now."""
+        return self._refs[block_id]
+
+    # --- prefix caching -------------------------------------------------------------------------
+
+    def cached_blocks(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks holding the longest run of these addresses from the first (a probe: nothing
+        is taken or touched)."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def take_cached(self, hashes: list[BlockHash], online: bool) -> list[int]:
+        """Map the longest cached run of these addresses: one more reference to each of its blocks
+        (a free one leaves the eviction queue); online marks them as an online request's."""
+        found = self.cached_blocks(hashes)
+        for block in found:
+            if not self._refs[block]:
+                self._evictable[self._online_used[block]].pop(block)
+            self._refs[block] += 1
+            if online:
+                self._online_used[block] = 1
+        return found
+
+    def register(self, block_id: int, block_hash: BlockHash, online: bool) -> bool:
+        """Record that this allocated, full block holds the KV its address names; False when caching
+        is off, the block is registered already, or another block holds that address (two requests
+        computed the same prefix at once: the first stays the cached one)."""
+        if not self._refs[block_id]:
+            raise ValueError(f"block {block_id} is not allocated")
+        if online:
+            self._online_used[block_id] = 1
+        if not self.prefix_caching or block_id in self._hash_of or block_hash in self._block_of:
+            return False
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+        return True
+
+    def clear_cache(self) -> int:
+        """Forget every cached prefix (free cached blocks become plain free blocks); returns how many
+        addresses were dropped."""
+        dropped = len(self._block_of)
+        for lru in self._evictable:
+            self._free.extend(lru)
+            lru.clear()
+        for block in list(self._hash_of):
+            self._uncache(block)
+        return dropped
+
+    def _uncache(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+        self._online_used[block] = 0
+
+    # --- reclamation ----------------------------------------------------------------------------
 
     def retire(self, block_ids: list[int]) -> None:
-        """Stop using these blocks (their memory was reclaimed). They must be free already."""
+        """Stop using these blocks (their memory was reclaimed). They must be free already; a free
+        cached block is forgotten (Valve §5: free cached blocks are reclaimable)."""
         ids = set(block_ids)
-        if busy := [i for i in ids if self._allocated[i]]:
+        if busy := [i for i in ids if self._refs[i]]:
             raise ValueError(f"cannot retire allocated blocks {sorted(busy)[:8]}")
+        for i in ids:
+            for lru in self._evictable:
+                lru.pop(i, None)
+            self._uncache(i)
         self._retired |= ids
         self._free = [i for i in self._free if i not in ids]
 

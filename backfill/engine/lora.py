@@ -24,7 +24,8 @@ import json
 import math
 import re
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,6 +74,9 @@ class LoraAdapter:
     target_modules: tuple[str, ...]
     base_model: str | None
     layers: tuple[dict[str, SiteWeights], ...]  # per layer, the sites it adapts
+    # What sets this load's KV apart in the prefix cache (engine/prefix_cache.py): unique per load, so
+    # blocks never match across adapters, nor across two loads under one name.
+    cache_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def nbytes(self) -> int:

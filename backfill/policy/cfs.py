@@ -139,7 +139,7 @@ class CFSPolicy(SchedulingPolicy):
 
         def take(seq: SeqView, tokens: int) -> bool:
             nonlocal memory
-            need = blocks(seq.num_computed_tokens + tokens + k)
+            need = blocks(seq.num_context_tokens + tokens + k)
             if need > memory or len(chosen) >= limits.max_batch_seqs:
                 return False
             memory -= need

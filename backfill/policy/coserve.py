@@ -261,7 +261,7 @@ class CoServePolicy(SchedulingPolicy):
             return StepPlan(preemptible=True, mode="offline-batching", resume=True)
         # Prefills first: a decode step's fixed cost is spread over the requests decoding, so
         # admitting the waiting prompts at once beats giving each step to the few admitted decodes.
-        offline = prefill_first(state.offline)
+        offline = prefill_first(state.offline, state.now_s)   # HyGen: lines sharing a cached prefix together
         plan = PlanBuilder(state, self._offline_tokens, cfg.offline_batch_max_seqs, self._offline_tokens)
         step_budget_ms = self._offline_step_budget_ms()
         reserve = int(cfg.online_reserve_fraction * state.total_blocks)
@@ -277,7 +277,7 @@ class CoServePolicy(SchedulingPolicy):
                 plan.make_room(seq, 1, recompute_cost_order(others))
             # Decode attention grows with context: long offline contexts get fewer tokens per step,
             # so the stretch between two safepoints still meets the preemption target.
-            room = self._budget_tokens(plan.shape, step_budget_ms, seq.num_computed_tokens,
+            room = self._budget_tokens(plan.shape, step_budget_ms, seq.num_context_tokens,
                                        min(seq.num_pending_tokens, plan.tokens_left))
             if room <= 0:
                 if plan.scheduled:

@@ -44,15 +44,27 @@ class SeqView(NamedTuple):
     num_output_tokens: int = 0
     first_token_s: float | None = None  # when its first output token was sampled (scheduler clock)
     suspended: bool = False      # its tokens are in an aborted step the scheduler can continue
+    # Holding no blocks: the leading tokens whose KV the prefix cache holds (mapped, not computed,
+    # when it is next scheduled; always short of its last token).
+    num_cached_tokens: int = 0
+    # The content address of the next full prompt block it would compute (None: no such block, or
+    # prefix caching is off): two prompts with the same one would compute the same KV twice.
+    next_block_key: bytes | None = None
 
     @property
     def is_online(self) -> bool:
         return self.request_class is RequestClass.ONLINE
 
     @property
+    def num_context_tokens(self) -> int:
+        """Tokens whose KV the next step finds: computed, or mapped from the prefix cache."""
+        return max(self.num_computed_tokens, self.num_cached_tokens)
+
+    @property
     def num_pending_tokens(self) -> int:
-        """Tokens to feed before the next sample: 1 when decoding, more while (re)prefilling."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens to feed before the next sample: 1 when decoding, more while (re)prefilling; a
+        prompt's cached prefix is not fed (the latency model is charged only the rest)."""
+        return self.num_tokens - self.num_context_tokens
 
     @property
     def needs_restore(self) -> bool:
@@ -88,8 +100,9 @@ class SchedulerState:
         return self.by_class(RequestClass.OFFLINE)
 
     def blocks_for(self, seq: SeqView, num_new_tokens: int) -> int:
-        """Extra device blocks seq needs to compute num_new_tokens more tokens."""
-        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        """Extra device blocks seq needs to compute num_new_tokens more tokens (a cached prefix's
+        blocks counted: a free cached block leaves the free count when it is mapped)."""
+        needed = -(-(seq.num_context_tokens + num_new_tokens) // self.block_size)
         return max(0, needed - seq.num_blocks)
 
 

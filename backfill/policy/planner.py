@@ -38,6 +38,7 @@ class PlanBuilder:
         self.tokens = 0
         self.shape = BatchShape()
         self._undo: list[tuple[int, BatchShape]] = []  # per scheduled entry: its blocks, the shape before it
+        self._computing: dict[bytes, str] = {}   # next prompt blocks the plan computes, by address
 
     @property
     def tokens_left(self) -> int:
@@ -47,12 +48,17 @@ class PlanBuilder:
         """Schedule as many of seq's pending tokens as limits and free blocks allow; return the count."""
         if seq.seq_id in self.scheduled_ids or seq.seq_id in self.preempted or len(self.scheduled) >= self.max_seqs:
             return 0
+        key = seq.next_block_key
+        if key is not None and not seq.running and key in self._computing:
+            # HyGen: a prompt whose next blocks another prompt of this step computes waits a step
+            # and maps them from the prefix cache instead of computing them twice.
+            return 0
         n = min(seq.num_pending_tokens, self.chunk_tokens, self.tokens_left)
         if token_cap is not None:
             n = min(n, token_cap)
         # Never schedule past the context: the mechanism finishes such sequences.
-        n = min(n, self.state.max_model_len - seq.num_computed_tokens)
-        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_computed_tokens
+        n = min(n, self.state.max_model_len - seq.num_context_tokens)
+        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_context_tokens
         n = min(n, fits)
         if n <= 0:
             return 0
@@ -62,7 +68,9 @@ class PlanBuilder:
         self._undo.append((blocks, self.shape))
         self.scheduled_ids.add(seq.seq_id)
         self.tokens += n
-        self.shape = self.shape.plus(n, seq.num_computed_tokens)
+        self.shape = self.shape.plus(n, seq.num_context_tokens)
+        if key is not None:
+            self._computing.setdefault(key, seq.seq_id)
         return n
 
     def mark(self) -> int:
@@ -77,6 +85,7 @@ class PlanBuilder:
             self.free_blocks += blocks
             self.scheduled_ids.discard(item.seq_id)
             self.tokens -= item.num_tokens
+        self._computing = {k: v for k, v in self._computing.items() if v in self.scheduled_ids}
         self.shape = self._undo[mark][1]
         del self.scheduled[mark:], self._undo[mark:]
 
@@ -103,9 +112,28 @@ def decode_first(seqs: list[SeqView]) -> list[SeqView]:
     return sorted(seqs, key=lambda s: (s.in_prefill or not s.running, s.arrival_s))
 
 
-def prefill_first(seqs: list[SeqView]) -> list[SeqView]:
-    """Requests waiting for (the rest of) their prompt before running decodes, each group by arrival."""
-    return sorted(seqs, key=lambda s: (s.running and not s.in_prefill, s.arrival_s))
+# HyGen's prefix-sharing order waits a prompt at most this long behind later ones that find their
+# prefix cached: after that it goes by arrival again, so no line starves.
+PREFIX_GROUP_MAX_WAIT_S = 30.0
+
+
+def prefill_first(seqs: list[SeqView], now_s: float | None = None,
+                  max_wait_s: float = PREFIX_GROUP_MAX_WAIT_S) -> list[SeqView]:
+    """Requests waiting for (the rest of) their prompt before running decodes, each group by arrival.
+
+    Given now_s, prompts not yet started go in HyGen's prefix-sharing order: those that waited
+    max_wait_s first, by arrival; then the longest cached prefix first (lines sharing a prefix run
+    together while its blocks are cached, before an eviction makes the next group recompute it).
+    """
+    if now_s is None:
+        return sorted(seqs, key=lambda s: (s.running and not s.in_prefill, s.arrival_s))
+
+    def key(s: SeqView) -> tuple:
+        if s.running or s.num_computed_tokens or now_s - s.arrival_s >= max_wait_s:
+            return (s.running and not s.in_prefill, 0, 0, s.arrival_s)
+        return (False, 1, -s.num_cached_tokens, s.arrival_s)
+
+    return sorted(seqs, key=key)
 
 
 def recompute_cost_order(victims: list[SeqView]) -> list[SeqView]:

@@ -70,6 +70,7 @@ class Choice:
 class Outcome:
     choices: list[Choice]
     num_prompt_tokens: int
+    num_cached_tokens: int = 0   # of the prompt, found in the prefix cache
 
     @property
     def trace_id(self) -> str | None:
@@ -304,7 +305,8 @@ class CompletionService:
                     unfinished -= 1
                     if unfinished == 0:
                         if prepared.include_usage:
-                            made.append(sse(usage_chunk(prepared, num_prompt, events.num_output_tokens)))
+                            made.append(sse(usage_chunk(prepared, num_prompt, events.num_output_tokens,
+                                                        events.num_cached_tokens)))
                         last = made
                         break
                 elif logprobs:
@@ -320,7 +322,8 @@ class CompletionService:
                 made = chunk(event.text, event.finish_reason.value, index, logprobs)
                 unfinished -= 1
                 if unfinished == 0:
-                    last = [made, sse(usage_chunk(prepared, num_prompt, events.num_output_tokens))] \
+                    last = [made, sse(usage_chunk(prepared, num_prompt, events.num_output_tokens,
+                                                  events.num_cached_tokens))] \
                         if prepared.include_usage else [made]
                     break
                 yield made
@@ -363,6 +366,7 @@ class Generation:
         self._unfinished = len(self.requests)
         self.finish_reasons: list[FinishReason | None] = [None] * len(self.requests)
         self.output_tokens: list[int] = [0] * len(self.requests)
+        self.num_cached_tokens = 0   # prompt tokens the prefix cache supplied (the most of any choice)
         self.scheduled_s: float | None = None   # when a step first ran it
         self.first_token_s: float | None = None
         self.last_token_s: list[float | None] = [None] * len(self.requests)
@@ -428,6 +432,7 @@ class Generation:
             self.output_tokens[index] = max(self.output_tokens[index], event.num_output_tokens)
         if event.finished:
             self.finish_reasons[index] = event.finish_reason
+            self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
             self._unfinished -= 1
         return index, event
 
@@ -471,7 +476,7 @@ async def collect(prepared: Prepared, generation: Generation) -> Outcome:
         choice.text = "".join(parts[index])
         choice.finish_reason = generation.finish_reasons[index]
         choice.num_output_tokens = generation.output_tokens[index]
-    return Outcome(choices, len(prepared.request.prompt_token_ids))
+    return Outcome(choices, len(prepared.request.prompt_token_ids), generation.num_cached_tokens)
 
 
 def context_error(kind: Kind, exc: ContextLengthError) -> APIError:
@@ -495,8 +500,10 @@ def check_outcome(reason: FinishReason | None) -> None:
         raise error
 
 
-def usage(num_prompt: int, num_output: int) -> dict:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens the prefix cache supplied."""
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 def response_body(prepared: Prepared, outcome: Outcome,
@@ -519,7 +526,7 @@ def response_body(prepared: Prepared, outcome: Outcome,
             choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
     return {"id": prepared.response_id, "object": "chat.completion" if prepared.kind == "chat" else "text_completion",
             "created": prepared.created, "model": prepared.model, "choices": choices,
-            "usage": usage(outcome.num_prompt_tokens, outcome.num_output_tokens),
+            "usage": usage(outcome.num_prompt_tokens, outcome.num_output_tokens, outcome.num_cached_tokens),
             "service_tier": prepared.service_tier, "system_fingerprint": None}
 
 
@@ -574,8 +581,8 @@ def chunk_body(prepared: Prepared, delta: str | dict, finish_reason: str | None,
     return body
 
 
-def usage_chunk(prepared: Prepared, num_prompt: int, num_output: int) -> dict:
+def usage_chunk(prepared: Prepared, num_prompt: int, num_output: int, num_cached: int = 0) -> dict:
     obj = "chat.completion.chunk" if prepared.kind == "chat" else "text_completion"
     return {"id": prepared.response_id, "object": obj, "created": prepared.created, "model": prepared.model,
             "choices": [], "service_tier": prepared.service_tier, "system_fingerprint": None,
-            "usage": usage(num_prompt, num_output)}
+            "usage": usage(num_prompt, num_output, num_cached)}

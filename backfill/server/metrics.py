@@ -317,13 +317,23 @@ class _EngineCollector(Collector):
                                    labels=["model_name", "class"])
         tokens = CounterMetricFamily("backfill_output_tokens", "Output tokens generated, per class",
                                      labels=["model_name", "class"])
+        # In prompt tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate.
+        prefix_queries = CounterMetricFamily("backfill_prefix_cache_queries", "Prompt tokens looked up in the "
+                                             "prefix cache at a request's first schedule, per class",
+                                             labels=["model_name", "class"])
+        prefix_hits = CounterMetricFamily("backfill_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                          "(their KV mapped, not computed), per class", labels=["model_name", "class"])
         for cls in CLASSES:
             queue.add_metric([model, cls], waiting[cls])
             active.add_metric([model, cls], running[cls])
             tokens.add_metric([model, cls], stats.output_tokens.get(cls, 0))
+            prefix_queries.add_metric([model, cls], stats.prefix_cache_queries.get(cls, 0))
+            prefix_hits.add_metric([model, cls], stats.prefix_cache_hits.get(cls, 0))
         yield queue
         yield active
         yield tokens
+        yield prefix_queries
+        yield prefix_hits
         kv_usage = scheduler.kv.usage
         yield _gauge("backfill_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["model_name"], [model],
                      kv_usage)
@@ -335,6 +345,14 @@ class _EngineCollector(Collector):
                      ["model_name", "engine"], per_engine, kv_usage)
         yield _gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's earlier name). 1 means 100 percent usage.",
                      ["model_name", "engine"], per_engine, kv_usage)
+        for name, help_text, counts in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 stats.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 stats.prefix_cache_hits)):
+            family = CounterMetricFamily(name, help_text, labels=["model_name", "engine"])
+            family.add_metric(per_engine, sum(counts.values()))
+            yield family
         generated = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.",
                                         labels=["model_name", "engine"])
         generated.add_metric(per_engine, sum(stats.output_tokens.values()))

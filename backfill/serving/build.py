@@ -70,7 +70,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
         # Larger decode batches get padded buckets, compiled behind the server's start.
         model.compiled_decode.compile_buckets(background=True)
     kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
-                                cfg.torch_dtype, device)
+                                cfg.torch_dtype, device, prefix_caching=cfg.prefix_caching)
     graphs = None
     if cfg.uses_cuda_graphs:
         graphs = DecodeGraphs(model, kv, mixed=cfg.uses_mixed_graphs)

@@ -76,6 +76,10 @@ class ServingConfig:
                              "KV cache in place, fused RoPE + KV write, residual + RMSNorm and SwiGLU "
                              "(engine/triton_*.py) and sampling on the device", group="engine",
                              choices=CUDA_KERNELS_CHOICES)
+    # vLLM's automatic prefix caching, on by default as there (engine/kv_pool.py, docs/prefix-caching.md).
+    prefix_caching: bool = knob(True, "reuse the KV of full blocks of earlier prompts that start the same way "
+                                "(the same tokens, adapter and model); only the rest of a prompt is computed",
+                                group="engine")
     policy: str = knob("coserve", "scheduling policy", group="serving", choices=POLICIES)
     arrival_gather_ms: float = knob(5.0, "an idle engine gathers requests that arrive together before its first "
                                     "step: it starts once none has arrived for 1 ms, at most this long after the "

@@ -181,27 +181,52 @@ class RequestPreemption:
         self.stats.recomputed_tokens += lost
         self.stats.preempted_requests += 1
         seq.num_preemptions += 1
-        self.kv.free(seq.block_table)
+        self.kv.free(seq.block_table)  # its cached full blocks stay findable until evicted
         seq.block_table = []
+        seq.num_registered_blocks = 0
         seq.num_computed = keep
         seq.status = SeqStatus.WAITING
 
     def restore(self, seq: Sequence) -> None:
-        """Bring a preempted sequence's checkpointed KV back into fresh device blocks."""
-        if seq.block_table or seq.num_computed == 0:
+        """Bring a preempted sequence's KV back. Its block table holds what the prefix cache still
+        had of its leading blocks (shared ones re-found, not copied); the pager or the host
+        checkpoint supplies the rest, and what neither holds is recomputed."""
+        mapped_tokens = len(seq.block_table) * self.kv.block_size
+        paged = self.pager is not None and self.pager.holds(seq.seq_id)
+        if seq.num_computed <= mapped_tokens:
+            if paged:
+                self.pager.discard(seq.seq_id)   # the cache had all of it
+            seq.num_computed = mapped_tokens
             return
-        if self.pager is not None and self.pager.holds(seq.seq_id):
+        if paged:
+            # A page holds every block of the request: it goes back whole, into blocks of its own.
+            self.kv.free(seq.block_table)
             seq.block_table = self.kv.allocate(self.pager.num_blocks(seq.seq_id))
+            seq.num_registered_blocks = 0
             tokens = self.pager.page_in(seq.seq_id, self.kv, seq.block_table)
             seq.num_restored_tokens += tokens
             self.stats.restored_tokens += tokens
             return
-        blocks = seq.checkpoint.blocks[: self.kv.blocks_needed(seq.num_computed)]
-        seq.block_table = self.kv.allocate(len(blocks))
-        data = torch.cat([b.data for b in blocks], dim=2)
-        self.kv.copy_from_host(HostBlocks(data), seq.block_table, non_blocking=True)
-        seq.num_restored_tokens += seq.num_computed
-        self.stats.restored_tokens += seq.num_computed
+        first = len(seq.block_table)
+        wanted = seq.checkpoint.blocks[first:self.kv.blocks_needed(seq.num_computed)]
+        copies = []
+        for block in wanted:
+            if block is None:   # shared when checkpointed and evicted since: recomputed from here
+                break
+            copies.append(block)
+        if len(copies) < len(wanted):
+            kept = (first + len(copies)) * self.kv.block_size
+            seq.num_recomputed_tokens += seq.num_computed - kept
+            self.stats.recomputed_tokens += seq.num_computed - kept
+            seq.num_computed = kept
+        if copies:
+            fresh = self.kv.allocate(len(copies))
+            data = torch.cat([b.data for b in copies], dim=2)
+            self.kv.copy_from_host(HostBlocks(data), fresh, non_blocking=True)
+            seq.block_table.extend(fresh)
+        restored = max(0, seq.num_computed - mapped_tokens)
+        seq.num_restored_tokens += restored
+        self.stats.restored_tokens += restored
 
     def discard(self, seq: Sequence) -> None:
         """seq finished: drop its host copies."""
@@ -228,12 +253,19 @@ class RequestPreemption:
         return seq.num_computed // self.kv.block_size * self.kv.block_size
 
     def _copy_to_checkpoint(self, seq: Sequence, upto_tokens: int) -> None:
+        """Copy seq's blocks up to upto_tokens to the host, but for blocks other requests share now:
+        those stay cached while anyone maps them, and are re-found on restore."""
         ckpt = seq.checkpoint
         first = ckpt.num_tokens // self.kv.block_size
         last = self.kv.blocks_needed(upto_tokens)
-        host = self.kv.copy_to_host(seq.block_table[first:last])
+        ids = seq.block_table[first:last]
+        own = [i for i, block in enumerate(ids) if self.kv.ref_count(block) == 1]
         del ckpt.blocks[first:]
-        ckpt.blocks.extend(HostBlocks(host.data[:, :, i:i + 1]) for i in range(last - first))
+        ckpt.blocks.extend([None] * len(ids))
+        if own:
+            host = self.kv.copy_to_host([ids[i] for i in own])
+            for n, i in enumerate(own):
+                ckpt.blocks[first + i] = HostBlocks(host.data[:, :, n:n + 1])
+            self.stats.checkpoint_bytes += host.nbytes
         self.stats.checkpointed_tokens += upto_tokens - ckpt.num_tokens
-        self.stats.checkpoint_bytes += host.nbytes
         ckpt.num_tokens = upto_tokens

@@ -15,6 +15,7 @@ from collections import deque
 from typing import Callable
 
 from backfill.engine.lora import LoraAdapter
+from backfill.engine.prefix_cache import BlockHash, extend_hashes
 from backfill.engine.runner import ModelRunner
 from backfill.engine.step import SeqChunk
 from backfill.engine.sampler import History, TokenLogprob, sample_picks
@@ -135,7 +136,7 @@ class Scheduler:
     def snapshot(self) -> SchedulerState:
         suspension = self.step_preemption.suspended
         suspended = suspension.kv_state if suspension is not None else {}
-        views = tuple(s.view(seq_id in suspended) for seq_id, s in self.seqs.items())
+        views = tuple(s.view(seq_id in suspended, *self._prefix_state(s)) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len,
                               suspension.ran_s * 1e3 if suspension is not None else 0.0)
@@ -172,20 +173,29 @@ class Scheduler:
         for seq_id in plan.preempt:
             self.request_preemption.preempt(self.seqs[seq_id])
             self._tell_preempted(seq_id, REQUEST_PREEMPTED)
+        # Every request coming back to the device maps its cached prefix before any grows: an
+        # allocation could otherwise evict blocks the plan counted on.
+        for item in plan.scheduled:
+            seq = self.seqs[item.seq_id]
+            if not seq.block_table:
+                self._map_cached_prefix(seq)
+                self.request_preemption.restore(seq)
+                self._register_full_blocks(seq)
         chunks: list[SeqChunk] = []
         shape = BatchShape()
         for item in plan.scheduled:
             seq = self.seqs[item.seq_id]
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = self.clock()
-            self.request_preemption.restore(seq)
             start = seq.num_computed
-            self.kv.grow(seq.block_table, start + item.num_tokens)
+            # A longer cached prefix than the plan saw starts the chunk later: it ends at the prompt's end.
+            num = min(item.num_tokens, seq.num_tokens - start)
+            self.kv.grow(seq.block_table, start + num)
             seq.status = SeqStatus.RUNNING
-            chunks.append(SeqChunk(seq.seq_id, seq.token_slice(start, start + item.num_tokens), start,
-                                   seq.block_table, want_logits=start + item.num_tokens == seq.num_tokens,
+            chunks.append(SeqChunk(seq.seq_id, seq.token_slice(start, start + num), start,
+                                   seq.block_table, want_logits=start + num == seq.num_tokens,
                                    adapter=seq.adapter))
-            shape = shape.plus(item.num_tokens, start)
+            shape = shape.plus(num, start)
         if not chunks:
             return []
         return self._execute(chunks, shape, plan)
@@ -203,6 +213,7 @@ class Scheduler:
         for chunk in chunks:
             seq = self.seqs[chunk.seq_id]
             seq.num_computed += len(chunk.token_ids)
+            self._register_full_blocks(seq)
             offline_kv_grew |= seq.request_class is RequestClass.OFFLINE
         seqs = [self.seqs[i] for i in out.logit_seq_ids]
         picks = sample_picks(out.logits, [s.request.sampling for s in seqs], [s.generator for s in seqs],
@@ -219,6 +230,60 @@ class Scheduler:
     def _tell_preempted(self, seq_id: str, kind: str) -> None:
         if self.preemption_listener is not None:
             self.preemption_listener(seq_id, kind, self.clock())
+
+    # --- prefix caching -----------------------------------------------------------------------
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The addresses of seq's first num_blocks full blocks (computed once per block)."""
+        if len(seq.block_hashes) < num_blocks:
+            bs = self.kv.block_size
+            extend_hashes(seq.block_hashes, self.kv.hash_root, seq.token_slice(0, num_blocks * bs), bs,
+                          num_blocks, seq.cache_key)
+        return seq.block_hashes[:num_blocks]
+
+    def _mappable_blocks(self, seq: Sequence) -> int:
+        """Full blocks a hit may map: never the one holding the last token, which is computed so the
+        step has logits to sample (and a shared block is never written)."""
+        return (seq.num_tokens - 1) // self.kv.block_size
+
+    def _prefix_state(self, seq: Sequence) -> tuple[int, BlockHash | None]:
+        """For the policy: the leading tokens the prefix cache holds now (a probe, for a request holding
+        no blocks), and the address of the next full prompt block it would compute (None: none)."""
+        if not self.kv.prefix_caching:
+            return 0, None
+        mappable = self._mappable_blocks(seq)
+        if seq.block_table:
+            if seq.num_computed >= len(seq.prompt_ids):
+                return 0, None
+            at = seq.num_computed // self.kv.block_size
+            return 0, self._block_hashes(seq, mappable)[at] if at < mappable else None
+        hashes = self._block_hashes(seq, mappable)
+        cached = len(self.kv.cached_blocks(hashes))
+        return cached * self.kv.block_size, hashes[cached] if cached < mappable else None
+
+    def _map_cached_prefix(self, seq: Sequence) -> None:
+        """Put the cached run of seq's leading blocks in its (empty) block table; the first time, count
+        the lookup in prompt tokens (vLLM's prefix_cache_queries / prefix_cache_hits)."""
+        if not self.kv.prefix_caching:
+            return
+        seq.block_table = self.kv.take_cached(self._block_hashes(seq, self._mappable_blocks(seq)), seq.is_online)
+        seq.num_registered_blocks = len(seq.block_table)
+        if not seq.prefix_looked_up:
+            seq.prefix_looked_up = True
+            cls = seq.request_class.value
+            seq.num_cached_tokens = min(len(seq.block_table) * self.kv.block_size, len(seq.prompt_ids))
+            self.stats.prefix_cache_queries[cls] += len(seq.prompt_ids)
+            self.stats.prefix_cache_hits[cls] += seq.num_cached_tokens
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly filled blocks under their addresses: later prompts may map them."""
+        full = seq.num_computed // self.kv.block_size
+        if not self.kv.prefix_caching or full <= seq.num_registered_blocks:
+            return
+        hashes = self._block_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, full):
+            self.kv.register(seq.block_table[i], hashes[i], seq.is_online)
+        seq.num_registered_blocks = full
 
     # --- per-request bookkeeping --------------------------------------------------------------
 
@@ -257,7 +322,7 @@ class Scheduler:
             return self._finish(seq, reason, (token,), logprobs)
         return TokenEvent(seq.seq_id, (token,), seq.take_text_delta(seq.request.sampling.stop, final=False),
                           num_prompt_tokens=len(seq.prompt_ids), num_output_tokens=len(seq.output_ids), time=now,
-                          logprobs=logprobs,
+                          logprobs=logprobs, num_cached_tokens=seq.num_cached_tokens,
                           scheduled_s=seq.first_scheduled_s if len(seq.output_ids) == 1 else None)
 
     def _finish(self, seq: Sequence, reason: FinishReason, token_ids: tuple[int, ...] = (),
@@ -274,6 +339,7 @@ class Scheduler:
         return TokenEvent(seq.seq_id, token_ids, seq.take_text_delta(seq.request.sampling.stop, final=True),
                           finished=True, finish_reason=reason, num_prompt_tokens=len(seq.prompt_ids),
                           num_output_tokens=len(seq.output_ids), time=self.clock(), logprobs=logprobs,
+                          num_cached_tokens=seq.num_cached_tokens,
                           scheduled_s=seq.first_scheduled_s if len(seq.output_ids) == 1 and token_ids else None)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.lora import LoraAdapter
+from backfill.engine.prefix_cache import BlockHash
 from backfill.engine.sampler import make_generator
 from backfill.policy.interface import SeqView
 from backfill.types import FinishReason, GenerationRequest, RequestClass
@@ -27,9 +28,10 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class HostCheckpoint:
-    """Host copies of a sequence's KV, one entry per logical block; the last may be partial."""
+    """Host copies of a sequence's KV, one entry per logical block; the last may be partial. None
+    for a block other requests shared when it was copied: re-found in the prefix cache on restore."""
 
-    blocks: list[HostBlocks] = field(default_factory=list)
+    blocks: list[HostBlocks | None] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -52,6 +54,13 @@ class Sequence:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_restored_tokens: int = 0
+    # Prefix caching: content addresses of its first full blocks (prompt, then output), as far as
+    # computed; how many leading blocks of block_table are registered in (or mapped from) the cache;
+    # whether its first schedule looked the prompt up, and the prompt tokens found cached there.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    prefix_looked_up: bool = False
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.request.sampling)
@@ -82,13 +91,20 @@ class Sequence:
             return prompt[start:end]
         return (prompt + self.output_ids)[start:end]
 
-    def view(self, suspended: bool) -> SeqView:
-        """This request as the policy sees it; suspended: its tokens are in the suspended step."""
+    @property
+    def cache_key(self) -> str:
+        """What besides its tokens sets its KV apart (the adapter's load), for block addresses."""
+        return self.adapter.cache_key if self.adapter is not None else ""
+
+    def view(self, suspended: bool, num_cached_tokens: int = 0, next_block_key: BlockHash | None = None) -> SeqView:
+        """This request as the policy sees it; suspended: its tokens are in the suspended step;
+        num_cached_tokens: what a prefix-cache hit would map when it is next scheduled;
+        next_block_key: the address of the next full prompt block it would compute."""
         request = self.request
         return SeqView(request.request_id, request.request_class, request.arrival_time, len(self.prompt_ids),
                        self.num_tokens, self.num_computed, len(self.block_table), self.status is SeqStatus.RUNNING,
                        self.checkpoint.num_tokens, request.sampling.max_tokens, len(self.output_ids),
-                       self.first_token_s, suspended)
+                       self.first_token_s, suspended, num_cached_tokens, next_block_key)
 
     def append_token(self, token: int, now_s: float, eos_token_ids: tuple[int, ...],
                      max_model_len: int) -> FinishReason | None:

@@ -83,6 +83,10 @@ class SchedulerStats:
     checkpoint_bytes: int = 0
     restored_tokens: int = 0
     recomputed_tokens: int = 0
+    # Prefix caching, in prompt tokens as vLLM counts them, per class: looked up at a request's
+    # first schedule, and found cached there.
+    prefix_cache_queries: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
+    prefix_cache_hits: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     output_tokens: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     finished: dict[str, int] = field(default_factory=lambda: {"online": 0, "offline": 0})
     last_step_mode: str = "idle"

@@ -111,8 +111,10 @@ def test_abort_at_safepoint_then_resume_gives_identical_tokens(tiny_runner):
         assert 0 <= event.flag_ms <= event.latency_ms
     aborted = [s for s in scheduler.stats.step_log if s.aborted]
     assert len(aborted) == 3 and all(s.mode == "offline-batching" and s.online_tokens == 0 for s in aborted)
-    # Every online token fed once: the prompt, then each output token but the last.
+    # Every online token fed once: the prompt (but what the prefix cache held: these prompts are
+    # the offline ones'), then each output token but the last.
     fed = sum(len(r.prompt_token_ids) + 4 - 1 for r in _requests(3, ONLINE, prefix="on"))
+    fed -= scheduler.stats.prefix_cache_hits["online"]
     assert sum(s.online_tokens for s in scheduler.stats.step_log) == fed
     assert {k: out[k] for k in expected} == expected
     assert all(len(out[f"on{i}"]) == 4 for i in range(3))

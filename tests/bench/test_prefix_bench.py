@@ -1,0 +1,70 @@
+"""bench prefix's workload and its two request paths (in-process, and over HTTP to a live server),
+on the tiny random model: prompts of the asked sizes, and cached_tokens read as a client reads them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from backfill.bench.prefix_bench import _batch_http, _batch_inprocess, chat_body, questions, system_prompt
+from backfill.engine.byte_tokenizer import ByteTokenizer
+from backfill.server.app import create_app
+from backfill.server.config import ServerConfig
+from backfill.server.store import Store
+from backfill.serving.build import build_tiny_engine
+from backfill.serving.config import ServingConfig
+from bench_helpers import free_port
+
+SERVING = ServingConfig(policy="fcfs", kv_cache_gb=0.0625, max_model_len=512)
+
+
+def _bodies(tokenizer, lines: int) -> list[dict]:
+    system = system_prompt(tokenizer, 120, seed=1)
+    return [chat_body(system, q, 4) for q in questions(tokenizer, lines, seed=2)]
+
+
+def test_prompts_have_the_asked_sizes_and_questions_differ():
+    tokenizer = ByteTokenizer()
+    system = system_prompt(tokenizer, 300, seed=1)
+    assert len(tokenizer.encode(system)) == 300 and system != system_prompt(tokenizer, 300, seed=2)
+    asked = questions(tokenizer, 50, seed=2)
+    assert len(set(asked)) == 50
+    assert all(len(tokenizer.encode(q)) <= 40 for q in asked) and max(len(tokenizer.encode(q)) for q in asked) >= 30
+
+
+def test_in_process_lines_after_the_first_find_the_system_prompt_cached():
+    engine = build_tiny_engine(SERVING)
+    result = asyncio.run(_batch_inprocess(engine, _bodies(engine.tokenizer, 4), concurrency=4))
+    assert result["requests"] == 4 and result["output_tokens"] == 16 and result["completion_s"] > 0
+    block = engine.scheduler.kv.block_size
+    # The first line computes the system prompt's full blocks; the other three map them.
+    assert result["cached_tokens"] >= 3 * (120 // block) * block
+
+
+@pytest.fixture()
+def live_url(tmp_path):
+    app = create_app(build_tiny_engine(SERVING), ServerConfig(serving=SERVING, db=str(tmp_path / "db")),
+                     Store(tmp_path / "db"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    app.state.backfill.store.close()
+
+
+def test_over_http_usage_carries_cached_tokens(live_url):
+    result = asyncio.run(_batch_http(live_url, "tiny-random", _bodies(ByteTokenizer(), 4), concurrency=2,
+                                     api_key=None))
+    assert result["requests"] == 4 and result["output_tokens"] == 16
+    assert result["cached_tokens"] > 0 and 0 < result["cached_share"] < 1

@@ -1,0 +1,54 @@
+"""The plan builder's bookkeeping with cached prefixes, and HyGen's prefix-sharing order."""
+
+from backfill.policy.interface import SchedulerState, SeqView
+from backfill.policy.latency_model import BatchShape
+from backfill.policy.planner import PlanBuilder, prefill_first
+from backfill.types import RequestClass
+
+OFFLINE = RequestClass.OFFLINE
+
+
+def _waiting(seq_id: str, arrival_s: float, prompt: int = 100, cached: int = 0) -> SeqView:
+    return SeqView(seq_id, OFFLINE, arrival_s, prompt, prompt, 0, 0, False, num_cached_tokens=cached)
+
+
+def _state(*seqs: SeqView, free_blocks: int = 100) -> SchedulerState:
+    return SchedulerState(100.0, seqs, free_blocks, 100, 16, 2048)
+
+
+def test_a_cached_prefix_is_context_not_work():
+    seq = _waiting("a", 0.0, prompt=100, cached=64)
+    assert seq.num_pending_tokens == 36 and seq.num_context_tokens == 64
+    state = _state(seq, free_blocks=7)
+    # Its cached blocks are counted as needed (a free cached block leaves the free count when mapped).
+    assert state.blocks_for(seq, 36) == 7
+    plan = PlanBuilder(state, 512, 8, 512)
+    assert plan.add(seq) == 36 and plan.free_blocks == 0
+    assert plan.shape == BatchShape().plus(36, 64)
+    tight = PlanBuilder(_state(seq, free_blocks=5), 512, 8, 512)
+    assert tight.add(seq) == 80 - 64   # five blocks hold 80 tokens, 64 of them the cached prefix
+
+
+def test_prefix_sharing_order_runs_cached_lines_first_within_a_bounded_wait():
+    running = SeqView("run", OFFLINE, 5.0, 100, 100, 50, 4, True)
+    decoding = SeqView("dec", OFFLINE, 1.0, 10, 20, 19, 2, True)
+    old = _waiting("old", 0.0)                 # waited 100 s: past the bound, goes by arrival
+    plain = _waiting("plain", 80.0)
+    hit = _waiting("hit", 95.0, cached=64)
+    best = _waiting("best", 99.0, cached=96)
+    seqs = [decoding, best, plain, hit, old, running]
+    assert [s.seq_id for s in prefill_first(seqs, now_s=100.0)] == ["old", "run", "best", "hit", "plain", "dec"]
+    # Without a clock: arrival order, as before prefix caching.
+    assert [s.seq_id for s in prefill_first(seqs)] == ["old", "run", "plain", "hit", "best", "dec"]
+    assert [s.seq_id for s in prefill_first(seqs, now_s=100.0, max_wait_s=1000.0)][:2] == ["run", "best"]
+
+
+def test_a_prompt_whose_next_block_another_computes_waits_a_step():
+    first = SeqView("first", OFFLINE, 0.0, 100, 100, 32, 2, True, next_block_key=b"k2")
+    twin = SeqView("twin", OFFLINE, 1.0, 90, 90, 0, 0, False, num_cached_tokens=32, next_block_key=b"k2")
+    other = SeqView("other", OFFLINE, 2.0, 90, 90, 0, 0, False, next_block_key=b"x0")
+    plan = PlanBuilder(_state(first, twin, other), 512, 8, 512)
+    assert plan.add(first) == 68
+    assert plan.add(twin) == 0 and plan.add(other) == 90
+    plan.rollback(0)
+    assert plan.add(twin) == 58   # nothing computes its block now: it goes
