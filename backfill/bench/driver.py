@@ -179,7 +179,10 @@ class _Run:
     async def _sample(self, interval_s: float) -> None:
         await _sleep_until(self.t0)
         k = 0
-        while True:
+        # Ends on `stop` as well as on cancellation: Python 3.11's asyncio.wait_for (inside the
+        # client's GET) can swallow a cancellation that lands as its read completes, and a sampler
+        # that went on sampling would keep the run from ever returning.
+        while not self.stop.is_set():
             try:
                 stats = await self.target.sample_stats()
             except Exception as exc:  # stats are an extra; a failing endpoint must not end the run
