@@ -143,7 +143,7 @@ def _class_summary(results: list[Result], cls: str, window_s: float) -> dict:
 # --- the batch scenario -----------------------------------------------------------------------------
 
 async def _batch_inprocess(engine: AsyncEngine, bodies: list[dict], concurrency: int) -> dict:
-    service = CompletionService(engine, ServerMetrics(engine), engine.model_name)
+    service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     await engine.start()
     try:
         # First-use costs (kernels, the template) outside the figures, on a prompt sharing nothing.
@@ -211,7 +211,7 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
                    duration_s: float, seed: int) -> dict:
     """Online requests at Poisson arrivals for duration_s beside an offline backlog kept at the Batch
     worker's concurrency; offline throughput counts the tokens of lines finished in the window."""
-    service = CompletionService(engine, ServerMetrics(engine), engine.model_name)
+    service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     await engine.start()
     rng = random.Random(seed)
     try:

@@ -60,6 +60,7 @@ them) beats the small-batch kernel, that piece's matmul runs before it through t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from dataclasses import dataclass, fields
@@ -277,6 +278,7 @@ class CompiledDecode:
         # reads it while a background thread adds to it).
         self.buckets: dict[int, DecodePieces] = {}
         self._bucket_thread: threading.Thread | None = None
+        self._stopping = False
         try:
             for batch in batch_sizes:
                 self.pieces[batch] = self._compile_pieces(batch)
@@ -319,6 +321,9 @@ class CompiledDecode:
             return
         self._bucket_thread = threading.Thread(target=self._compile_buckets, name="compile-decode-buckets",
                                                daemon=True)
+        # A process that exits while a bucket compiles would abort in C++ ("terminate called without
+        # an active exception"): at exit, no further bucket starts and the one compiling finishes.
+        atexit.register(self._stop_buckets)
         self._bucket_thread.start()
         if not background:
             self.wait_for_buckets()
@@ -332,8 +337,14 @@ class CompiledDecode:
         if self._bucket_thread is not None:
             self._bucket_thread.join(timeout_s)
 
+    def _stop_buckets(self) -> None:
+        self._stopping = True
+        self.wait_for_buckets()
+
     def _compile_buckets(self) -> None:
         for batch in PACKED_DECODE_BUCKETS:
+            if self._stopping:
+                return
             try:
                 self.buckets[batch] = self._compile_pieces(batch, lm_head=False)
             except Exception as exc:  # as at load: this bucket's batches stay eager
