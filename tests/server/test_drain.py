@@ -184,8 +184,10 @@ def test_sigterm_during_the_model_load_exits_0(started, prefix):
         httpx.get(f"{server.url}/health", timeout=1)
 
 
+@pytest.mark.slow
 def test_pre_stop_delay_keeps_taking_requests_while_ready_says_draining(started):
-    server = started("--drain-timeout-s", "6", "--drain-pre-stop-s", "2", "--log-level", "info")
+    server = started("--drain-timeout-s", "6", "--drain-pre-stop-s", "2", "--log-level", "info", *REAL_MODEL,
+                     tiny=False)
     text = f"{server.url}/v1/completions"
     busy = Stream(text, {"prompt": "busy", **LONG})   # keeps the drain going past the pre-stop delay
     busy.start()
