@@ -31,7 +31,7 @@ def _chat(question: str) -> list[dict]:
 
 def _counter(server, name: str, cls: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    m = re.search(rf'^{name}{{class="{cls}"}} (\S+)$', text, re.MULTILINE)
+    m = re.search(rf'^{name}{{[^}}]*class="{cls}"[^}}]*}} (\S+)$', text, re.MULTILINE)
     assert m, f"{name} for {cls} not on /metrics"
     return float(m.group(1))
 
