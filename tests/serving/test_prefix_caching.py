@@ -172,7 +172,7 @@ def adapter_dirs(tmp_path_factory):
     from lora_helpers import ALL_TARGETS, hf_llama, make_peft_adapter
 
     from backfill.engine.config import ModelConfig
-    from conftest import random_weights
+    from tests.conftest import random_weights
 
     cfg = ModelConfig.tiny()
     root = tmp_path_factory.mktemp("prefix-adapters")
