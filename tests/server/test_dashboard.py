@@ -261,7 +261,7 @@ def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path
     try:
         figures = {}
         httpx.post(f"{server.url}/v1/completions", json={"prompt": "warm up", "max_tokens": 8}, timeout=120)
-        time.sleep(3.0)   # the warm-up request out of the first window
+        time.sleep(5.0)   # the warm-up request out of the first window
         for phase, clients in (("light", 1), ("heavy", 4)):
             started = time.monotonic()
 
@@ -278,8 +278,11 @@ def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path
             for thread in threads:
                 thread.join()
             time.sleep(1.5)   # one sample of the sampler after the phase's last request
-            window_s = math.ceil(time.monotonic() - started + 1)
-            page = httpx.get(f"{server.url}/dashboard/data", params={"window_s": window_s}).json()
+            # The page's shortest window is 5 s; a fast machine finishes a phase in less.
+            window_s = max(math.ceil(time.monotonic() - started + 1), 5)
+            response = httpx.get(f"{server.url}/dashboard/data", params={"window_s": window_s})
+            assert response.status_code == 200, response.text
+            page = response.json()
             shown_ms = page["models"][0]["window"]["ttft_p99_ms"]
             lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
             ttfts = [line["ttft_ms"] for line in lines if line.get("logger") == "backfill.access"
@@ -288,7 +291,7 @@ def test_page_p99_is_within_ten_percent_of_the_access_logs_at_two_loads(tmp_path
             exact_ms = nearest_rank(0.99, ttfts)
             figures[phase] = (len(ttfts), shown_ms, exact_ms)
             assert shown_ms == pytest.approx(exact_ms, rel=0.10), figures
-            time.sleep(3.0)   # the next phase's window starts after this one's last sample
+            time.sleep(5.0)   # the next phase's window (5 s at least) starts after this one's last sample
         print("P99 TTFT (requests, page ms, access log ms):", figures)
     finally:
         server.stop()
