@@ -84,7 +84,7 @@ class AllocateIn(BaseModel):
     nbytes: int = Field(gt=0)
 
 
-class Store:
+class CoordinatorStore:
     """The coordinator's tables; one connection behind a lock (SQLite serializes writers anyway)."""
 
     def __init__(self, path: str, clock=time.time) -> None:
@@ -146,7 +146,7 @@ def _lease(db: sqlite3.Connection, lease_id: str) -> LeaseOut:
 
 
 def create_app(db_path: str, clock=time.time) -> FastAPI:
-    store = Store(db_path, clock)
+    store = CoordinatorStore(db_path, clock)
     app = FastAPI(title="backfill offload coordinator")
     app.state.store = store
 
