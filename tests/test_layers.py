@@ -194,4 +194,7 @@ if __name__ == "__main__":  # the graph's numbers, for docs/architecture.md
         for pair in pairs:
             print(f"  {a} -> {b}: {pair[0]} -> {pair[1]}")
     print(f"run-time cycles: {cycles(RUNTIME_EDGES)}")
-    print(f"cycles with type-only imports: {len(cycles(set(EDGES)))}")
+    with_type_only = cycles(set(EDGES))
+    print(f"cycles with type-only imports: {len(with_type_only)}")
+    for cycle in with_type_only:
+        print("  " + ", ".join(cycle))

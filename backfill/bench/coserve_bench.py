@@ -151,7 +151,7 @@ def warmup_workload(scenario: CoserveScenario, tokenizer) -> Workload:
 
 
 @dataclass
-class RoundResult:
+class CoserveRoundResult:
     """One mode's share of one round: the driver's run and the engine's counters, among them its
     preemption records (times in s since the round's t0)."""
 
@@ -159,7 +159,7 @@ class RoundResult:
     engine: dict = field(default_factory=dict)
 
 
-async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) -> RoundResult:
+async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) -> CoserveRoundResult:
     target = InProcessTarget(engine)
     await engine.start()
     try:
@@ -169,7 +169,7 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
     stats = engine.scheduler.stats
     counters = engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s, policy=engine.policy)
     run_on_torch_thread(_drain, engine.scheduler)
-    return RoundResult(run, counters)
+    return CoserveRoundResult(run, counters)
 
 
 def engine_counters(stats: SchedulerStats, mode_busy_s: dict[str, float], t0_s: float = 0.0,
@@ -212,7 +212,7 @@ def _summed(counters: list[dict]) -> dict:
     return out
 
 
-def pool_rounds(rounds: list[RoundResult], slo: SLO | None) -> ModeResult:
+def pool_rounds(rounds: list[CoserveRoundResult], slo: SLO | None) -> ModeResult:
     """One mode's rounds as one run: each round's times follow the previous round's end."""
     records, samples, preemptions, counters, drift_timeline = [], [], [], [], []
     offset_s = 0.0
@@ -263,7 +263,7 @@ def load_and_profile(serving: ServingConfig):
 
 # One mode's share of one round: (mode, the round's scenario, the SLOs, round index) -> its result
 # and what the report should say of the mode.
-RunMode = Callable[[ModeSpec, CoserveScenario, SLO, int], tuple[RoundResult, dict]]
+RunMode = Callable[[ModeSpec, CoserveScenario, SLO, int], tuple[CoserveRoundResult, dict]]
 
 
 def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: RunMode) -> dict[str, ModeResult]:
@@ -272,7 +272,7 @@ def run_in_rounds(scenario: CoserveScenario, modes: tuple[str, ...], run_mode: R
     Each mode's rounds are pooled into one result, named by the mode's label."""
     slo = SLO(scenario.ttft_slo_ms or 1e6, scenario.tpot_slo_ms or 1e6)
     ordered = sorted(parse_modes(modes), key=lambda spec: spec.label != BASELINE)
-    parts: dict[str, list[RoundResult]] = {spec.label: [] for spec in ordered}
+    parts: dict[str, list[CoserveRoundResult]] = {spec.label: [] for spec in ordered}
     meta: dict[str, dict] = {}
     for k in range(scenario.rounds):
         round_scenario = replace(scenario, duration_s=scenario.duration_s / scenario.rounds, seed=scenario.seed + k)
@@ -307,7 +307,7 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
                              tokenizer, name)
         asyncio.run(_run_round(engine, warmup_workload(scenario, tokenizer), progress=False))
 
-    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[CoserveRoundResult, dict]:
         workload = make_workload(round_scenario, tokenizer, latency, with_offline=spec.with_offline)
         cfg = spec.serving(serving, coserve=replace(serving.coserve, slo=slo))
         engine = AsyncEngine(build_scheduler(runner, cfg, tokenizer, name, latency), tokenizer, name,

@@ -50,9 +50,9 @@ MODES = ("separate", "static", "pause-only", "harli", "partitioned")
 SOLO = "solo"  # the reference: the online trace with no finetuning
 
 
-# The predictor docs/finetune.md reports as run 4 under load, shipped so that `bench finetune --sim`
+# The predictor docs/finetune-colocation.md reports as run 4 under load, shipped so that `bench finetune --sim`
 # runs on a fresh clone; a profile measured here (`backfill finetune profile`) takes precedence.
-SHIPPED_PROFILE_MACHINE = "a 2-core AMD EPYC with AVX-512 BF16, 2026-11-27 (docs/finetune.md, run 4)"
+SHIPPED_PROFILE_MACHINE = "a 2-core AMD EPYC with AVX-512 BF16, 2026-11-27 (docs/finetune-colocation.md, run 4)"
 
 
 def shipped_latency(model_name: str):

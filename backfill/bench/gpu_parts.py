@@ -40,7 +40,7 @@ GPU_SETTING = "coserve:slo_margin_max=0.95,bank_reserve_prefills=0.25"
 
 
 @dataclass(frozen=True)
-class Part:
+class GpuCheckPart:
     name: str
     what: str
     command: str            # $PY: the interpreter, $P: the part's output folder
@@ -70,33 +70,33 @@ def coserve_duration_s(load: float) -> float:
     return duration
 
 
-def coserve_part(load: float) -> Part:
+def coserve_part(load: float) -> GpuCheckPart:
     duration = coserve_duration_s(load)
     # The defaults and the GPU setting of docs/coserving.md side by side.
     modes = ("online-only", "priority", "coserve", GPU_SETTING)
     command = (f"$PY -m backfill.cli bench coserve {MODEL_8B} --dtype bfloat16 --device cuda --kv-cache-gb 24 "
                f"--duration {duration:.0f} --rounds 1 --warmup-s 10 --online-load {load} --ttft-slo-ms 200 "
                f"--tpot-slo-ms 15 --modes {' '.join(modes)} --out $P --json $P/coserve.json")
-    return Part(f"coserve-{load}", f"co-serving at SLOs 200 / 15 ms, online load {load}: online-only, priority, "
+    return GpuCheckPart(f"coserve-{load}", f"co-serving at SLOs 200 / 15 ms, online load {load}: online-only, priority, "
                                    "coserve with its defaults and the GPU setting (Llama-3-8B shape, bf16)", command,
                 MODEL_START_S + 10 + len(modes) * (duration + 5),
                 f"{online_requests(load, duration)} online requests a mode in {duration:.0f} s")
 
 
-def parts() -> list[Part]:
+def parts() -> list[GpuCheckPart]:
     return [
-        Part("engine", "engine decode at batch 1/8/32/64 against the weight-read floor, kernels, graphs, mixed steps",
+        GpuCheckPart("engine", "engine decode at batch 1/8/32/64 against the weight-read floor, kernels, graphs, mixed steps",
              f"$PY -m backfill.cli bench engine {MODEL_8B} --device cuda --dtypes bfloat16 --no-hf --mixed-graphs "
              "--batches 1 8 32 64 --cuda-kernels torch triton --json $P/engine-bench.json", 130.0,
              "timed steps at each batch (a throughput, no P99)"),
         coserve_part(0.3), coserve_part(0.6), coserve_part(0.1),
-        Part("harli", "HARLI: decode beside LoRA finetuning on green-context SM partitions vs pause-only, at the "
+        GpuCheckPart("harli", "HARLI: decode beside LoRA finetuning on green-context SM partitions vs pause-only, at the "
                       "decode QoS", "$PY -m backfill.bench.harli_device --out $P --device cuda --seconds 60",
              MODEL_START_S + 4 * 65, "60 s per measured run, decode steps at every 1 s period"),
-        Part("reef", "REEF: DISB A-E, RT P99 against RT-only on prioritized streams",
+        GpuCheckPart("reef", "REEF: DISB A-E, RT P99 against RT-only on prioritized streams",
              "$PY -m backfill.bench.reef_device --out $P --device cuda --duration 60 --rounds 2 --budget-s 400",
              30 + 5 * 75, "60 s per workload, split over 2 rounds of each mode"),
-        Part("node-burst", "Valve: online + offline engine processes on one GPU (alone / valve / fifo); AQUA: 2x "
+        GpuCheckPart("node-burst", "Valve: online + offline engine processes on one GPU (alone / valve / fifo); AQUA: 2x "
                            "burst, CFS vs FCFS paging",
              "NODE_BURST_TOTAL_S=540 NODE_BURST_NODE_S=60 NODE_BURST_BURST_S=30 bash scripts/gpu_check_node_burst.sh $P",
              60 + 3 * 70 + 30 + 120,
@@ -105,7 +105,7 @@ def parts() -> list[Part]:
     ]
 
 
-def part_named(name: str) -> Part:
+def part_named(name: str) -> GpuCheckPart:
     for part in parts():
         if part.name == name:
             return part

@@ -37,7 +37,7 @@ class Row:
 
 
 @dataclass
-class Summary:
+class GpuSummary:
     rows: list[Row] = field(default_factory=list)
     parts: dict[str, dict] = field(default_factory=dict)  # name -> {"outcome", "seconds", "detail"}
     skipped: list[str] = field(default_factory=list)
@@ -60,7 +60,7 @@ def _ms(x: float) -> str:
     return f"{x:.2f} ms"
 
 
-def engine_rows(summary: Summary, path: Path) -> None:
+def engine_rows(summary: GpuSummary, path: Path) -> None:
     data = json.loads(path.read_text())
     bandwidth = data.get("read_bandwidth_gbs")
     for label, run in data.get("runs", {}).items():
@@ -92,7 +92,7 @@ def engine_rows(summary: Summary, path: Path) -> None:
                         f"{_ms(prefill['ms'])}, {prefill['tokens_per_s']:,.0f} tok/s")
 
 
-def coserve_rows(summary: Summary, path: Path) -> None:
+def coserve_rows(summary: GpuSummary, path: Path) -> None:
     for point in json.loads(path.read_text()):
         modes = point.get("modes", {})
         setting = f"load {point['online_load']:g}, SLOs {point.get('ttft_slo_ms')}/{point.get('tpot_slo_ms')} ms"
@@ -107,7 +107,7 @@ def coserve_rows(summary: Summary, path: Path) -> None:
                         f", {tokens_per_s:,.0f} offline tok/s", against)
 
 
-def junit_rows(summary: Summary, path: Path) -> None:
+def junit_rows(summary: GpuSummary, path: Path) -> None:
     root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
@@ -116,7 +116,7 @@ def junit_rows(summary: Summary, path: Path) -> None:
                 f"{counts['skipped']} skipped")
 
 
-def part_rows(summary: Summary, name: str, path: Path) -> None:
+def part_rows(summary: GpuSummary, name: str, path: Path) -> None:
     data = json.loads(path.read_text())
     for row in data.get("rows", []):
         summary.add(name, str(row.get("measure", "")), str(row.get("value", "")), str(row.get("reference", "")),
@@ -128,8 +128,8 @@ READERS = {"engine": ("engine-bench.json", engine_rows), "coserve": ("frontier.j
            "cuda-tests": ("cuda-tests.xml", junit_rows)}
 
 
-def summarize(out: Path) -> Summary:
-    summary = Summary(parts=read_parts(out))
+def summarize(out: Path) -> GpuSummary:
+    summary = GpuSummary(parts=read_parts(out))
     names = list(summary.parts) or sorted(p.name for p in out.iterdir() if p.is_dir())
     for name in names:
         filename, reader = READERS.get(name, ("summary.json", None))
@@ -144,7 +144,7 @@ def summarize(out: Path) -> Summary:
     return summary
 
 
-def markdown(summary: Summary) -> str:
+def markdown(summary: GpuSummary) -> str:
     lines = ["| part | outcome | seconds |", "|---|---|---:|"]
     lines += [f"| {n} | {p['outcome']} ({p['detail']}) | {p['seconds']} |" for n, p in summary.parts.items()]
     lines += ["", "| part | measure | value | against | note |", "|---|---|---|---|---|"]

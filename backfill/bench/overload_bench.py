@@ -55,7 +55,7 @@ class Counts:
 
 
 @dataclass
-class Outcome:
+class OverloadOutcome:
     phase: str
     sent_s: float
     status: int
@@ -72,9 +72,9 @@ def _body(index: int, max_tokens: int) -> dict:
 
 
 async def _request(client: httpx.AsyncClient, phase: str, index: int, max_tokens: int, t0: float,
-                   counts: Counts | None = None) -> Outcome:
+                   counts: Counts | None = None) -> OverloadOutcome:
     sent = time.monotonic()
-    outcome = Outcome(phase, sent - t0, 0)
+    outcome = OverloadOutcome(phase, sent - t0, 0)
     if counts is not None:
         counts.sent += 1
     try:
@@ -85,7 +85,7 @@ async def _request(client: httpx.AsyncClient, phase: str, index: int, max_tokens
             counts.rejected += outcome.status == 429
 
 
-async def _stream(client: httpx.AsyncClient, outcome: Outcome, sent: float, index: int, max_tokens: int) -> Outcome:
+async def _stream(client: httpx.AsyncClient, outcome: OverloadOutcome, sent: float, index: int, max_tokens: int) -> OverloadOutcome:
     try:
         async with client.stream("POST", "/v1/chat/completions", json=_body(index, max_tokens)) as response:
             outcome.status = response.status_code
@@ -129,7 +129,7 @@ async def _closed_loop(client: httpx.AsyncClient, clients: int, duration_s: floa
 
 
 async def _open_loop(client: httpx.AsyncClient, phases: list[tuple[str, float, float]], max_tokens: int,
-                     seed: int, counts: Counts | None = None) -> list[Outcome]:
+                     seed: int, counts: Counts | None = None) -> list[OverloadOutcome]:
     rng = random.Random(seed)
     tasks: list[asyncio.Task] = []
     t0 = time.monotonic()
@@ -161,7 +161,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(outcomes: list[Outcome], phase: str, ttft_slo_ms: float) -> dict:
+def summarize(outcomes: list[OverloadOutcome], phase: str, ttft_slo_ms: float) -> dict:
     mine = [o for o in outcomes if o.phase == phase]
     admitted = [o for o in mine if o.status == 200 and o.ttft_s is not None]
     shed = [o for o in mine if o.status == 429]
@@ -272,7 +272,7 @@ async def _drive(url: str, ttft_slo_ms: float, multiplier: float, burst_s: float
             "outcomes": [asdict(o) for o in outcomes]}
 
 
-def _after_timeline(outcomes: list[Outcome]) -> list[dict]:
+def _after_timeline(outcomes: list[OverloadOutcome]) -> list[dict]:
     """TTFT of admitted requests in the after phase, by 5 s window since it began."""
     after = [o for o in outcomes if o.phase == "after" and o.ttft_s is not None]
     if not after:

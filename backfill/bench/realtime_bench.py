@@ -23,7 +23,7 @@ from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap, analyze
 from backfill.realtime.models import build_model
 from backfill.realtime.config import ALL_MODELS, DISB_SCALES, MODE_CONFIGS, TINY_SCALES  # noqa: F401 (re-exported)
-from backfill.realtime.task_scheduler import Request, Scheduler, TaskSchedulerConfig, ServedModel, profile
+from backfill.realtime.task_scheduler import Request, RealtimeScheduler, TaskSchedulerConfig, ServedModel, profile
 
 _FIXED = parse_length_spec("fixed:1")
 
@@ -120,7 +120,7 @@ def load_models(names: set[str], scales: dict[str, float], metadata_dir: Path | 
 
 
 @dataclass
-class RunResult:
+class RealtimeRunResult:
     mode: str
     duration_s: float
     rt: list[tuple[str, float]]            # (model, latency_s)
@@ -144,11 +144,11 @@ def mode_config(mode: str) -> TaskSchedulerConfig:
 
 
 def run_once(workload: DisbWorkload, mode: str, models: dict[str, ServedModel], duration_s: float,
-             seed: int, device: str = "cpu") -> RunResult:
+             seed: int, device: str = "cpu") -> RealtimeRunResult:
     config = mode_config(mode)
     be = {c.name: c.model for c in workload.clients if c.priority == "best-effort"}
     if device == "cpu":
-        scheduler = Scheduler(config, models, be)
+        scheduler = RealtimeScheduler(config, models, be)
     else:
         from backfill.realtime.cuda_scheduler import CudaScheduler
 
@@ -161,12 +161,12 @@ def run_once(workload: DisbWorkload, mode: str, models: dict[str, ServedModel], 
         completed: dict[str, int] = {}
         for r in done:
             completed[r.client] = completed.get(r.client, 0) + 1
-        return RunResult(mode, duration_s, [(r.model, r.latency_s) for r in done if r.realtime], completed,
+        return RealtimeRunResult(mode, duration_s, [(r.model, r.latency_s) for r in done if r.realtime], completed,
                          [(p.path, p.from_arrival_s, p.from_signal_s) for p in sched.preemptions],
                          sum(r.reexecuted_ops for r in done), sched.padded_ops)
 
 
-def summarize(results: list[RunResult], workload: DisbWorkload, models: dict[str, ServedModel]) -> dict:
+def summarize(results: list[RealtimeRunResult], workload: DisbWorkload, models: dict[str, ServedModel]) -> dict:
     """Per mode: normalised RT latency (P50/P99), RT P99 / RT-only's, normalised throughput."""
     client_model = {c.name: c.model for c in workload.clients}
     rows = {}
@@ -333,7 +333,7 @@ def bench_preemption(model_names: list[str], paths: list[str], trials: int, scal
         for path in paths:
             config = TaskSchedulerConfig(mode="reef", preempt_path=path)
             lat, paths_seen, ok, lost_s = [], [], True, 0.0
-            with Scheduler(config, models, {"be": name}) as sched:
+            with RealtimeScheduler(config, models, {"be": name}) as sched:
                 s = sched.streams["be"]
                 ref = served.model.infer(served.model.example_input)
                 for _ in range(trials):

@@ -310,7 +310,7 @@ def plot_latency(results: Mapping[str, ModeResult], path: Path) -> Path:
                 ax.axhline(limit, color="tab:red", linestyle="--", linewidth=1, label="SLO")
                 ax.legend(loc="upper right", fontsize=8)
             ax.set_ylabel(label)
-            # One log scale per column: priority's TTFTs run 10-20x coserve's, and on a shared linear
+            # One log scale per column: priority's TTFTs run far above coserve's, and on a shared linear
             # axis that froze at the first row's range they fell off the plot.
             ax.set_yscale("log")
             ax.set_title(name, fontsize=10)

@@ -39,7 +39,7 @@ SUBJECTS = ("a baker", "a pilot", "a retired teacher", "a chess player", "a mari
 
 
 @dataclass
-class Sample:
+class StructuredSample:
     text: str
     finish_reason: str | None
     output_tokens: int
@@ -51,7 +51,7 @@ def prompt(index: int) -> str:
             "a JSON object with the person's name, age, city and up to three hobbies.")
 
 
-async def _one(service: CompletionService, body: dict, semaphore: asyncio.Semaphore) -> Sample:
+async def _one(service: CompletionService, body: dict, semaphore: asyncio.Semaphore) -> StructuredSample:
     async with semaphore:
         prepared = service.prepare("chat", body)
         generation = service.submit(prepared)
@@ -63,10 +63,10 @@ async def _one(service: CompletionService, body: dict, semaphore: asyncio.Semaph
         tokens = generation.output_tokens[0]
         tpot = (last - first) * 1e3 / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
         choice = outcome.choices[0]
-        return Sample(choice.text, choice.finish_reason.value if choice.finish_reason else None, tokens, tpot)
+        return StructuredSample(choice.text, choice.finish_reason.value if choice.finish_reason else None, tokens, tpot)
 
 
-async def _phase(service: CompletionService, bodies: list[dict], concurrency: int) -> list[Sample]:
+async def _phase(service: CompletionService, bodies: list[dict], concurrency: int) -> list[StructuredSample]:
     semaphore = asyncio.Semaphore(concurrency)
     return list(await asyncio.gather(*(_one(service, body, semaphore) for body in bodies)))
 
@@ -76,8 +76,8 @@ async def _run(engine: AsyncEngine, model: str, num_requests: int, groups: int, 
     service = CompletionService(engine, ServerMetrics(engine, model), model)
     await engine.start()
     try:
-        structured: list[Sample] = []
-        plain: list[Sample] = []
+        structured: list[StructuredSample] = []
+        plain: list[StructuredSample] = []
         per_group = -(-num_requests // groups)
         # Warm-up (first-use costs: the grammar library's tokenizer, kernels) outside the figures.
         await _phase(service, [{"messages": [{"role": "user", "content": prompt(0)}], "max_tokens": 8,

@@ -210,7 +210,7 @@ class CorePartitions:
         """The unit's cores less those a finetuning unit in flight still holds: a split that gives
         decode every core takes effect once that unit ends. Until then decode's OpenMP threads
         would share a core with it, and every parallel region would wait at its barrier for the
-        thread the scheduler left out (steps of 150-220 ms instead of 30). Never empty: decode
+        thread the scheduler left out (steps several times as long). Never empty: decode
         keeps its first core if the unit still holds all of them past the wait in enter."""
         cores = list(self._assigned[unit])
         if unit == "decode" and self._finetuning_on is not None:

@@ -1,8 +1,8 @@
 """Sampling on the device: the step's logits never leave the GPU, only one token id per row does.
 
-The host sampler (engine/sampler.py) copies the step's fp32 logits to the host and samples there:
-at batch 64 and a 128k vocabulary that is 32 MiB over PCIe every step, then a loop in Python.
-Here greedy, temperature, top-k and top-p run as a fixed sequence of tensor ops on the rows in
+The host sampler (`sample_picks`, engine/runner.py) copies the step's fp32 logits to the host and
+samples there: at batch 64 and a 128k vocabulary that is 32 MiB over PCIe every step, then a loop
+in Python. Here greedy, temperature, top-k and top-p run as a fixed sequence of tensor ops on the rows in
 place and the host reads back [B] token ids. The ops never read the device from the host and have
 no data-dependent shapes, so `sample_tokens` can be captured in a CUDA graph with the per-row
 parameters as static tensors.

@@ -5,8 +5,8 @@
     compiler.check(grammar)                                          # InvalidGrammarError, before queueing
     constraint = compiler.constraint(grammar)                        # one per request (one per choice)
 
-The sampler asks a constraint for the allowed tokens before it picks a row's token and tells it
-the token after (engine/sampler.py); the grammar itself is llguidance's, chosen over xgrammar for
+The sampler (in engine/runner.py) asks a constraint for the allowed tokens before it picks a row's
+token and tells it the token after; the grammar itself is llguidance's, chosen over xgrammar for
 its grammar compile time per request at a per-token cost that is negligible next to a decode step
 (docs/server.md, structured output). Once the grammar is complete only end-of-sequence is allowed,
 so the request stops as it would on EOS.

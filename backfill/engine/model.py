@@ -87,7 +87,8 @@ class LlamaModel:
         self.device = torch.device(device)
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
             # PyTorch may send SDPA to cuDNN, which builds a plan for every new shape, and prefill
-            # spans come in every length (docs/gpu.md: 122.5 ms against 15.1 ms). Process-wide.
+            # spans come in every length: a step of unseen lengths costs several planned ones
+            # (docs/gpu.md has the figures). Process-wide.
             log.info("turning off cuDNN attention: it plans every new prefill shape anew")
             torch.backends.cuda.enable_cudnn_sdp(False)
 

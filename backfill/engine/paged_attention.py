@@ -12,7 +12,7 @@ of the model goes through it when it is on: eager batches and compiled small dec
 
 Prompt chunks have their own kernel (`csrc/paged_prompt_attention.cpp`): one call per layer takes
 every chunk of a step, causal within the chunk, against the keys before it in the pool. Per chunk,
-gather + SDPA cost a 128-token prompt about 0.4 ms a layer, mostly fixed cost.
+gather + SDPA cost a short prompt mostly fixed cost per layer (docs/peers.md has the figures).
 
 The kernels are compiled with torch.utils.cpp_extension (a C++ compiler and ninja) on first use and
 cached on disk, keyed by the CPU's flags because they are built for the host CPU. Where one cannot

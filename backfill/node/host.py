@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Sample:
+class GateSample:
     t_s: float
     online_busy: bool
     free_handles: int
@@ -74,7 +74,7 @@ class Node:
         self._own_db_dir = node.db_dir is None
         self.db_dir = tempfile.mkdtemp(prefix="backfill-node-db-") if self._own_db_dir else node.db_dir
         self.processes: dict[str, subprocess.Popen] = {}
-        self.samples: deque[Sample] = deque()
+        self.samples: deque[GateSample] = deque()
         self._job_tokens: dict[tuple[str, str], deque[tuple[float, int]]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -214,7 +214,7 @@ class Node:
         next_tokens_s = 0.0
         while not self._stop.wait(node.sample_interval_s):
             now = time.monotonic()
-            self.samples.append(Sample(now, self.runtime.online_busy, self.pool.free_handles,
+            self.samples.append(GateSample(now, self.runtime.online_busy, self.pool.free_handles,
                                        not self.runtime.offline_paused, self.runtime.offline_tokens()))
             while self.samples and self.samples[0].t_s < now - node.window_s:
                 self.samples.popleft()
@@ -321,7 +321,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _handler(node: Node) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class NodeHostHandler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path, _, query = self.path.partition("?")
             status, kind = 200, "application/json"
@@ -351,7 +351,7 @@ def _handler(node: Node) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    return Handler
+    return NodeHostHandler
 
 
 def run_node(config_path: str, device: str | None = None) -> int:

@@ -12,10 +12,10 @@ A table, not a formula: on a CPU the step time is flat while weight reads domina
 linear once compute does, and a piecewise-linear table follows both without a model.
 
 Steps of decodes alone (no prompt token) may run another path than steps with a prompt chunk:
-CUDA graphs on a GPU (3 ms for 1 to 8 sequences on the H100, where any eager step costs 11), a
+CUDA graphs on a GPU (a graphed decode of a few sequences costs a fraction of any eager step), a
 compiled decode on a CPU. When the profile has a decode table (decode_grid -> decode_ms, in
 sequences), such steps up to its last point are read from it instead of the token table. Without
-it, a GPU profile saw a second sequence turn a 3 ms decode into an 11 ms step, and no offline
+it, a GPU profile saw a second sequence turn a graphed decode into an eager step, and no offline
 token could ever ride along an online decode there (docs/benchmarks.md, co-serving on the H100).
 
 Steps with prompt tokens may replay graphs too (engine/cuda_graphs.py, mixed steps): every token of

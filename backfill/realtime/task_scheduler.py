@@ -185,7 +185,7 @@ class QueueScheduler:
         self.close()
 
 
-class Scheduler(QueueScheduler):
+class RealtimeScheduler(QueueScheduler):
     def __init__(self, config: TaskSchedulerConfig, models: dict[str, ServedModel],
                  be_streams: dict[str, str]) -> None:
         """be_streams: BE client (one queue and worker each) -> its model."""

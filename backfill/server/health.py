@@ -94,7 +94,7 @@ class StartupResponder:
 
 
 def _startup_handler(responder: StartupResponder) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class StartupHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def _answer(self) -> None:
@@ -125,4 +125,4 @@ def _startup_handler(responder: StartupResponder) -> type[BaseHTTPRequestHandler
         def log_message(self, *args: Any) -> None:
             pass
 
-    return Handler
+    return StartupHandler

@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # The decode table: batches of sequences decoding alone. Co-serving steps are online decodes plus a
 # few offline ones, and they may run another path than any step with a prompt chunk: compiled
-# decode on a CPU (a lone bf16 decode 8 ms against an eager 11 on the 2-core Zen 5), CUDA graphs on
-# a GPU (3 ms for 1 to 8 sequences against 11 eager on the H100). The policy must see what an
-# offline token added to such a step costs, and the bench sizes its online load from it.
+# decode on a CPU, CUDA graphs on a GPU, each well below an eager step of the same batch
+# (docs/benchmarks.md). The policy must see what an offline token added to such a step costs,
+# and the bench sizes its online load from it.
 DEFAULT_DECODE_GRID = (1, 2, 3, 4, 8, 16, 32, 64)
 # Saved profiles carry this in their file name: a changed grid or method measures anew.
 PROFILE_FORMAT = 6

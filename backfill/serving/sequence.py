@@ -11,7 +11,7 @@ import torch
 from backfill.engine.kv_pool import HostBlocks
 from backfill.engine.lora import LoraAdapter
 from backfill.engine.prefix_cache import BlockHash
-from backfill.engine.sampler import make_generator
+from backfill.engine.runner import make_generator
 from backfill.policy.interface import SeqView
 from backfill.types import FinishReason, GenerationRequest, RequestClass
 

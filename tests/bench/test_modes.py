@@ -3,7 +3,7 @@ from dataclasses import replace
 
 import pytest
 
-from backfill.bench.coserve_bench import RoundResult, run_in_rounds
+from backfill.bench.coserve_bench import CoserveRoundResult, run_in_rounds
 from backfill.bench.scenario import CoserveScenario
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
@@ -64,7 +64,7 @@ def test_rounds_run_variants_interleaved_with_the_baseline_first():
         record = RequestRecord("on0", RequestClass.ONLINE, scheduled_s=0.0, send_s=0.0, first_token_s=0.1,
                                chunk_times_s=[0.1, 0.15], chunk_tokens=[1, 1], end_s=0.15, prompt_tokens=8,
                                output_tokens=2)
-        return RoundResult(RunResult(records=[record], duration_s=scenario.duration_s)), {}
+        return CoserveRoundResult(RunResult(records=[record], duration_s=scenario.duration_s)), {}
 
     results = run_in_rounds(CoserveScenario(duration_s=2.0, rounds=2),
                             ("coserve:rider_cost_share=1", "coserve", "online-only"), run_mode)

@@ -1,10 +1,10 @@
-from backfill.bench.overload_bench import Outcome, format_report, summarize, verdicts
+from backfill.bench.overload_bench import OverloadOutcome, format_report, summarize, verdicts
 
 
 def _result(after_ttfts_s: list[float], burst_ttfts_s: list[float], shed: int) -> dict:
-    outcomes = [Outcome("after", float(k), 200, ttft_s=t, e2e_s=t + 1) for k, t in enumerate(after_ttfts_s)]
-    outcomes += [Outcome("burst", float(k), 200, ttft_s=t, e2e_s=t + 1) for k, t in enumerate(burst_ttfts_s)]
-    outcomes += [Outcome("burst", 0.0, 429, retry_after="2") for _ in range(shed)]
+    outcomes = [OverloadOutcome("after", float(k), 200, ttft_s=t, e2e_s=t + 1) for k, t in enumerate(after_ttfts_s)]
+    outcomes += [OverloadOutcome("burst", float(k), 200, ttft_s=t, e2e_s=t + 1) for k, t in enumerate(burst_ttfts_s)]
+    outcomes += [OverloadOutcome("burst", 0.0, 429, retry_after="2") for _ in range(shed)]
     phases = {name: summarize(outcomes, name, 1000.0) for name in ("before", "burst", "after")}
     result = {"sustainable_rps": 1.2345678, "multiplier": 10.0, "burst_s": 60.0, "calm_s": 20.0,
               "ttft_slo_ms": 1000.0, "phases": phases}
@@ -43,14 +43,14 @@ def test_the_calibration_counts_requests_that_end_after_its_window_and_refuses_n
 
     async def slow(client, phase, index, max_tokens, t0, counts=None, status=200):
         await asyncio.sleep(0.2)                  # longer than the 0.05 s window
-        return Outcome(phase, 0.0, status, ttft_s=0.1, e2e_s=0.2)
+        return OverloadOutcome(phase, 0.0, status, ttft_s=0.1, e2e_s=0.2)
 
     monkeypatch.setattr(overload_bench, "_request", slow)
     rate = asyncio.run(overload_bench._closed_loop(None, 2, 0.05, 16))
     assert 5.0 < rate < 12.0                      # 2 requests over about 0.2 s, not 0
 
     async def refused(*args, **kwargs):
-        return Outcome("calibrate", 0.0, 503)
+        return OverloadOutcome("calibrate", 0.0, 503)
 
     monkeypatch.setattr(overload_bench, "_request", refused)
     with pytest.raises(WorkloadError):

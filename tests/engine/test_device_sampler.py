@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backfill.engine.device_sampler import DeviceSampler, RowParams, fits, sample_tokens, uniform_noise
-from backfill.engine.sampler import make_generator
+from backfill.engine.runner import make_generator
 from backfill.sampling_params import SamplingParams
 from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.build import build_scheduler

@@ -10,7 +10,7 @@ import torch
 
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.engine.grammar import GrammarCompiler, InvalidGrammarError
-from backfill.engine.sampler import History, make_generator, sample_picks
+from backfill.engine.runner import History, make_generator, sample_picks
 from backfill.sampling_params import SamplingParams
 
 VOCAB = 260

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from backfill.engine.sampler import make_generator, sample
+from backfill.engine.runner import make_generator, sample
 from backfill.sampling_params import SamplingParams
 from backfill.errors import InvalidSamplingError
 

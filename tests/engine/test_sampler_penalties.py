@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backfill.engine.sampler import History, apply_penalties, make_generator, sample_picks
+from backfill.engine.runner import History, apply_penalties, make_generator, sample_picks
 from backfill.sampling_params import SamplingParams
 from backfill.errors import InvalidSamplingError
 

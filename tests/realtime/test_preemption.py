@@ -9,7 +9,7 @@ import torch
 
 from backfill.errors import RealtimeError
 from backfill.bench.realtime_bench import DisbSource, dnn_preset, run_disb, run_once, summarize
-from backfill.realtime.task_scheduler import Request, Scheduler, TaskSchedulerConfig
+from backfill.realtime.task_scheduler import Request, RealtimeScheduler, TaskSchedulerConfig
 
 SHAPES = ("resnet152", "vgg19", "bert", "gpt2")
 
@@ -48,7 +48,7 @@ def test_preempted_be_request_output_is_bit_exact(tiny_models, name, path):
     served = tiny_models[name]
     ref = _bits(served.model.infer(served.model.example_input))
     n = len(served.model)
-    with Scheduler(TaskSchedulerConfig(mode="reef", preempt_path=path), tiny_models, {"be": name}) as sched:
+    with RealtimeScheduler(TaskSchedulerConfig(mode="reef", preempt_path=path), tiny_models, {"be": name}) as sched:
         s = sched.streams["be"]
         sched.submit(Request("be", name, False, served.model.example_input, time.perf_counter()))
         sched.service_be(_Quiet())
@@ -93,12 +93,12 @@ def test_config_errors_are_typed(tiny_models):
         with pytest.raises(RealtimeError):
             TaskSchedulerConfig(**bad)
     with pytest.raises(RealtimeError, match="no served model"):
-        Scheduler(TaskSchedulerConfig(), tiny_models, {"be": "yolo"})
+        RealtimeScheduler(TaskSchedulerConfig(), tiny_models, {"be": "yolo"})
     base = os.getpriority(os.PRIO_PROCESS, 0)
     with pytest.raises(RealtimeError, match="pad needs 512 cores"):
-        Scheduler(TaskSchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
+        RealtimeScheduler(TaskSchedulerConfig(pad=True, cores=512), tiny_models, {"be": "bert"})
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # refused before the scheduler raised itself
-    with Scheduler(TaskSchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
+    with RealtimeScheduler(TaskSchedulerConfig(), tiny_models, {"be": "bert"}) as sched:
         with pytest.raises(RealtimeError, match="no BE stream"):
             sched.submit(Request("other", "bert", False, tiny_models["bert"].model.example_input, 0.0))
     with pytest.raises(RealtimeError, match="unknown DISB"):
@@ -160,7 +160,7 @@ def test_padding_keeps_a_be_stream_on_each_core_the_rt_op_leaves(tiny_models, co
     all_cores = os.sched_getaffinity(0)
     config = TaskSchedulerConfig(mode="reef", pad=True, cores=cores, rt_threads=1)
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    with Scheduler(config, tiny_models, {"be-a": "resnet152", "be-b": "vgg19"}) as sched:
+    with RealtimeScheduler(config, tiny_models, {"be-a": "resnet152", "be-b": "vgg19"}) as sched:
         seen = _Affinities(sched)
         # stream priority: the scheduler be_nice levels above BE, by raising itself where permitted
         gap = [os.getpriority(os.PRIO_PROCESS, s.worker.pid) - os.getpriority(os.PRIO_PROCESS, 0)

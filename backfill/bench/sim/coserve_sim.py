@@ -19,7 +19,7 @@ import heapq
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backfill.bench.coserve_bench import MODES, RoundResult, engine_counters, make_workload, run_in_rounds
+from backfill.bench.coserve_bench import MODES, CoserveRoundResult, engine_counters, make_workload, run_in_rounds
 from backfill.bench.scenario import CoserveScenario
 from backfill.bench.driver import RunResult
 from backfill.bench.metrics import RequestRecord
@@ -128,7 +128,7 @@ class _Replay:
         ended = self.workload.duration_s is None or self.clock() >= self.workload.duration_s
         return ended and not self._due and self._open_online == 0
 
-    def run(self) -> RoundResult:
+    def run(self) -> CoserveRoundResult:
         self._refill(0.0)
         while not self._done():
             self._deliver(self.clock())
@@ -150,7 +150,7 @@ class _Replay:
         for record in self.records.values():
             if record.end_s is None:
                 record.cancelled = True  # offline work in flight when the run ended
-        return RoundResult(RunResult(sorted(self.records.values(), key=lambda r: r.send_s), duration_s=end_s),
+        return CoserveRoundResult(RunResult(sorted(self.records.values(), key=lambda r: r.send_s), duration_s=end_s),
                            engine_counters(self.scheduler.stats, self.mode_busy_s, policy=self.scheduler.policy))
 
     def _record(self, event) -> None:
@@ -174,7 +174,7 @@ def simulate_coserve(scenario: CoserveScenario, machine: SimMachine, latency: La
     profile the policies plan with (what the machine's steps cost is `machine.cost`)."""
     tokenizer = ByteTokenizer()
 
-    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[RoundResult, dict]:
+    def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[CoserveRoundResult, dict]:
         # Load is a share of the simulated machine's capacity, as the benchmark's is of the real one's.
         workload = make_workload(round_scenario, tokenizer, machine.cost, with_offline=spec.with_offline)
         cfg = spec.serving(serving, coserve=replace(serving.coserve, slo=slo), block_size=machine.block_size)

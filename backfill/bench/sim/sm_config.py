@@ -23,13 +23,14 @@ class SmDeviceConfig:
     peak_tflops: float = knob(989.0, "bf16 dense peak, TFLOP/s (H200 SXM datasheet)")
     # H200 datasheet: 4.8 TB/s HBM3e; B of HARLI Eq. 4-5.
     peak_hbm_tbps: float = knob(4.8, "HBM bandwidth B of HARLI Eq. 4-5, TB/s (H200 datasheet)")
-    # Measured on the H200 (docs/gpu.md): 4.1 TB/s read, 85% of B, as HARLI §2.2 finds decode uses.
+    # Measured on the H200 (docs/gpu.md): what a streaming read reaches, below B by about the share
+    # HARLI §2.2 finds decode uses.
     read_tbps: float = knob(4.1, "bandwidth a streaming kernel reaches, TB/s (measured on the H200)")
     # HARLI §2.2: decode keeps ~85% of DRAM bandwidth busy at ~40% SM utilisation, so about 40%
     # of the SMs already saturate HBM; below that its time grows as saturation_share / share.
     saturation_share: float = knob(0.4, "SM share at which decode saturates HBM (HARLI §2.2: ~40% SM "
                                         "utilisation at ~85% DRAM bandwidth)")
-    # Measured on the H200 (docs/gpu.md): 7.35 TFLOP of a 512-token prefill in 15.7 ms, 47% of peak.
+    # Measured on the H200 (docs/gpu.md): the share of peak a 512-token prefill's GEMMs reach.
     compute_efficiency: float = knob(0.47, "share of peak the engine's GEMMs reach (measured: a 512-token "
                                             "prefill in 15.7 ms on the H200, 465 TFLOP/s)")
     ft_efficiency: float = knob(0.42, "share of peak the finetuning units' GEMMs reach (stated: a little "
