@@ -158,6 +158,12 @@ class ServingConfig:
     def with_policy(self, policy: str) -> ServingConfig:
         return replace(self, policy=policy)
 
+    @property
+    def batch_limits(self) -> BatchLimits:
+        """The co-serving policy's batch limits: the serving-wide ones where set, else coserve's own.
+        The one place the two declarations meet (policy_config and the server's admission read it)."""
+        return self.coserve.limits if self.limits is None else self.limits
+
     def policy_config(self) -> CoServeConfig:
         """The co-serving policy's config, with the serving-wide batch limits where they are set."""
-        return self.coserve if self.limits is None else replace(self.coserve, limits=self.limits)
+        return replace(self.coserve, limits=self.batch_limits)
