@@ -197,7 +197,8 @@ class HandleBlocks:
         """Use these newly granted handles. Free blocks are handed out oldest handle first (lowest
         block first), like an allocator that fills memory from the bottom, so older handles carry
         the running requests and newer ones the spare room."""
-        free = [b for h in self.held for b in self.blocks(h) if not self.kv.is_allocated(b)]
+        lent = self.kv.retired   # held handles' retired blocks: lent to a finetuning job, left so
+        free = [b for h in self.held for b in self.blocks(h) if not self.kv.is_allocated(b) and b not in lent]
         self.kv.retire(free)
         for h in handle_ids:
             self.held.add(h)
@@ -216,8 +217,11 @@ class HandleBlocks:
         return blocks
 
     def fully_free(self) -> list[int]:
-        """Held handles none of whose blocks is in use (these can be released)."""
-        return sorted(h for h in self.held if not any(self.kv.is_allocated(b) for b in self.blocks(h)))
+        """Held handles none of whose blocks is in use (these can be released). A held handle's retired
+        block is lent to a finetuning job (finetune/memory.py KVLease): its handle stays."""
+        lent = self.kv.retired
+        return sorted(h for h in self.held
+                      if not any(self.kv.is_allocated(b) or b in lent for b in self.blocks(h)))
 
     def retire(self, handle_ids: list[int]) -> None:
         for h in handle_ids:
