@@ -181,8 +181,8 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
     def make_runner(model, kv, graphs) -> NodeGatedRunner:
         return NodeGatedRunner(model, kv, gate, decode_step)
 
-    # A node model's steps start at once (no arrival gather), and its process compiles no more
-    # decode buckets in the background: the node's other processes share its cores.
+    # As node models always ran: no arrival gather, and no background compile of the larger decode
+    # buckets (the node's other model processes share its cores).
     stack = build_serving_stack(replace(serving, arrival_gather_ms=0.0), config, weights, tokenizer,
                                 latency=latency, num_kv_blocks=node.num_blocks, make_runner=make_runner,
                                 compile_buckets=False)

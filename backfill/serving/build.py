@@ -62,7 +62,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
 
 # Makes the runner from the built model, KV pool and captured graphs: a node passes a subclass
 # whose steps pass through its gate (node/engine_proc.py GatedRunner).
-RunnerFactory = Callable[[LlamaModel, KVBlockPool, "DecodeGraphs | None"], ModelRunner]
+RunnerFactory = Callable[[LlamaModel, KVBlockPool, DecodeGraphs | None], ModelRunner]
 
 
 def _plain_runner(model: LlamaModel, kv: KVBlockPool, graphs: DecodeGraphs | None) -> ModelRunner:
