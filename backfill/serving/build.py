@@ -140,7 +140,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
     return registry.make_policy(cfg.policy, limits=cfg.limits, latency=latency, layout=layout,
-                                coserve=cfg.policy_config())
+                                coserve=cfg.coserve)
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:

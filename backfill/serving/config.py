@@ -160,10 +160,6 @@ class ServingConfig:
 
     @property
     def batch_limits(self) -> BatchLimits:
-        """The co-serving policy's batch limits: the serving-wide ones where set, else coserve's own.
-        The one place the two declarations meet (policy_config and the server's admission read it)."""
-        return self.coserve.limits if self.limits is None else self.limits
-
-    def policy_config(self) -> CoServeConfig:
-        """The co-serving policy's config, with the serving-wide batch limits where they are set."""
-        return replace(self.coserve, limits=self.batch_limits)
+        """The co-serving policy's batch limits: limits where set, else its default (the server's
+        admission plans with them)."""
+        return BatchLimits() if self.limits is None else self.limits
