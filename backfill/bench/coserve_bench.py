@@ -166,9 +166,9 @@ async def _run_round(engine: AsyncEngine, workload: Workload, progress: bool) ->
         run = await run_workload(target, workload, progress=progress)
     finally:
         await engine.stop()
-    stats = engine.scheduler.stats
+    stats = engine.stats
     counters = engine_counters(stats, stats.mode_busy_s, run.t0_monotonic_s, policy=engine.policy)
-    run_on_torch_thread(_drain, engine.scheduler)
+    engine.discard_unfinished()
     return CoserveRoundResult(run, counters)
 
 
@@ -238,14 +238,6 @@ def pool_rounds(rounds: list[CoserveRoundResult], slo: SLO | None) -> ModeResult
                                          "end_factor": drifts[-1]["factor"], "steps": sum(d["steps"] for d in drifts),
                                          "flags": sum(d["flags"] for d in drifts), "timeline": drift_timeline}
     return ModeResult(metrics, records, {"engine": engine_stats, "rounds": len(rounds)})
-
-
-def _drain(scheduler) -> None:
-    """Offline requests cut at the end of the run are cancelled; the engine must be empty again."""
-    for seq_id in list(scheduler.seqs):
-        scheduler.cancel(seq_id)
-    while scheduler.has_work():
-        scheduler.step()
 
 
 def load_and_profile(serving: ServingConfig):

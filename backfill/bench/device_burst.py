@@ -187,12 +187,12 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
     from backfill.bench.link import read_link_peak
     from backfill.engine.config import ModelConfig
     from backfill.engine.kv_pool import KVBlockPool
-    from backfill.engine.model import LlamaModel
     from backfill.engine.runner import ModelRunner
     from backfill.engine.shapes import shape_config
     from backfill.engine.weights import random_model
     from backfill.memory.elastic import map_segment
     from backfill.bench.transfer_bench import figures_json, measure_transfers
+    from backfill.serving.build import build_eager_model
 
     started = time.monotonic()
     dtype = getattr(torch, cfg.dtype)
@@ -201,7 +201,7 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
     try:
         if "cfs-lent" in cfg.modes or cfg.transfer_blocks:
             neighbour = Neighbour(int(cfg.lend_mb * 2**20), cfg.device)
-        runner = ModelRunner(LlamaModel(config, random_model(config, cfg.seed), dtype=dtype, device=cfg.device),
+        runner = ModelRunner(build_eager_model(config, random_model(config, cfg.seed), cfg.dtype, cfg.device),
                              KVBlockPool(config, cfg.kv_blocks, cfg.block_size, dtype, cfg.device))
         out: dict[str, Any] = {"config": json.loads(json.dumps(asdict(cfg))), "model": config.name,
                                "kv_bytes": runner.kv.nbytes, "link": read_link_peak(_index(cfg.device)).as_dict(),

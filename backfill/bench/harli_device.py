@@ -37,8 +37,8 @@ PART = "harli-reef"
 
 def build_runner(shape: str, device: str, dtype: torch.dtype, kv_gb: float):
     from backfill.engine.kv_pool import KVBlockPool
-    from backfill.engine.model import LlamaModel
     from backfill.engine.runner import ModelRunner
+    from backfill.serving.build import build_eager_model
     from backfill.engine.shapes import shape_config
     from backfill.engine.weights import expected_weight_shapes
 
@@ -50,7 +50,7 @@ def build_runner(shape: str, device: str, dtype: torch.dtype, kv_gb: float):
             weights[name] = torch.ones(dims, dtype=dtype, device=device)
         else:  # made on the device: a 3B model's weights take seconds there, minutes on a host CPU
             weights[name] = torch.randn(dims, generator=g, dtype=dtype, device=device) * 0.02
-    model = LlamaModel(config, weights, dtype=dtype, device=device)
+    model = build_eager_model(config, weights, str(dtype).removeprefix("torch."), device)
     del weights
     kv = KVBlockPool.for_memory(config, int(kv_gb * 2**30), 16, dtype, device)
     return ModelRunner(model, kv)

@@ -30,14 +30,13 @@ class InProcessTarget:
             yield StreamChunk(time.monotonic(), len(event.token_ids))
 
     async def sample_stats(self) -> dict[str, float]:
-        scheduler = self.engine.scheduler
-        stats = scheduler.stats
-        seqs = list(scheduler.seqs.values())
+        stats = self.engine.stats
+        seqs = self.engine.sequences()
         online = sum(1 for s in seqs if s.request_class is RequestClass.ONLINE)
         return {
             "online_requests": float(online),
             "offline_requests": float(len(seqs) - online),
-            "kv_usage": scheduler.kv.usage,
+            "kv_usage": self.engine.kv_usage,
             "aborted_steps": float(stats.aborted_steps),
             "checkpointed_tokens": float(stats.checkpointed_tokens),
             "recomputed_tokens": float(stats.recomputed_tokens),

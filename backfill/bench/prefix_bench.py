@@ -217,7 +217,7 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
     try:
         await _one(service, chat_body("warm up", "hello", 4), RequestClass.ONLINE, None, time.monotonic())
         origin = time.monotonic()
-        stats = engine.scheduler.stats
+        stats = engine.stats
         queries0, hits0 = dict(stats.prefix_cache_queries), dict(stats.prefix_cache_hits)
         offline_done: list[Result] = []
         stop = asyncio.Event()
@@ -268,7 +268,7 @@ def run_coserve_scenario(cfg: ServingConfig, kind: str, duration_s: float, onlin
         tokenizer = engine.tokenizer
         online_system = system_prompt(tokenizer, online_system_tokens, seed=3)
         online_bodies = [chat_body(online_system, q, online_max_tokens) for q in questions(tokenizer, 400, seed=4)]
-        block = engine.scheduler.kv.block_size
+        block = engine.kv_block_size
         shared_full = len(tokenizer.encode_chat([{"role": "system", "content": online_system}])) // block * block
 
         def offline_lines():

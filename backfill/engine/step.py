@@ -33,6 +33,7 @@ class SeqChunk:
     block_table: list[int]
     want_logits: bool = True
     adapter: LoraAdapter | None = None  # a LoRA adapter applied to this sequence's tokens (engine/lora.py)
+    online: bool = False  # an online request's tokens: a node's gate never parks a step carrying them
 
     @property
     def is_decode(self) -> bool:

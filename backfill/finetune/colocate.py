@@ -16,11 +16,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backfill.errors import FinetuneError, LatencyProfileError
 from backfill.finetune.job import FinetuneJob
 from backfill.finetune.memory import KVLease, inference_demand_blocks, reserve_blocks
 from backfill.policy.harli import ColocationPolicy, ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
+
+if TYPE_CHECKING:
+    from backfill.serving.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +32,11 @@ DEFAULT_TPOT_TARGET_MS = 100.0
 DEFAULT_MAX_BATCH = 32
 
 
-def release_background(driver) -> None:
-    """A finished co-location driver gives its memory lease back, leaves the engine's background
-    slot, and settles its future with the job's error or None."""
+def release_driver(driver: _Driver | _PartitionedDriver) -> None:
+    """A finished co-location driver gives its memory lease back, leaves the engine's between-steps
+    tasks, and settles its future with the job's error or None."""
     driver.lease.give_back()
-    if driver.engine.background is driver:
-        driver.engine.background = None
+    driver.engine.remove_between_steps_task(driver)
     if not driver.future.done():
         if driver.handle.error is not None:
             driver.future.set_exception(driver.handle.error)
@@ -78,14 +81,14 @@ class FinetuneHandle:
 
 
 class _Driver:
-    def __init__(self, engine, job: FinetuneJob, policy: ColocationPolicy, lease: KVLease, tpot_target_ms: float,
-                 handle: FinetuneHandle, future: Future) -> None:
+    def __init__(self, engine: AsyncEngine, job: FinetuneJob, policy: ColocationPolicy, lease: KVLease,
+                 tpot_target_ms: float, handle: FinetuneHandle, future: Future) -> None:
         self.engine, self.job, self.policy, self.lease = engine, job, policy, lease
         self.tpot_target_ms = tpot_target_ms
         self.handle, self.future = handle, future
 
     def _finish(self) -> None:
-        release_background(self)
+        release_driver(self)
 
     def __call__(self) -> bool:
         handle, job, stats = self.handle, self.job, self.handle.stats
@@ -103,7 +106,7 @@ class _Driver:
 
     def _run_some(self, stats: ColoStats) -> bool:
         job, lease = self.job, self.lease
-        snapshot = self.engine.scheduler.snapshot()
+        snapshot = self.engine.snapshot()
         demand = inference_demand_blocks(snapshot)
         if lease.must_give_back(demand):
             job.abandon_step()  # its activations go; the step is redone later from its start
@@ -113,7 +116,7 @@ class _Driver:
         if not ready:
             stats.stalled_calls += 1
         decoding = [s for s in snapshot.seqs if s.running]
-        waiting = len(snapshot.seqs) - len(decoding) + (1 if self.engine.scheduler.has_work() and not snapshot.seqs else 0)
+        waiting = len(snapshot.seqs) - len(decoding) + (1 if self.engine.has_work() and not snapshot.seqs else 0)
         seqlen = sum(s.num_tokens for s in decoding) / len(decoding) if decoding else 0.0
         lookahead = self.policy.max_units_per_step
         state = ColoState(time.monotonic(), len(decoding), waiting, seqlen, self.tpot_target_ms, ready,
@@ -134,14 +137,13 @@ class _Driver:
         return plan.units > 0
 
 
-def attach_finetune(engine, job: FinetuneJob, policy: ColocationPolicy | None = None, *, tpot_target_ms: float | None = None,
+def attach_finetune(engine: AsyncEngine, job: FinetuneJob, policy: ColocationPolicy | None = None, *, tpot_target_ms: float | None = None,
                     max_batch: int = DEFAULT_MAX_BATCH, latency: HarliLatencyModel | None = None) -> FinetuneHandle:
     """Run job's units between engine's decode steps under a co-location policy (default: HARLI's
     with the given or saved latency model; pause-only when there is none).
 
     tpot_target_ms is the decode QoS target (default: the engine's policy SLO when it has one)."""
-    if engine.background is not None:
-        raise FinetuneError("this engine already runs a finetuning job")
+    _refuse_second_job(engine)
     if tpot_target_ms is None:
         slo = engine.policy.slo
         tpot_target_ms = slo.tpot_ms if slo is not None else DEFAULT_TPOT_TARGET_MS
@@ -153,16 +155,22 @@ def attach_finetune(engine, job: FinetuneJob, policy: ColocationPolicy | None = 
             policy = PauseOnlyPolicy()
         else:
             policy = HarliPolicy(latency)
-    kv = engine.scheduler.kv
+    kv = engine.kv_pool
     # T of HARLI §4.4: memory is given back between units, so T is one unit (estimated before any ran).
     reserve = reserve_blocks(job.next_unit_estimate_ms(default_ms=tpot_target_ms), tpot_target_ms, max_batch,
                              kv.block_size)
     future: Future = Future()
     handle = FinetuneHandle(job, future)
-    engine.background = _Driver(engine, job, policy, KVLease(kv, min(reserve, kv.num_usable)), tpot_target_ms,
-                                handle, future)
-    engine._wake.set()  # an idle loop starts the job now
+    driver = _Driver(engine, job, policy, KVLease(kv, min(reserve, kv.num_usable)), tpot_target_ms, handle, future)
+    engine.add_between_steps_task(driver)   # an idle loop starts the job now
     return handle
+
+
+def _refuse_second_job(engine: AsyncEngine) -> None:
+    """One finetuning job per engine: two would lease the same idle KV blocks. Other between-steps
+    tasks (a node's pool share and token reports) run beside it."""
+    if any(isinstance(task, (_Driver, _PartitionedDriver)) for task in engine.between_steps_tasks):
+        raise FinetuneError("this engine already runs a finetuning job")
 
 
 class _PartitionedDriver:
@@ -173,8 +181,8 @@ class _PartitionedDriver:
     its partition, or waits while its share is 0 (a unit in flight finishes where it started, as
     a kernel keeps its SMs until it ends)."""
 
-    def __init__(self, engine, job: FinetuneJob, policy, partitions, lease: KVLease, tpot_target_ms: float,
-                 handle: FinetuneHandle, future: Future) -> None:
+    def __init__(self, engine: AsyncEngine, job: FinetuneJob, policy, partitions, lease: KVLease,
+                 tpot_target_ms: float, handle: FinetuneHandle, future: Future) -> None:
         self.engine, self.job, self.policy, self.partitions, self.lease = engine, job, policy, partitions, lease
         self.tpot_target_ms = tpot_target_ms
         self.handle, self.future = handle, future
@@ -193,7 +201,7 @@ class _PartitionedDriver:
         if handle.cancelled or job.finished or handle.error is not None:
             self._finish()
             return False
-        snapshot = self.engine.scheduler.snapshot()
+        snapshot = self.engine.snapshot()
         demand = inference_demand_blocks(snapshot)
         with self._cond:
             abandoning = self._abandon
@@ -238,7 +246,7 @@ class _PartitionedDriver:
             self._thread.join(timeout=60)
         self.partitions.apply(1.0, 0.0)
         self.partitions.enter("decode")
-        release_background(self)
+        release_driver(self)
 
     # --- the finetuning thread ------------------------------------------------------------------
 
@@ -275,21 +283,20 @@ class _PartitionedDriver:
             job.abandon_step()
 
 
-def attach_finetune_partitioned(engine, job: FinetuneJob, policy, partitions, *, tpot_target_ms: float,
+def attach_finetune_partitioned(engine: AsyncEngine, job: FinetuneJob, policy, partitions, *, tpot_target_ms: float,
                                 max_batch: int = DEFAULT_MAX_BATCH) -> FinetuneHandle:
     """Run job beside engine's decode on compute partitions (engine/compute_partition.py) under an
     SM-share policy (policy/harli_sm.py: HarliSmPolicy built with partitions.ft_shares(), or a
     baseline). Cancel with handle.cancel(); the driver then stops its thread at the next call."""
-    if engine.background is not None:
-        raise FinetuneError("this engine already runs a finetuning job")
-    kv = engine.scheduler.kv
+    _refuse_second_job(engine)
+    kv = engine.kv_pool
     reserve = reserve_blocks(job.next_unit_estimate_ms(default_ms=tpot_target_ms), tpot_target_ms, max_batch,
                              kv.block_size)
     future: Future = Future()
     handle = FinetuneHandle(job, future)
-    engine.background = _PartitionedDriver(engine, job, policy, partitions, KVLease(kv, min(reserve, kv.num_usable)),
-                                           tpot_target_ms, handle, future)
-    engine._wake.set()
+    driver = _PartitionedDriver(engine, job, policy, partitions, KVLease(kv, min(reserve, kv.num_usable)),
+                                tpot_target_ms, handle, future)
+    engine.add_between_steps_task(driver)
     return handle
 
 

@@ -104,10 +104,10 @@ class _Walk:
     of its first piece; its time is split among the kinds of the pieces it ran)."""
 
     def __init__(self, runner: ModelRunner, job: FinetuneJob, log=None) -> None:
-        self.runner, self.job, self.log = runner, job, log
+        self.model_runner, self.job, self.log = runner, job, log
 
     def measure(self, specs: list[tuple[int, int, float, tuple[str, ...]]], repeats: list[int]) -> list[list[tuple]]:
-        job, kv = self.job, self.runner.kv
+        job, kv = self.job, self.model_runner.kv
         decodes = {}
         for bs, seq, _, _ in specs:
             if (bs, seq) not in decodes:
@@ -117,7 +117,7 @@ class _Walk:
         per_visit = -(-max(repeats, default=1) // PASSES)
         try:
             for chunks in decodes.values():  # untimed: each shape's first step
-                self.runner.execute(chunks)
+                self.model_runner.execute(chunks)
             left, order, pieces = list(repeats), 0, 0
             started = shown = time.perf_counter()
             total = sum(repeats)
@@ -165,7 +165,7 @@ class _Walk:
         out = []
         for n in range(WARMUP_INTERVALS + count):
             start = time.perf_counter()
-            step_s = self.runner.execute(chunks).duration_s
+            step_s = self.model_runner.execute(chunks).duration_s
             if share_infer < 1.0:
                 time.sleep(step_s * (1 - share_infer) / share_infer)
             if n >= WARMUP_INTERVALS:
@@ -182,7 +182,7 @@ class _Walk:
             for kind, ms in self.job.last_unit_pieces:
                 mix[kind] = mix.get(kind, 0.0) + ms
         ft = time.perf_counter()
-        self.runner.execute(chunks)
+        self.model_runner.execute(chunks)
         return (time.perf_counter() - start) * 1e3, (ft - start) * 1e3, mix
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from backfill.errors import BackfillError, NodeConfigError
 from backfill.options import Option, build, knob, options_of
 from backfill.policy.registry import ONE_ENGINE_NAMES
+from backfill.serving.config import ATTENTION_CHOICES, COMMAND_DEFAULTS, DTYPE_CHOICES, ServingConfig
 from backfill.validation import check_int, check_positive
 
 GATES = ("lifecycle", "timeslice")
@@ -47,7 +48,7 @@ class NodeSettings:
     window_s: float = knob(10.0, "window of the node's idle fraction and offline tokens/s, s")
     db_dir: str | None = knob(None, "folder of each model's SQLite store (<name>.db); unset: a fresh temp folder")
     device: str = knob("cpu", "where every model of the node runs: cpu, cuda or cuda:N (one GPU shared by "
-                       "the model processes; bfloat16 there, float32 on cpu)")
+                       "the model processes; each model's dtype says in what)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -81,13 +82,16 @@ class ModelEntry:
     max_model_len: int = knob(1024, "longest prompt + output, tokens")
     max_offline_in_flight: int = knob(8, "batch lines in the engine at once")
     max_online_queue: int = knob(64, "online requests in flight before new ones get 429")
-    decode_attention: str = knob("sdpa", "auto (C++ paged kernels for decode and prompt attention, built on "
-                                 "first use) or sdpa",
-                                 choices=("auto", "sdpa"))
+    decode_attention: str = knob("sdpa", "auto (a C++ kernel reading the paged KV cache in place, built on first "
+                                 "use) or sdpa", choices=ATTENTION_CHOICES)
+    prompt_attention: str = knob("sdpa", "attention of prompt chunks: auto (a C++ kernel reading the paged KV cache "
+                                 "in place, built on first use) or sdpa", choices=ATTENTION_CHOICES)
     profile_path: str | None = knob(None, "coserve latency profile; unset: the cached one (measured on first use)")
-    dtype: str = knob("auto", "weights, activations and KV; auto: bfloat16 on CUDA and on CPUs with bf16 matmul "
-                      "kernels, else float32", choices=("auto", "float32", "bfloat16", "float16"))
-    compile_decode: bool = knob(True, "CPU: steps of a few tokens through compiled pieces, as `backfill serve`")
+    # As `backfill serve` (COMMAND_DEFAULTS): bf16 where the CPU has bf16 matmul kernels, compiled steps on CPU.
+    dtype: str = knob(str(COMMAND_DEFAULTS["dtype"]), "weights, activations and KV; auto: bfloat16 on CUDA and on "
+                      "CPUs with bf16 matmul kernels, else float32", choices=DTYPE_CHOICES)
+    compile_decode: bool = knob(bool(COMMAND_DEFAULTS["compile_decode"]),
+                                "CPU: steps of a few tokens through compiled pieces, as `backfill serve`")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -96,10 +100,11 @@ class ModelEntry:
         if self.policy not in NODE_POLICIES:
             raise NodeConfigError(f"models[{self.name}].policy must be one of {', '.join(NODE_POLICIES)}, "
                                   f"got {self.policy!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise NodeConfigError(f"models[{self.name}].dtype must be one of auto, float32, bfloat16, float16")
-        if self.decode_attention not in ("auto", "sdpa"):
-            raise NodeConfigError(f"models[{self.name}].decode_attention must be auto or sdpa")
+        if self.dtype not in DTYPE_CHOICES:
+            raise NodeConfigError(f"models[{self.name}].dtype must be one of {', '.join(DTYPE_CHOICES)}")
+        for name in ("decode_attention", "prompt_attention"):
+            if getattr(self, name) not in ATTENTION_CHOICES:
+                raise NodeConfigError(f"models[{self.name}].{name} must be one of {', '.join(ATTENTION_CHOICES)}")
         check_int(NodeConfigError, f"models[{self.name}].threads", self.threads, 1)
         check_int(NodeConfigError, f"models[{self.name}].max_model_len", self.max_model_len, 2)
         check_int(NodeConfigError, f"models[{self.name}].max_offline_in_flight", self.max_offline_in_flight, 1)
@@ -109,6 +114,17 @@ class ModelEntry:
         if self.model not in BUILTIN_MODELS and not self.model.startswith("random:") \
                 and not Path(self.model).expanduser().exists():
             raise NodeConfigError(f"models[{self.name}].model: no model file or directory at {self.model!r}")
+
+    def serving_config(self, node: NodeSettings) -> ServingConfig:
+        """This model's engine on the node: the one place the entry's fields become a ServingConfig."""
+        # No CUDA graphs or Triton kernels: every model process of the node shares the device, and
+        # its steps pass through the node's gate between layers.
+        return ServingConfig(device=node.device, dtype=self.dtype, block_size=node.block_size,
+                             max_model_len=self.max_model_len, policy=self.policy, threads=self.threads,
+                             decode_attention=self.decode_attention, prompt_attention=self.prompt_attention,
+                             profile_path=self.profile_path,
+                             compile_decode=self.compile_decode and node.device == "cpu",
+                             cuda_graphs=False, cuda_kernels="torch")
 
 
 @dataclass(frozen=True)

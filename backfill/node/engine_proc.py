@@ -197,7 +197,8 @@ class HandleBlocks:
         """Use these newly granted handles. Free blocks are handed out oldest handle first (lowest
         block first), like an allocator that fills memory from the bottom, so older handles carry
         the running requests and newer ones the spare room."""
-        free = [b for h in self.held for b in self.blocks(h) if not self.kv.is_allocated(b)]
+        lent = self.kv.retired   # held handles' retired blocks: lent to a finetuning job, left so
+        free = [b for h in self.held for b in self.blocks(h) if not self.kv.is_allocated(b) and b not in lent]
         self.kv.retire(free)
         for h in handle_ids:
             self.held.add(h)
@@ -216,8 +217,11 @@ class HandleBlocks:
         return blocks
 
     def fully_free(self) -> list[int]:
-        """Held handles none of whose blocks is in use (these can be released)."""
-        return sorted(h for h in self.held if not any(self.kv.is_allocated(b) for b in self.blocks(h)))
+        """Held handles none of whose blocks is in use (these can be released). A held handle's retired
+        block is lent to a finetuning job (finetune/memory.py KVLease): its handle stays."""
+        lent = self.kv.retired
+        return sorted(h for h in self.held
+                      if not any(self.kv.is_allocated(b) or b in lent for b in self.blocks(h)))
 
     def retire(self, handle_ids: list[int]) -> None:
         for h in handle_ids:
@@ -230,23 +234,18 @@ class HandleBlocks:
 
 def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | None = None):
     """Model, KV pool the size of the node pool, gated runner and scheduler of one engine process."""
-    import torch
-
-    from backfill.engine.model import LlamaModel
     from backfill.engine.weights import load_model, random_model
     from backfill.policy.checkpoint import CheckpointConfig
     from backfill.policy.planner import BatchLimits
     from backfill.serving.config import ServingConfig
-    from backfill.serving.build import build_scheduler
+    from backfill.serving.build import build_serving_stack
 
-    torch.set_num_threads(spec.threads)
     if spec.model == "tiny" or _is_random_shape(spec.model):
         config = engine_model_config(spec.model)
         weights = random_model(config, spec.seed)
     else:
         loaded = load_model()
         config, weights = loaded.config, loaded.weights
-    dtype = getattr(torch, spec.dtype)
     planes = None
     if spec.kv_arena is not None:
         from backfill.errors import SharedMemoryError
@@ -257,16 +256,17 @@ def build_engine_runner(spec: EngineSpec, gate_point: Callable[[int], bool] | No
             raise SharedMemoryError(f"engine {spec.engine_id!r}: the node's KV arena has layout {arena.layout}, "
                                     f"this engine needs {engine_kv_layout(spec)}")
         planes = kv_planes(attach(arena), arena.layout)
-    kv = KVBlockPool(config, spec.num_blocks, spec.block_size, dtype, spec.device, planes)
-    runner = GatedRunner(LlamaModel(config, weights, dtype=dtype, device=spec.device), kv, gate_point)
     limits = BatchLimits(max_batch_tokens=spec.max_batch_tokens, max_batch_seqs=spec.max_batch_seqs,
                          prefill_chunk_tokens=spec.max_batch_tokens)
-    # Valve §5: reclaimed offline KV is recomputed, not restored from host checkpoints.
+    # Valve §5: reclaimed offline KV is recomputed, not restored from host checkpoints. The engine
+    # processes run the plain eager model (no compiled steps, SDPA attention, torch kernels).
     cfg = ServingConfig(device=spec.device, dtype=spec.dtype, block_size=spec.block_size, max_model_len=spec.max_model_len,
                         policy=spec.scheduling_policy, limits=limits, checkpoint=CheckpointConfig(enabled=False),
-                        threads=spec.threads)
-    scheduler = build_scheduler(runner, cfg, tokenizer=None, model_name=config.name)
-    return runner, scheduler
+                        threads=spec.threads, compile_decode=False, decode_attention="sdpa",
+                        prompt_attention="sdpa", cuda_graphs=False, cuda_kernels="torch")
+    stack = build_serving_stack(cfg, config, weights, num_kv_blocks=spec.num_blocks, kv_planes=planes,
+                                make_runner=lambda model, kv, graphs: GatedRunner(model, kv, gate_point))
+    return stack.runner, stack.scheduler
 
 
 def request_dict(request_id: str, prompt_token_ids: list[int], max_tokens: int,

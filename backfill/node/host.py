@@ -260,6 +260,7 @@ class Node:
         return {"idle_fraction": self.idle_fraction(), "online_busy": self.runtime.online_busy,
                 "offline_open_fraction": self.offline_open_fraction(),
                 "offline_generated_tokens_per_s": self.generated_tokens_per_s(),
+                "offline_generated_tokens": self.runtime.offline_tokens(),   # as the engines reported them
                 "free_handles": self.pool.free_handles, "num_handles": handles,
                 "free_memory_fraction": self.pool.free_handles / handles,
                 "free_memory_trace": [[round(s.t_s - t_end, 3), s.free_handles / handles] for s in taken],

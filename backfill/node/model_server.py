@@ -26,32 +26,35 @@ import signal
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
-from typing import Callable
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Callable
 
 from backfill.errors import OverAllocationError
 from backfill.node.config import ModelEntry, NodeSettings
 from backfill.node.engine_proc import GatedRunner, HandleBlocks, stream_drain
 from backfill.node.ipc import NodeClient
 
+if TYPE_CHECKING:
+    from backfill.serving.async_engine import AsyncEngine
+    from backfill.serving.config import ServingConfig
+    from backfill.serving.stats import SchedulerStats
+
 _PR_SET_PDEATHSIG = 1
-TINY_COSERVE_LATENCY = ((1, 4096), (1.0, 41.0))   # the tiny model's stand-in profile (as build_tiny_engine)
 
 
 class NodeGatedRunner(GatedRunner):
-    """A GatedRunner that knows whether the step it runs carries online tokens of its own engine,
-    and reports each such step to the runtime as an online decode step (the lifecycle gate's
-    cooldown is measured from the gaps between them)."""
+    """A GatedRunner that knows whether the step it runs carries online tokens of its own engine
+    (the scheduler marks them, SeqChunk.online), and reports each such step to the runtime as an
+    online decode step (the lifecycle gate's cooldown is measured from the gaps between them)."""
 
-    def __init__(self, model, kv, gate_point: Callable[[int], bool]) -> None:
+    def __init__(self, model, kv, gate_point: Callable[[int], bool], on_online_step: Callable[[], None]) -> None:
         super().__init__(model, kv, gate_point)
         self.step_durations_s = deque(maxlen=4096)   # a server runs for days: keep the recent steps only
-        self.is_online: Callable[[str], bool] = lambda seq_id: False
-        self.on_online_step: Callable[[], None] = lambda: None
+        self.on_online_step = on_online_step
         self.step_has_online = False
 
     def execute(self, chunks, safepoint=None, resume=None):
-        self.step_has_online = any(self.is_online(c.seq_id) for c in chunks)
+        self.step_has_online = any(c.online for c in chunks)
         try:
             return super().execute(chunks, safepoint, resume)
         finally:
@@ -70,12 +73,16 @@ class SafepointGate:
         self.client = client
         self.own_online_waiting = own_online_waiting
         self.drain = drain
-        self.runner: NodeGatedRunner | None = None
+        self._gated_runner: NodeGatedRunner | None = None
         self.parks = 0
         self.aborts_for_own_online = 0
 
+    def attach_runner(self, runner: NodeGatedRunner) -> None:
+        """The runner whose steps pass through this gate: a step it marks online never parks."""
+        self._gated_runner = runner
+
     def __call__(self, layer: int) -> bool:
-        if self.runner is not None and self.runner.step_has_online:
+        if self._gated_runner is not None and self._gated_runner.step_has_online:
             return False                     # our own online work never waits for the gate
         if not self.client.should_pause() or self.own_online_waiting():
             return False
@@ -88,12 +95,12 @@ class SafepointGate:
 
 
 class PoolMemory:
-    """The engine's share of the node's KV pool, kept between steps (AsyncEngine.background)."""
+    """The engine's share of the node's KV pool, kept between steps (a between-steps task of the engine)."""
 
-    def __init__(self, client: NodeClient, handles: HandleBlocks, scheduler, reserve_blocks: int) -> None:
+    def __init__(self, client: NodeClient, handles: HandleBlocks, engine: AsyncEngine, reserve_blocks: int) -> None:
         self.client = client
         self.handles = handles
-        self.scheduler = scheduler
+        self.engine = engine
         self.reserve_blocks = reserve_blocks
         self._pending: list[int] = []
         self.allocation_failures = 0
@@ -103,7 +110,7 @@ class PoolMemory:
         """Top the free blocks up to the reserve; give back fully free handles when idle."""
         if self._pending:
             taken, self._pending = self._pending, []
-            self.scheduler.invalidate_blocks(self.handles.forget(taken))   # Valve §5: recompute
+            self.engine.invalidate_blocks(self.handles.forget(taken))   # Valve §5: recompute
         kv, bph = self.handles.kv, self.handles.blocks_per_handle
         short = self.reserve_blocks - kv.num_free
         if short > 0:
@@ -115,7 +122,7 @@ class PoolMemory:
                     continue
             self.allocation_failures += 1
             return False
-        if not self.scheduler.has_work():
+        if not self.engine.has_work():
             spare = self.handles.fully_free()
             keep = -(-self.reserve_blocks // bph)
             give = spare[keep:]
@@ -133,7 +140,8 @@ class OfflineTokenReporter:
     """Between steps: tell the runtime how many offline tokens the engine has generated (Valve §6
     measures a job's throughput as it runs, not when its lines finish), then keep the pool share."""
 
-    def __init__(self, client: NodeClient, stats, keep: Callable[[], bool], interval_s: float = 0.1) -> None:
+    def __init__(self, client: NodeClient, stats: SchedulerStats, keep: Callable[[], bool],
+                 interval_s: float = 0.1) -> None:
         self.client, self.stats, self.keep, self.interval_s = client, stats, keep, interval_s
         self._reported, self._at_s = 0, 0.0
 
@@ -145,21 +153,14 @@ class OfflineTokenReporter:
         return self.keep()
 
 
-def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGate, decode_step: Callable[[], None]):
-    """(AsyncEngine, runner) of one model on the node's KV layout; runs on the torch thread."""
-    import torch
-
+def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGate,
+                       decode_step: Callable[[], None]) -> tuple[AsyncEngine, NodeGatedRunner, ServingConfig]:
+    """(AsyncEngine, runner, its ServingConfig) of one model on the node's KV layout; runs on the torch thread."""
     from backfill.engine.config import ModelConfig
-    from backfill.engine.kv_pool import KVBlockPool
-    from backfill.engine.model import LlamaModel
     from backfill.policy import registry
     from backfill.policy.latency_model import LatencyModel
-    from backfill.types import RequestClass
-    from backfill.serving.async_engine import AsyncEngine
-    from backfill.serving.build import build_scheduler
-    from backfill.serving.config import ServingConfig
+    from backfill.serving.build import TINY_LATENCY_PROFILE, build_serving_stack
 
-    torch.set_num_threads(entry.threads)
     if entry.model == "tiny":
         from backfill.engine.byte_tokenizer import ByteTokenizer
         from backfill.engine.weights import random_model
@@ -173,25 +174,22 @@ def build_model_engine(entry: ModelEntry, node: NodeSettings, gate: SafepointGat
         config, weights, tokenizer = loaded.config, loaded.weights, loaded.tokenizer
     # On a GPU every model process of the node runs on the same device; each keeps its own KV
     # tensor the size of the pool (the models' KV shapes differ) and uses the handles it holds.
-    # The entry's attention knob covers both attention kernels (decode and prompt chunks).
-    serving = ServingConfig(device=node.device, dtype=entry.dtype, block_size=node.block_size,
-                            max_model_len=entry.max_model_len, policy=entry.policy, threads=entry.threads,
-                            decode_attention=entry.decode_attention,
-                            prompt_attention=entry.decode_attention, profile_path=entry.profile_path,
-                            compile_decode=entry.compile_decode and node.device == "cpu", cuda_graphs=False)
-    kv = KVBlockPool(config, node.num_blocks, node.block_size, serving.torch_dtype, node.device)
-    model = LlamaModel(config, weights, dtype=serving.torch_dtype, device=node.device,
-                       compile_decode=serving.compile_decode,
-                       paged_attention_kernel=serving.uses_paged_attention_kernel,
-                       paged_prompt_kernel=serving.uses_paged_prompt_kernel)
-    runner = NodeGatedRunner(model, kv, gate)
-    latency = LatencyModel(*TINY_COSERVE_LATENCY) if entry.model == "tiny" and registry.entry(entry.policy).needs_latency_model else None
-    scheduler = build_scheduler(runner, serving, tokenizer, config.name, latency)
-    runner.is_online = lambda seq_id: (seq_id in scheduler.seqs and
-                                       scheduler.seqs[seq_id].request_class is RequestClass.ONLINE)
-    runner.on_online_step = decode_step
-    gate.runner = runner
-    return AsyncEngine(scheduler, tokenizer, config.name), runner, serving
+    serving = entry.serving_config(node)
+    latency = (LatencyModel(*TINY_LATENCY_PROFILE)
+               if entry.model == "tiny" and registry.entry(entry.policy).needs_latency_model else None)
+
+    def make_runner(model, kv, graphs) -> NodeGatedRunner:
+        return NodeGatedRunner(model, kv, gate, decode_step)
+
+    # As node models always ran: no arrival gather, and no background compile of the larger decode
+    # buckets (the node's other model processes share its cores).
+    stack = build_serving_stack(replace(serving, arrival_gather_ms=0.0), config, weights, tokenizer,
+                                latency=latency, num_kv_blocks=node.num_blocks, make_runner=make_runner,
+                                compile_buckets=False)
+    runner = stack.runner
+    assert isinstance(runner, NodeGatedRunner)
+    gate.attach_runner(runner)
+    return stack.engine, runner, serving
 
 
 def reserve_blocks(max_model_len: int, node: NodeSettings, models: int) -> int:
@@ -216,9 +214,9 @@ def serve_model(socket_path: str, db_path: str, node: NodeSettings, entry: Model
     engine, runner, serving = run_on_torch_thread(build_model_engine, entry, node, gate,
                                                   lambda: online.report_decode_step(time.monotonic()))
     memory = PoolMemory(offline, HandleBlocks(runner.kv, node.num_handles, node.blocks_per_handle),
-                        engine.scheduler, reserve_blocks(engine.scheduler.max_model_len, node, len_models))
+                        engine, reserve_blocks(engine.max_model_len, node, len_models))
     run_on_torch_thread(memory.keep)
-    engine.background = OfflineTokenReporter(offline, engine.scheduler.stats, memory.keep)
+    engine.add_between_steps_task(OfflineTokenReporter(offline, engine.stats, memory.keep))
     config = ServerConfig(host=node.host, port=entry.port, db=db_path, served_model_name=entry.name,
                           max_offline_in_flight=entry.max_offline_in_flight, max_online_queue=entry.max_online_queue,
                           drain_timeout_s=5.0, log_level="warning", serving=serving)

@@ -44,13 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from backfill.engine.kv_pool import KVBlockPool
-    from backfill.engine.model import LlamaModel
-    from backfill.engine.runner import ModelRunner
+    from backfill.policy.checkpoint import CheckpointConfig
     from backfill.sampling_params import SamplingParams
-    from backfill.policy.baselines import FCFSPolicy
+    from backfill.serving.build import build_serving_stack
+    from backfill.serving.config import ServingConfig
     from backfill.types import GenerationRequest, RequestClass
-    from backfill.serving.scheduler import Scheduler
 
     if args.tiny:
         from backfill.engine.config import ModelConfig
@@ -64,8 +62,13 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_model(None)
         config, weights = loaded.config, loaded.weights
     tokens_per_request = args.prompt_tokens + args.output_tokens
-    kv = KVBlockPool(config, args.concurrency * (-(-tokens_per_request // 16) + 1), 16)
-    scheduler = Scheduler(ModelRunner(LlamaModel(config, weights), kv), FCFSPolicy())
+    # The plain eager float32 model on CPU under FCFS: a steady producer, not a tuned server.
+    serving = ServingConfig(device="cpu", policy="fcfs", block_size=16, max_model_len=config.max_position_embeddings,
+                            compile_decode=False, decode_attention="sdpa", prompt_attention="sdpa",
+                            checkpoint=CheckpointConfig(enabled=False))
+    stack = build_serving_stack(serving, config, weights,
+                                num_kv_blocks=args.concurrency * (-(-tokens_per_request // 16) + 1))
+    scheduler = stack.scheduler
 
     agent = None
     stop = threading.Event()

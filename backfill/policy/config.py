@@ -1,5 +1,5 @@
-"""The co-serving policy's knobs (ConServe §4.2-§4.5): SLOs, batch limits, the preemption target and
-the margins its budget is planned to. A config module apart from the policy, so serving's config,
+"""The co-serving policy's knobs (ConServe §4.2-§4.5): SLOs, the preemption target and the margins
+its budget is planned to (its batch limits are every policy's, ServingConfig.limits). A config module apart from the policy, so serving's config,
 the CLI and the benchmarks read the knobs without the policy's code."""
 
 from __future__ import annotations
@@ -8,14 +8,12 @@ from dataclasses import dataclass
 
 from backfill.errors import InvalidRequestError
 from backfill.options import knob
-from backfill.policy.planner import BatchLimits
 from backfill.types import SLO
 
 
 @dataclass(frozen=True)
 class CoServeConfig:
     slo: SLO = SLO()
-    limits: BatchLimits = BatchLimits()
     # An arrival waits for the rest of one stretch between two safepoints (ConServe §4.3); planned
     # below the bound it promises, as step estimates err on a loaded machine.
     preempt_target_ms: float = knob(8.0, "longest offline work between two safepoints, ms", group="coserve")

@@ -42,7 +42,7 @@ from backfill.policy.config import CoServeConfig
 from backfill.policy.drift import LatencyDrift
 from backfill.policy.latency_model import BatchShape, LatencyModel, largest_chunk
 from backfill.policy.model_error import ModelErrorLog
-from backfill.policy.planner import PlanBuilder, decode_first, prefill_first, recompute_cost_order
+from backfill.policy.planner import BatchLimits, PlanBuilder, decode_first, prefill_first, recompute_cost_order
 from backfill.policy.riders import Riders
 from backfill.types import SLO
 from backfill.policy.interface import (RunningStep, SafepointLayout, SchedulerState, SchedulingPolicy, SeqView,
@@ -58,10 +58,12 @@ MARGIN_MIN = 0.5
 class CoServePolicy(SchedulingPolicy):
     name = "coserve"
 
-    def __init__(self, latency: LatencyModel, layout: SafepointLayout, config: CoServeConfig = CoServeConfig()) -> None:
+    def __init__(self, latency: LatencyModel, layout: SafepointLayout, config: CoServeConfig = CoServeConfig(),
+                 limits: BatchLimits = BatchLimits()) -> None:
         self.latency = latency
         self.layout = layout  # the runner's (ModelRunner.safepoint_layout)
         self.config = config
+        self.limits = limits
         # Measured / estimated step time (EWMA) per batch-size bucket, as small and big steps drift
         # from the profile differently; an unseen bucket follows the drift of all steps.
         self._corrections: dict[int, float] = {}
@@ -208,7 +210,7 @@ class CoServePolicy(SchedulingPolicy):
     def _co_serving(self, state: SchedulerState) -> StepPlan:
         cfg = self.config
         self._note_online_prompts(state)
-        limits = cfg.limits
+        limits = self.limits
         online = decode_first(state.online)
         offline = state.offline
         victims = None  # sorted only when an online request needs blocks: this runs every online step

@@ -73,4 +73,4 @@ def make_policy(name: str, *, limits: BatchLimits | None, latency: LatencyModel 
     if latency is None:
         raise InvalidRequestError("the coserve policy needs a latency profile")
     from backfill.policy.coserve import CoServePolicy
-    return CoServePolicy(latency, layout, coserve)
+    return CoServePolicy(latency, layout, coserve, **given)

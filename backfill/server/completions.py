@@ -225,7 +225,7 @@ class CompletionService:
 
     def _sampling(self, body: ChatCompletionBody | CompletionBody, prompt_len: int,
                   default_max: int | None) -> SamplingParams:
-        max_len = self.engine.scheduler.max_model_len
+        max_len = self.engine.max_model_len
         if prompt_len >= max_len:
             raise ContextLengthError(f"this model's maximum context length is {max_len} tokens, "
                                      f"but the prompt has {prompt_len}")

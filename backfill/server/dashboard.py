@@ -108,7 +108,7 @@ class DashboardSampler:
         self._task: asyncio.Task | None = None
 
     def read(self) -> Reading:
-        metrics, stats = self.state.metrics, self.state.engine.scheduler.stats
+        metrics, stats = self.state.metrics, self.state.engine.stats
         online_requests = sum(sample.value for family in metrics.requests.collect() for sample in family.samples
                               if sample.name.endswith("_total") and sample.labels.get("class") == "online")
         refused = {sample.labels["reason"]: sample.value for family in metrics.rejected.collect()
@@ -120,8 +120,7 @@ class DashboardSampler:
                        stats.online_busy_s, stats.aborted_steps,
                        tuple(refused.get(reason, 0.0) for reason in REJECT_REASONS),
                        tuple(self.stalled_s[reason] for reason in STALL_REASONS),
-                       sum(1 for seq in list(self.state.engine.scheduler.seqs.values())
-                           if seq.request_class.value == "online"))
+                       sum(1 for seq in self.state.engine.sequences() if seq.request_class.value == "online"))
 
     def start(self) -> None:
         self.readings.append(self.read())
@@ -131,8 +130,7 @@ class DashboardSampler:
         """Why offline work did not advance between two readings; None when it did."""
         if now.offline_tokens > previous.offline_tokens:
             return None
-        scheduler = self.state.engine.scheduler
-        offline_seqs = sum(1 for seq in list(scheduler.seqs.values()) if seq.request_class.value == "offline")
+        offline_seqs = sum(1 for seq in self.state.engine.sequences() if seq.request_class.value == "offline")
         if not offline_seqs and not batch_lines_waiting and not self.state.worker.in_flight:
             return "no_offline_work"
         paused = self.state.offline_paused
@@ -145,7 +143,7 @@ class DashboardSampler:
         if busy_share >= ONLINE_SATURATED_SHARE or (previous.online_seqs and now.online_seqs
                                                     and busy_share >= ONLINE_HELD_SHARE):
             return "online_saturates"
-        if scheduler.kv.usage >= KV_FULL_USAGE:
+        if self.state.engine.kv_usage >= KV_FULL_USAGE:
             return "kv_full"
         return "other"
 
@@ -229,10 +227,9 @@ def job_view(job: dict, steps: list[dict]) -> dict[str, Any]:
 def model_data(state: ServerState, sampler: DashboardSampler, window_s: float) -> dict[str, Any]:
     """The page's data of one model (its server); blocking (reads the store): call off the loop."""
     readings, now = sampler.window(window_s)
-    scheduler = state.engine.scheduler
     waiting = {cls: 0 for cls in CLASSES}   # as backfill_queue_length / backfill_running_requests count
     running = {cls: 0 for cls in CLASSES}
-    for seq in list(scheduler.seqs.values()):
+    for seq in state.engine.sequences():
         bucket = running if seq.status is SeqStatus.RUNNING else waiting
         bucket[seq.request_class.value] += 1
     serving = state.config.serving or ServingConfig()
@@ -244,7 +241,7 @@ def model_data(state: ServerState, sampler: DashboardSampler, window_s: float) -
             "policy": serving.policy,
             "slo": {"ttft_ms": serving.coserve.slo.ttft_ms, "tpot_ms": serving.coserve.slo.tpot_ms},
             "window": summary(readings[0], now), "series": series(readings, now),
-            "now": {"queue": waiting, "running": running, "kv_usage": scheduler.kv.usage,
+            "now": {"queue": waiting, "running": running, "kv_usage": state.engine.kv_usage,
                     "batch_lines_in_flight": state.worker.in_flight, "batch_lines_waiting": lines_waiting,
                     "draining": state.draining},
             "batches": [batch_view(b) for b in batches],

@@ -99,7 +99,7 @@ class ServerMetrics:
         r = self.registry
         per_class = ["model_name", "class"]
         per_engine = ["model_name", "engine"]
-        lengths = token_buckets(max(int(engine.scheduler.max_model_len), 1))
+        lengths = token_buckets(max(int(engine.max_model_len), 1))
 
         # backfill's own series, per request class
         self.ttft_s = Histogram("backfill_time_to_first_token_seconds", "Time to first token, per request class",
@@ -300,15 +300,13 @@ class _EngineCollector(Collector):
         return []
 
     def collect(self) -> Iterable[Metric]:
-        scheduler = self.engine.scheduler
-        stats = scheduler.stats
+        engine = self.engine
+        stats = engine.stats
         model = self.owner.model_name
         per_engine = [model, ENGINE_INDEX]
         waiting = {cls: 0 for cls in CLASSES}
         running = {cls: 0 for cls in CLASSES}
-        # list() copies the dict in one C call under the GIL, so the scheduler thread cannot
-        # resize it mid-iteration.
-        for seq in list(scheduler.seqs.values()):
+        for seq in engine.sequences():
             bucket = running if seq.status is SeqStatus.RUNNING else waiting
             bucket[seq.request_class.value] += 1
         queue = GaugeMetricFamily("backfill_queue_length", "Requests waiting for the device, per class",
@@ -334,7 +332,7 @@ class _EngineCollector(Collector):
         yield tokens
         yield prefix_queries
         yield prefix_hits
-        kv_usage = scheduler.kv.usage
+        kv_usage = engine.kv_usage
         yield _gauge("backfill_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["model_name"], [model],
                      kv_usage)
         yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.",

@@ -13,7 +13,7 @@ def add_model_routes(v1: APIRouter, state: ServerState) -> None:
 
     def model_card(model_id: str = served_model) -> dict:
         card = {"id": model_id, "object": "model", "created": state.started_at, "owned_by": "backfill",
-                "max_model_len": engine.scheduler.max_model_len}
+                "max_model_len": engine.max_model_len}
         if model_id != served_model:  # a LoRA adapter (a fine-tuned model) on the base model, as vLLM lists them
             card.update(root=model_id, parent=served_model)
         return card

@@ -161,7 +161,7 @@ def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission |
     if latency is None or math.isinf(config.admission_ttft_share):
         return None
     serving = config.serving or ServingConfig()
-    limits = serving.limits or serving.coserve.limits
+    limits = serving.batch_limits
     correction_for = engine.policy.correction_for
 
     def estimate_ms(shape, _raw=latency.estimate_ms):  # the profile as the policy corrects it from measured steps

@@ -126,7 +126,7 @@ class RequestTracer:
 def install_tracer(engine: AsyncEngine, service: CompletionService, tracer: RequestTracer) -> None:
     """Trace service's requests and the engine's preemptions with tracer."""
     service.tracer = tracer
-    engine.scheduler.preemption_listener = tracer.preempted
+    engine.add_preemption_observer(tracer.preempted)
 
 
 def install_tracing(engine: AsyncEngine, service: CompletionService, config: ServerConfig) -> None:

@@ -13,19 +13,22 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, NamedTuple, TypeVar
 
 from backfill.errors import EngineStoppedError
-from backfill.types import FinishReason, GenerationRequest, TokenEvent
+from backfill.types import FinishReason, GenerationRequest, RequestClass, TokenEvent
 from backfill.serving.event_queue import EventQueue
-from backfill.serving.scheduler import Scheduler
+from backfill.serving.scheduler import PreemptionObserver, Scheduler
+from backfill.serving.sequence import SeqStatus
+from backfill.serving.stats import SchedulerStats
 from backfill.serving.torch_thread import run_on_torch_thread, start_on_torch_thread
 
 if TYPE_CHECKING:
     from backfill.engine.config import ModelConfig
+    from backfill.engine.kv_pool import KVBlockPool
     from backfill.engine.lora import AdapterRegistry
     from backfill.engine.model import LlamaModel
-    from backfill.policy.interface import SchedulingPolicy
+    from backfill.policy.interface import SchedulerState, SchedulingPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,6 +36,19 @@ T = TypeVar("T")
 
 # An idle engine's first step waits for requests arriving together until none has come for this long.
 ARRIVAL_QUIET_S = 0.001
+
+# Best-effort work run on the loop's thread between two steps and while idle (e.g. finetuning
+# units, backfill/finetune/colocate.py; a node's pool share, backfill/node/model_server.py);
+# returns whether it did anything.
+BetweenStepsTask = Callable[[], bool]
+
+
+class SequenceView(NamedTuple):
+    """One request in the engine, as readers outside the scheduler see it."""
+
+    request_id: str
+    request_class: RequestClass
+    status: SeqStatus
 
 
 class AsyncEngine:
@@ -51,9 +67,7 @@ class AsyncEngine:
         self._loop_future: Future | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        # Best-effort work run on the loop's thread between two steps and while idle (e.g. finetuning
-        # units, backfill/finetune/colocate.py); returns whether it did anything.
-        self.background: Callable[[], bool] | None = None
+        self._between_steps_tasks: list[BetweenStepsTask] = []
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
 
     @property
@@ -75,6 +89,80 @@ class AsyncEngine:
     def adapters(self) -> AdapterRegistry:
         """The LoRA adapters requests may name (GenerationRequest.adapter)."""
         return self.scheduler.runner.adapters
+
+    # --- read-only views of the engine's state (any thread; values may be a step old) ---------
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output a request may ask for, tokens."""
+        return self.scheduler.max_model_len
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The scheduler's live counters (steps, tokens per class, preemptions): read them, never write."""
+        return self.scheduler.stats
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the usable KV blocks in use."""
+        return self.scheduler.kv.usage
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.scheduler.kv.block_size
+
+    @property
+    def kv_pool(self) -> KVBlockPool:
+        """The KV block pool, for between-steps tasks that lease idle blocks on the engine's thread."""
+        return self.scheduler.kv
+
+    def sequences(self) -> list[SequenceView]:
+        """The requests in the engine now (id, class, status)."""
+        # list() copies the dict in one C call under the GIL, so the loop cannot resize it mid-iteration.
+        return [SequenceView(seq_id, seq.request_class, seq.status)
+                for seq_id, seq in list(self.scheduler.seqs.items())]
+
+    def has_work(self) -> bool:
+        """Whether the engine has requests queued, running or to cancel."""
+        return self.scheduler.has_work()
+
+    def snapshot(self) -> SchedulerState:
+        """What the policy would see now; call on the engine's thread (a between-steps task)."""
+        return self.scheduler.snapshot()
+
+    def invalidate_blocks(self, block_ids: list[int]) -> None:
+        """These KV blocks were reclaimed (Valve §4.3): their requests recompute what they lose."""
+        self.scheduler.invalidate_blocks(block_ids)
+
+    # --- typed hooks ----------------------------------------------------------------------------
+
+    def add_between_steps_task(self, task: BetweenStepsTask) -> Callable[[], None]:
+        """Run task on the loop's thread after each step and while idle, after those added before it;
+        an idle loop wakes at once to run it. Returns the function that removes it."""
+        self._between_steps_tasks.append(task)
+        self._wake.set()
+        return lambda: self.remove_between_steps_task(task)
+
+    def remove_between_steps_task(self, task: BetweenStepsTask) -> None:
+        """Take task off the list (idempotent; a task may remove itself as it runs)."""
+        if task in self._between_steps_tasks:
+            self._between_steps_tasks.remove(task)
+
+    @property
+    def between_steps_tasks(self) -> tuple[BetweenStepsTask, ...]:
+        return tuple(self._between_steps_tasks)
+
+    def add_preemption_observer(self, observer: PreemptionObserver) -> Callable[[], None]:
+        """Tell observer (request id, kind, time) of each request a preemption touches, on the loop's
+        thread; returns the function that removes it."""
+        return self.scheduler.add_preemption_observer(observer)
+
+    def _run_between_steps_tasks(self) -> bool:
+        did_work = False
+        for task in tuple(self._between_steps_tasks):  # a task may remove itself
+            did_work |= bool(task())
+        return did_work
 
     async def call_between_steps(self, fn: Callable[[], T]) -> T:
         """Run fn on the scheduler's thread between two steps and return its result: torch work
@@ -107,6 +195,19 @@ class AsyncEngine:
     def wait_until_warm(self, timeout_s: float | None = None) -> None:
         """Block until the runner's background compilation is done (as the server's /health waits)."""
         self.scheduler.runner.wait_until_warm(timeout_s)
+
+    def discard_unfinished(self) -> None:
+        """On a stopped engine: cancel every request left and step until none is, so the next start
+        begins empty (a benchmark's next round cuts its offline requests this way)."""
+        if self.running:
+            raise RuntimeError("discard_unfinished needs a stopped engine")
+        run_on_torch_thread(self._discard_unfinished)
+
+    def _discard_unfinished(self) -> None:
+        for seq_id in list(self.scheduler.seqs):
+            self.scheduler.cancel(seq_id)
+        while self.scheduler.has_work():
+            self.scheduler.step()
 
     async def start(self) -> None:
         if self.running:
@@ -202,7 +303,7 @@ class AsyncEngine:
         while not self._stopping.is_set():
             self._run_calls()
             if not scheduler.has_work():
-                if self.background is None or not self.background():
+                if not self._run_between_steps_tasks():
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                 idle = True
@@ -221,8 +322,7 @@ class AsyncEngine:
                 scheduler.step()
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
-            if self.background is not None:
-                self.background()
+            self._run_between_steps_tasks()
         self._run_calls()
         # Stopping: tell every open stream it ended.
         leftovers = [TokenEvent(seq_id, (), "", finished=True, finish_reason=FinishReason.CANCELLED)

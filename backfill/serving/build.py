@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,6 +34,9 @@ from backfill.serving.torch_thread import run_on_torch_thread
 
 log = logging.getLogger(__name__)
 
+# The tiny random model's stand-in latency profile ((tokens), (ms)): policies that plan with one run.
+TINY_LATENCY_PROFILE: tuple[tuple[int, int], tuple[float, float]] = ((1, 4096), (1.0, 41.0))
+
 
 def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
     """Where the latency profile of this model and config is cached. The compiled pieces' kernel
@@ -56,28 +60,77 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
                                 f"-p{PROFILE_FORMAT}.json")
 
 
-def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> ModelRunner:
+# Makes the runner from the built model, KV pool and captured graphs: a node passes a subclass
+# whose steps pass through its gate (node/engine_proc.py GatedRunner).
+RunnerFactory = Callable[[LlamaModel, KVBlockPool, DecodeGraphs | None], ModelRunner]
+
+
+def _plain_runner(model: LlamaModel, kv: KVBlockPool, graphs: DecodeGraphs | None) -> ModelRunner:
+    return ModelRunner(model, kv, graphs)
+
+
+@dataclass(frozen=True)
+class ServingStack:
+    """The parts of one serving stack, built together from one ServingConfig."""
+
+    model: LlamaModel
+    kv: KVBlockPool
+    runner: ModelRunner
+    scheduler: Scheduler
+    engine: AsyncEngine
+
+
+def build_model(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> LlamaModel:
+    """The model alone, with the kernels cfg asks for (benchmarks that drive a runner of their own)."""
+    return LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=cfg.resolved_device(),
+                      compile_decode=cfg.compile_decode,
+                      paged_attention_kernel=cfg.uses_paged_attention_kernel,
+                      paged_prompt_kernel=cfg.uses_paged_prompt_kernel,
+                      cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
+
+
+def build_eager_model(model_config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str,
+                      device: str) -> LlamaModel:
+    """The model on torch's own kernels alone (no compiled steps, SDPA attention): for benchmarks of
+    other parts (memory, paging, finetuning), whose figures must not move with the kernels."""
+    cfg = ServingConfig(dtype=dtype, device=device, compile_decode=False, decode_attention="sdpa",
+                        prompt_attention="sdpa", cuda_graphs=False, cuda_kernels="torch")
+    return build_model(model_config, weights, cfg)
+
+
+def build_kv_pool(model_config: ModelConfig, cfg: ServingConfig, *, num_blocks: int | None = None,
+                  planes: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVBlockPool:
+    """cfg.kv_cache_gb of KV blocks, or num_blocks of them (a node's pool share), in planes when given
+    (memory shared with the node's other engines)."""
+    if num_blocks is None and planes is None:
+        return KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
+                                      cfg.torch_dtype, cfg.resolved_device(), prefix_caching=cfg.prefix_caching)
+    if num_blocks is None:
+        raise ValueError("KV planes need num_blocks")
+    return KVBlockPool(model_config, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.resolved_device(), planes,
+                       prefix_caching=cfg.prefix_caching)
+
+
+def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig, *,
+                 num_kv_blocks: int | None = None, kv_planes: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 make_runner: RunnerFactory = _plain_runner, compile_buckets: bool = True) -> ModelRunner:
+    """Model, KV pool (see build_kv_pool) and runner; compile_buckets: compile the larger decode
+    buckets in the background after load (off where a process must not spend cores on it)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = cfg.resolved_device()
     model_config.check_context(cfg.max_model_len)  # a sliding window must not be reached
-    model = LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=device,
-                       compile_decode=cfg.compile_decode,
-                       paged_attention_kernel=cfg.uses_paged_attention_kernel,
-                       paged_prompt_kernel=cfg.uses_paged_prompt_kernel,
-                       cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
-    if model.compiled_decode is not None:
+    model = build_model(model_config, weights, cfg)
+    if model.compiled_decode is not None and compile_buckets:
         # Larger decode batches get padded buckets, compiled behind the server's start.
         model.compiled_decode.compile_buckets(background=True)
-    kv = KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
-                                cfg.torch_dtype, device, prefix_caching=cfg.prefix_caching)
+    kv = build_kv_pool(model_config, cfg, num_blocks=num_kv_blocks, planes=kv_planes)
     graphs = None
     if cfg.uses_cuda_graphs:
         graphs = DecodeGraphs(model, kv, mixed=cfg.uses_mixed_graphs)
         started = time.perf_counter()
         count = graphs.capture_all(cfg.max_model_len)
         log.info("captured decode graphs for %d buckets in %.1f s", count, time.perf_counter() - started)
-    runner = ModelRunner(model, kv, graphs)
+    runner = make_runner(model, kv, graphs)
     if cfg.uses_triton_kernels:
         from backfill.engine.device_sampler import DeviceSampler
 
@@ -87,7 +140,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
     return registry.make_policy(cfg.policy, limits=cfg.limits, latency=latency, layout=layout,
-                                coserve=cfg.policy_config())
+                                coserve=cfg.coserve)
 
 
 def load_or_profile(runner: ModelRunner, cfg: ServingConfig, model_name: str) -> LatencyModel:
@@ -131,6 +184,23 @@ def build_scheduler(runner: ModelRunner, cfg: ServingConfig, tokenizer=None, mod
     return scheduler
 
 
+def build_serving_stack(cfg: ServingConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                        tokenizer=None, *, model_name: str | None = None, latency: LatencyModel | None = None,
+                        num_kv_blocks: int | None = None,
+                        kv_planes: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        make_runner: RunnerFactory = _plain_runner, compile_buckets: bool = True) -> ServingStack:
+    """Model, KV pool, runner, scheduler and engine from one ServingConfig; call on the torch thread.
+    num_kv_blocks / kv_planes: a node's pool share instead of cfg.kv_cache_gb (build_kv_pool);
+    make_runner: a runner subclass (a node's gated steps); latency: the policy's profile (None:
+    the saved one, measured on first use, where the policy needs one)."""
+    name = model_name or model_config.name
+    runner = build_runner(model_config, weights, cfg, num_kv_blocks=num_kv_blocks, kv_planes=kv_planes,
+                          make_runner=make_runner, compile_buckets=compile_buckets)
+    scheduler = build_scheduler(runner, cfg, tokenizer, name, latency)
+    engine = AsyncEngine(scheduler, tokenizer, name, cfg.arrival_gather_ms / 1e3)
+    return ServingStack(runner.model, runner.kv, runner, scheduler, engine)
+
+
 def build_engine(cfg: ServingConfig) -> AsyncEngine:
     """The serving stack on the configured model (the embedded default model when cfg.model is None)."""
     return run_on_torch_thread(_build_engine, cfg)
@@ -140,10 +210,7 @@ def _build_engine(cfg: ServingConfig) -> AsyncEngine:
     from backfill.engine.weights import load_model
 
     loaded = load_model(cfg.model)
-    runner = build_runner(loaded.config, loaded.weights, cfg)
-    name = loaded.config.name
-    return AsyncEngine(build_scheduler(runner, cfg, loaded.tokenizer, name), loaded.tokenizer, name,
-                       cfg.arrival_gather_ms / 1e3)
+    return build_serving_stack(cfg, loaded.config, loaded.weights, loaded.tokenizer).engine
 
 
 def build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None = None, seed: int = 0) -> AsyncEngine:
@@ -156,8 +223,9 @@ def _build_tiny_engine(cfg: ServingConfig, model_config: ModelConfig | None, see
     from backfill.engine.weights import random_model
 
     model_config = model_config or ModelConfig.tiny()
-    runner = build_runner(model_config, random_model(model_config, seed), replace(cfg, device="cpu"))
     tokenizer = ByteTokenizer(model_config.vocab_size)
-    latency = LatencyModel((1, 4096), (1.0, 41.0)) if registry.entry(cfg.policy).needs_latency_model else None
-    return AsyncEngine(build_scheduler(runner, cfg, tokenizer, model_config.name, latency), tokenizer,
-                       model_config.name)
+    latency = LatencyModel(*TINY_LATENCY_PROFILE) if registry.entry(cfg.policy).needs_latency_model else None
+    # The tiny engine steps at once (no arrival gather), as its tests expect.
+    stack = build_serving_stack(replace(cfg, device="cpu", arrival_gather_ms=0.0), model_config,
+                                random_model(model_config, seed), tokenizer, latency=latency)
+    return stack.engine

@@ -158,6 +158,8 @@ class ServingConfig:
     def with_policy(self, policy: str) -> ServingConfig:
         return replace(self, policy=policy)
 
-    def policy_config(self) -> CoServeConfig:
-        """The co-serving policy's config, with the serving-wide batch limits where they are set."""
-        return self.coserve if self.limits is None else replace(self.coserve, limits=self.limits)
+    @property
+    def batch_limits(self) -> BatchLimits:
+        """The co-serving policy's batch limits: limits where set, else its default (the server's
+        admission plans with them)."""
+        return BatchLimits() if self.limits is None else self.limits

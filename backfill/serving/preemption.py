@@ -29,7 +29,7 @@ from backfill.policy.latency_model import BatchShape
 from backfill.serving.sequence import HostCheckpoint, Sequence, SeqStatus
 from backfill.serving.stats import PreemptionRecord, SchedulerStats
 
-# What a preemption did to a request, as the scheduler tells its preemption_listener.
+# What a preemption did to a request, as the scheduler tells its preemption observers.
 STEP_ABORTED = "step_aborted"            # ConServe §4.3: a step carrying it yielded at a safepoint
 REQUEST_PREEMPTED = "request_preempted"  # ConServe §4.4: its KV blocks were freed
 

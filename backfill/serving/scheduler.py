@@ -30,6 +30,9 @@ from backfill.serving.preemption import REQUEST_PREEMPTED, STEP_ABORTED, Request
 from backfill.serving.sequence import Detokenizer, Sequence, SeqStatus
 from backfill.serving.stats import SchedulerStats
 
+# Told (request id, kind, time) of each request a preemption touches, on the loop's thread.
+PreemptionObserver = Callable[[str, str, float], None]
+
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, policy: SchedulingPolicy, *,
@@ -52,9 +55,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self.step_preemption = StepPreemption(policy, self.stats, clock)
         self.request_preemption = RequestPreemption(self.kv, self.stats, checkpoint_policy)
-        # Told (request id, kind, time) of each request a preemption touches, on this thread: the
-        # server's traces record them (server/tracing.py). None: nothing is told.
-        self.preemption_listener: Callable[[str, str, float], None] | None = None
+        # The server's traces record preemptions through these (server/tracing.py).
+        self._preemption_observers: list[PreemptionObserver] = []
 
     # The step preemption consults the policy and reads the clock; a simulator swaps the clock in.
     @property
@@ -194,7 +196,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             chunks.append(SeqChunk(seq.seq_id, seq.token_slice(start, start + num), start,
                                    seq.block_table, want_logits=start + num == seq.num_tokens,
-                                   adapter=seq.adapter))
+                                   adapter=seq.adapter, online=seq.is_online))
             shape = shape.plus(num, start)
         if not chunks:
             return []
@@ -227,9 +229,20 @@ class Scheduler:
             self.request_preemption.checkpoint_selected(self.snapshot, self.seqs)
         return events
 
+    def add_preemption_observer(self, observer: PreemptionObserver) -> Callable[[], None]:
+        """Tell observer of each request a preemption touches; returns the function that removes it."""
+        self._preemption_observers.append(observer)
+
+        def remove() -> None:
+            if observer in self._preemption_observers:
+                self._preemption_observers.remove(observer)
+        return remove
+
     def _tell_preempted(self, seq_id: str, kind: str) -> None:
-        if self.preemption_listener is not None:
-            self.preemption_listener(seq_id, kind, self.clock())
+        if self._preemption_observers:
+            now = self.clock()
+            for observer in tuple(self._preemption_observers):
+                observer(seq_id, kind, now)
 
     # --- prefix caching -----------------------------------------------------------------------
 

@@ -219,4 +219,4 @@ def test_partitioned_driver_finetunes_on_its_own_core_beside_decode(tmp_path):
     beside = [c for c, decoding in unit_cores if decoding]
     assert beside and all(c == [cores[1]] for c in beside), unit_cores  # finetuning kept off decode's core
     assert (tmp_path / "colo" / "adapter" / "adapter_model.safetensors").exists()
-    assert engine.background is None
+    assert engine.between_steps_tasks == ()

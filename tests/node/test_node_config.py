@@ -103,3 +103,17 @@ def test_the_node_runs_on_the_device_its_config_or_command_line_names(tmp_path):
     assert on_device(on_gpu, "auto").node.device == "cuda" and on_device(on_gpu, None) is on_gpu
     with pytest.raises(NodeConfigError, match="node.device"):
         on_device(config, "gpu")
+
+
+def test_a_model_entry_produces_its_serving_config_with_the_command_defaults():
+    from backfill.serving.config import COMMAND_DEFAULTS
+
+    node = NodeSettings(block_size=8)
+    entry = ModelEntry(name="a", port=1, model="tiny", decode_attention="auto", max_model_len=256, threads=2)
+    serving = entry.serving_config(node)
+    assert serving.decode_attention == "auto" and serving.prompt_attention == "sdpa"   # each from its own key
+    assert ModelEntry(name="a", port=1, model="tiny", prompt_attention="auto").serving_config(node).prompt_attention == "auto"
+    assert (serving.dtype, serving.compile_decode) == (COMMAND_DEFAULTS["dtype"], COMMAND_DEFAULTS["compile_decode"])
+    assert (serving.block_size, serving.max_model_len, serving.threads, serving.device) == (8, 256, 2, "cpu")
+    on_gpu = entry.serving_config(NodeSettings(device="cuda"))
+    assert not on_gpu.compile_decode and not on_gpu.cuda_graphs and on_gpu.cuda_kernels == "torch"

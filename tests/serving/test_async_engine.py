@@ -72,3 +72,59 @@ def test_arrival_gather_ms_is_validated():
     for bad in (-1.0, float("nan"), float("inf"), "5"):
         with pytest.raises(InvalidRequestError, match="arrival_gather_ms"):
             ServingConfig(arrival_gather_ms=bad)
+
+
+def test_between_steps_tasks_run_in_order_beside_requests_and_come_off_when_removed():
+    engine = build_tiny_engine(ServingConfig(policy="fcfs"))
+    calls: list[str] = []
+    seen_during_run: list[list] = []
+
+    def first() -> bool:
+        calls.append("first")
+        seen_during_run.append(engine.sequences())
+        return False
+
+    def second() -> bool:
+        calls.append("second")
+        return False
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            remove_first = engine.add_between_steps_task(first)
+            engine.add_between_steps_task(second)
+            assert engine.between_steps_tasks == (first, second)
+            await engine.generate(_request(0))
+            remove_first()
+            engine.remove_between_steps_task(second)
+            assert engine.between_steps_tasks == ()
+            count = len(calls)
+            await engine.generate(_request(1))
+            assert len(calls) == count   # removed tasks never run again
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+    assert calls[:2] == ["first", "second"] and calls.count("first") == calls.count("second")
+    assert any(view and view[0].request_id == "r0" for view in seen_during_run)   # ran between that request's steps
+    assert engine.max_model_len == 512 and 0.0 <= engine.kv_usage <= 1.0   # the tiny model's context
+    assert engine.stats.output_tokens["online"] == 6
+
+
+def test_an_added_task_wakes_an_idle_engine():
+    engine = build_tiny_engine(ServingConfig(policy="fcfs"))
+
+    async def run() -> float:
+        await engine.start()
+        try:
+            await asyncio.sleep(0.1)   # the loop is waiting for work
+            ran = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            added = time.monotonic()
+            engine.add_between_steps_task(lambda: loop.call_soon_threadsafe(ran.set) and False)
+            await asyncio.wait_for(ran.wait(), 5.0)
+            return time.monotonic() - added
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(run()) < 0.04   # woken at once, not at the idle wait's 50 ms timeout
