@@ -4,9 +4,10 @@ Starts `python -m backfill.server` on 127.0.0.1 (the default model, or the tiny 
 with --tiny), then for --minutes keeps up: online chat completions at --online-rps (every other
 one streamed), and one Batch API batch of --batch-lines lines in progress at all times (a new one
 as soon as the last completes). Once a minute it samples the server's resident memory (VmRSS)
-and the time a /metrics scrape takes (the median of 9), and it counts every 5xx answer. At the end it writes
-JSON and prints a line per minute and a verdict: RSS and scrape time flat (the median of the last five
-minutes within --flat-share of the first five's, from minute --from-minute on), and no 5xx.
+and the time a /metrics scrape takes (the median of 9), and it counts every 5xx answer. At the end
+it writes JSON and prints a line per minute and a verdict: RSS and scrape time flat (the median of
+the last five minutes within --flat-share of the first five's, from minute --from-minute on), no
+5xx, and batch lines completed in that span.
 
     python scripts/soak.py --minutes 30 --json runs/soak/soak.json      # figures in docs/operations.md
     python scripts/soak.py --minutes 3 --tiny --json /tmp/soak.json     # a smoke run
@@ -153,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     rss_flat, rss_ratio = flat([s["rss_mb"] for s in judged], args.flat_share)
     scrape_flat, scrape_ratio = flat([s["scrape_ms"] for s in judged], args.flat_share)
     last = samples[-1]
+    # The batch load must have been served too: a soak whose offline work starved proves nothing about it.
+    lines_judged = last["batch_lines_completed"] - judged[0]["batch_lines_completed"]
     verdict = {"rss_flat": rss_flat, "rss_ratio": rss_ratio, "scrape_flat": scrape_flat,
                "scrape_ratio": scrape_ratio, "server_errors_5xx": last["server_errors_5xx"],
-               "from_minute": judged[0]["minute"], "holds": rss_flat and scrape_flat and last["server_errors_5xx"] == 0}
+               "batch_lines_in_judged_span": lines_judged, "from_minute": judged[0]["minute"],
+               "holds": rss_flat and scrape_flat and last["server_errors_5xx"] == 0 and lines_judged > 0}
     for s in samples:
         print(f"minute {s['minute']:3d}: RSS {s['rss_mb']:7.1f} MiB, /metrics {s['scrape_ms']:6.1f} ms, "
               f"{s['requests']} answers, {s['server_errors_5xx']} 5xx, {s['batch_lines_completed']} batch lines")
     print(f"from minute {verdict['from_minute']}: RSS x{rss_ratio:.3f}, scrape time x{scrape_ratio:.3f}, "
-          f"{verdict['server_errors_5xx']} 5xx -> {'holds' if verdict['holds'] else 'does NOT hold'}")
+          f"{verdict['server_errors_5xx']} 5xx, {lines_judged} batch lines completed -> "
+          f"{'holds' if verdict['holds'] else 'does NOT hold'}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": vars(args), "samples": samples, "verdict": verdict},
