@@ -37,7 +37,7 @@ NODE_CAP=$(( NODE_S * 3 + 45 )); BURST_CAP=$(( BURST_S * 6 + 20 ))
 export PYTHONUNBUFFERED=1
 
 PARTS=(
-  "imports|15|$PY -c 'import sys, backfill.bench.node_bench, backfill.node.engine_proc, backfill.node.online_engine, backfill.node.offline_engine, backfill.bench.device_burst, backfill.bench.node_burst_summary, backfill.memory.cuda_vmm, backfill.serving.scheduler; bad = [m for m in (\"fastapi\", \"pydantic\", \"starlette\", \"uvicorn\", \"gguf\", \"llguidance\", \"ray\") if m in sys.modules]; print(\"absent-on-device modules imported:\", bad or \"none\"); sys.exit(1 if bad else 0)'"
+  "imports|15|$PY -c 'import sys, backfill.bench.node_bench, backfill.bench.node_engines.engine_proc, backfill.bench.node_engines.online_engine, backfill.bench.node_engines.offline_engine, backfill.bench.device_burst, backfill.bench.node_burst_summary, backfill.bench.cuda_vmm, backfill.serving.scheduler; bad = [m for m in (\"fastapi\", \"pydantic\", \"starlette\", \"uvicorn\", \"gguf\", \"llguidance\", \"ray\") if m in sys.modules]; print(\"absent-on-device modules imported:\", bad or \"none\"); sys.exit(1 if bad else 0)'"
   "cuda-tests|20|BACKFILL_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider --junitxml=$OUT/cuda-tests.xml tests/memory"
   "node|$NODE_CAP|$PY -m backfill.bench.node_bench --device $DEVICE --model $NODE_MODEL --phases alone,valve,fifo --duration-s $NODE_S --warmup-s 2 --arrivals gamma:4:2 --json $OUT/node.json"
   "burst|$BURST_CAP|$PY -m backfill.bench.device_burst --device $DEVICE --shape $SHAPE --steady-s 1.5 --burst-s $BURST_S --json $OUT/burst.json"

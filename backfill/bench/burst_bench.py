@@ -49,7 +49,7 @@ from backfill.bench.server_process import free_port
 from backfill.bench.verdict import MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.bench.workload import Workload, build_workload
 from backfill.errors import OffloadError, WorkloadError
-from backfill.offload import producer_meter
+from backfill.bench import producer_meter
 from backfill.memory.pager import KVPager, make_pager
 from backfill.bench.core_pinning import pin_apart, thread_cpus
 from backfill.policy.baselines import FCFSPolicy
@@ -158,7 +158,7 @@ class Processes:
                 time.sleep(0.1)
         if not self.scenario.producer:
             return
-        cmd = [sys.executable, "-m", "backfill.offload.producer", "--coordinator", self.url,
+        cmd = [sys.executable, "-m", "backfill.bench.producer", "--coordinator", self.url,
                "--lend-mb", str(self.scenario.lend_mb)] + (["--tiny"] if self.scenario.producer_tiny else [])
         producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         self.procs.append(producer)

@@ -80,7 +80,7 @@ def _requests(cfg: DeviceBurstConfig, vocab: int, n: int, seed: int) -> list[tup
 def replay(scheduler, arrivals: list[float], requests: list[tuple[list[int], int]], prefix: str) -> list[dict]:
     """Each request added at its arrival time; the scheduler stepped until all finish. Records
     per request: arrival, first and last token times (seconds from the start)."""
-    from backfill.node.engine_proc import make_request
+    from backfill.bench.node_engines.engine_proc import make_request
 
     t0 = time.monotonic()
     records = [{"arrival_s": a, "first_s": None, "last_s": None, "tokens": 0} for a in arrivals]

@@ -23,7 +23,7 @@ from pathlib import Path
 DEVICE_CHECK_MODULES = ("backfill.cli", "backfill.bench.engine_bench", "backfill.bench.coserve_bench",
                         "backfill.serving.build", "backfill.serving.async_engine", "backfill.bench.harli_device",
                         "backfill.bench.reef_device", "backfill.bench.node_bench", "backfill.bench.device_burst",
-                        "backfill.bench.node_burst_summary", "backfill.memory.cuda_vmm", "backfill.memory.cuda_ipc")
+                        "backfill.bench.node_burst_summary", "backfill.bench.cuda_vmm", "backfill.memory.cuda_ipc")
 ABSENT_ON_DEVICE = ("gguf", "llguidance", "fastapi", "pydantic", "starlette", "uvicorn", "ray")
 
 

@@ -40,7 +40,8 @@ import numpy as np
 from backfill.bench.arrivals import parse_arrival_spec
 from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.errors import PolicyInputError
-from backfill.node.engine_proc import EngineProcess, EngineSpec, engine_kv_layout, engine_model_config, request_dict
+from backfill.bench.node_engines.engine_proc import (EngineProcess, EngineSpec, engine_kv_layout, engine_model_config,
+                                                    request_dict)
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool, StaticMemPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
 from backfill.policy.gate import GateConfig, make_gate

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable
 
 from backfill.errors import OverAllocationError
 from backfill.node.config import ModelEntry, NodeSettings
-from backfill.node.engine_proc import GatedRunner, HandleBlocks, stream_drain
+from backfill.node.gated import GatedRunner, HandleBlocks, stream_drain
 from backfill.node.ipc import NodeClient
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class SafepointGate:
 
     def __init__(self, client: NodeClient, own_online_waiting: Callable[[], bool],
                  drain: Callable[[], None] | None = None) -> None:
-        """drain: what the launched work needs to finish before the step parks (engine_proc.stream_drain)."""
+        """drain: what the launched work needs to finish before the step parks (gated.stream_drain)."""
         self.client = client
         self.own_online_waiting = own_online_waiting
         self.drain = drain

@@ -61,7 +61,7 @@ def default_profile_path(model_name: str, cfg: ServingConfig) -> Path:
 
 
 # Makes the runner from the built model, KV pool and captured graphs: a node passes a subclass
-# whose steps pass through its gate (node/engine_proc.py GatedRunner).
+# whose steps pass through its gate (node/gated.py GatedRunner).
 RunnerFactory = Callable[[LlamaModel, KVBlockPool, DecodeGraphs | None], ModelRunner]
 
 

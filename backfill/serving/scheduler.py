@@ -16,10 +16,8 @@ from typing import Callable
 
 from backfill.engine.lora import LoraAdapter
 from backfill.engine.prefix_cache import BlockHash, extend_hashes
-from backfill.engine.runner import ModelRunner
-from backfill.engine.step import SeqChunk
-from backfill.engine.sampler import History, TokenLogprob, sample_picks
-from backfill.engine.step import SuspendedStep
+from backfill.engine.runner import History, ModelRunner, TokenLogprob, sample_picks
+from backfill.engine.step import SeqChunk, SuspendedStep
 from backfill.errors import ContextLengthError, InvalidRequestError
 from backfill.memory.pager import KVPager
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy

@@ -4,7 +4,7 @@ no engines.
 Online requests arrive on the benchmark's own trace (bench.make_trace); each one
 needs KV for its prompt and grows by a token per decode step, and the online engine allocates
 handles when it runs short and gives back whole handles it no longer needs, as
-online_engine.py does. The offline engine takes every free handle at once (memory-bound
+node_engines/online_engine.py does. The offline engine takes every free handle at once (memory-bound
 offline, Valve §5's setting). Seconds of benchmark become milliseconds here, so MIAD settings can
 be compared over many seeds and long horizons before a real run.
 """

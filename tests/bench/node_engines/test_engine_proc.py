@@ -14,8 +14,8 @@ from backfill.engine.runner import ModelRunner
 from backfill.engine.weights import random_model
 from backfill.errors import EngineStoppedError, NodeError, PolicyInputError
 from backfill.memory.kv_arena import make_arena
-from backfill.node.engine_proc import (EngineProcess, EngineSpec, HandleBlocks, engine_kv_layout, make_request,
-                                       request_dict)
+from backfill.bench.node_engines.engine_proc import (EngineProcess, EngineSpec, engine_kv_layout, make_request,
+                                                    request_dict)
 from backfill.node.ipc import NodeClient
 from backfill.memory.shared_pool import PoolConfig, SharedMemoryPool
 from backfill.node.runtime import NodeRuntime, RuntimeConfig
@@ -207,22 +207,6 @@ def test_bad_specs_raise_typed_errors(kw, match):
     args.update(kw)
     with pytest.raises(PolicyInputError, match=match):
         EngineSpec(**args)
-
-
-def test_handle_blocks_maps_engine_blocks_onto_granted_handles():
-    kv = KVBlockPool(ModelConfig.tiny(), 8, BLOCK_SIZE)
-    hb = HandleBlocks(kv, num_handles=4, blocks_per_handle=2)
-    assert kv.num_usable == 0 and kv.num_free == 0          # nothing until granted
-    hb.admit((1, 3))
-    assert kv.num_free == 4 and kv.retired == frozenset({0, 1, 4, 5}) and hb.covers([2, 7]) and not hb.covers([0])
-    table = kv.allocate(1)
-    assert hb.fully_free() == [h for h in (1, 3) if hb.handle_of(table[0]) != h]
-    kv.free(table)
-    hb.retire([3])
-    assert kv.num_usable == 2 and hb.held == {1}
-    assert hb.forget([1]) == [2, 3] and hb.held == set()
-    with pytest.raises(PolicyInputError):
-        HandleBlocks(KVBlockPool(ModelConfig.tiny(), 7, BLOCK_SIZE), num_handles=4, blocks_per_handle=2)
 
 
 def test_bench_rejects_unknown_gates_memory_policies_and_phases():

@@ -29,8 +29,8 @@ from collections import deque
 from typing import Any
 
 from backfill.errors import OverAllocationError
-from backfill.node.engine_proc import (EngineSpec, HandleBlocks, build_engine_runner, make_request, run_child,
-                                       stream_drain)
+from backfill.bench.node_engines.engine_proc import EngineSpec, build_engine_runner, make_request, run_child
+from backfill.node.gated import HandleBlocks, stream_drain
 from backfill.node.ipc import NodeClient
 
 IDLE_SLEEP_S = 0.002

@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from backfill.errors import OverAllocationError
-from backfill.node.engine_proc import EngineSpec, HandleBlocks, build_engine_runner, make_request, run_child
+from backfill.bench.node_engines.engine_proc import EngineSpec, build_engine_runner, make_request, run_child
+from backfill.node.gated import HandleBlocks
 from backfill.node.ipc import NodeClient
 
 IDLE_POLL_S = 0.001

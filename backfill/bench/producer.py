@@ -5,7 +5,7 @@ its throughput, with and without consumers paging into its memory, and tell wher
 run_s is the engine thread's time on a core, wait_s its time runnable but waiting for one
 (something else ran on its core).
 
-Run: python -m backfill.offload.producer --coordinator URL --lend-mb 512 [--tiny]
+Run: python -m backfill.bench.producer --coordinator URL --lend-mb 512 [--tiny]
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ rows (the producer engine's cumulative counters) and a constructed /proc/stat.""
 import pytest
 
 from backfill.errors import WorkloadError
-from backfill.offload import producer_meter
-from backfill.offload.producer import thread_schedstat
+from backfill.bench import producer_meter
+from backfill.bench.producer import thread_schedstat
 
 
 def rows(rates, period_s=0.5, step_ms=2.0, wait_share=0.0, core=None):

@@ -7,7 +7,7 @@ import sys
 
 
 def test_producer_reports_tokens_steps_and_core_times():
-    proc = subprocess.Popen([sys.executable, "-m", "backfill.offload.producer", "--tiny", "--report-every-s", "0.2",
+    proc = subprocess.Popen([sys.executable, "-m", "backfill.bench.producer", "--tiny", "--report-every-s", "0.2",
                              "--prompt-tokens", "8", "--output-tokens", "8"], stdout=subprocess.PIPE, text=True)
     try:
         ready = json.loads(proc.stdout.readline())

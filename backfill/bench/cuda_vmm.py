@@ -17,7 +17,9 @@ can no longer touch the pages at all.
                  cuMemAddressReserve range, cuMemMap / cuMemSetAccess / cuMemUnmap as PageMap
                  says; `tensor()` is the range as a torch tensor (__cuda_array_interface__).
 
-The CUDA parts go through `cuda.bindings.driver` (cuda-python), imported only when used.
+The CUDA parts go through `cuda.bindings.driver` (cuda-python), imported only when used. The
+node's engines share the pool through the CUDA IPC arena instead; this form is the harness's,
+reached by the device checks (scripts/gpu_check*.sh) and tests only.
 """
 
 from __future__ import annotations

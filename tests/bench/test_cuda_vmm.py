@@ -4,7 +4,7 @@ and (with a GPU) the driver's map / unmap."""
 import pytest
 
 from backfill.errors import PolicyInputError, SharedMemoryError
-from backfill.memory.cuda_vmm import PageMap, PageOp, round_up
+from backfill.bench.cuda_vmm import PageMap, PageOp, round_up
 from backfill.memory.shared_pool import EngineRole, PoolConfig, SharedMemoryPool
 from backfill.policy.miad import MIADReservation
 from backfill.policy.reclaim import GreedyReclaimPolicy
@@ -67,7 +67,7 @@ def test_page_map_follows_the_pool_through_a_reclamation():
 def test_driver_maps_a_handle_into_one_space_then_another():
     import torch
 
-    from backfill.memory.cuda_vmm import VmmPages, VmmSpace, granularity
+    from backfill.bench.cuda_vmm import VmmPages, VmmSpace, granularity
 
     torch.zeros(1, device="cuda")          # the primary context, current on this thread
     pm = PageMap(num_handles=2, handle_bytes=1, granularity=granularity(0))
