@@ -70,8 +70,8 @@ class ServingConfig:
     mixed_graphs: bool = knob(False, "CUDA (with cuda_graphs): steps of up to 64 tokens that carry prompt chunks "
                               "beside decodes replay captured graphs too; off: such steps run eagerly",
                               group="engine")
-    # CUDA: triton, from the H200 device check (docs/gpu.md): batch-1 decode 6.02 against 7.25 ms, batch 64
-    # 8.73 against 15.02 ms; the kernels' CUDA tests pass there. CPUs run torch's whatever this says.
+    # CUDA: triton, faster than torch's kernels at batch 1 and 64 on the H200 device check (figures in
+    # docs/gpu.md), where the kernels' CUDA tests pass. CPUs run torch's whatever this says.
     cuda_kernels: str = knob("triton", "CUDA: kernels of a decode step; triton: decode attention reading the paged "
                              "KV cache in place, fused RoPE + KV write, residual + RMSNorm and SwiGLU "
                              "(engine/triton_*.py) and sampling on the device", group="engine",
