@@ -171,28 +171,38 @@ def replay_on_ray(service, jobs: list[OfflineJob], rounds: list) -> list[list[tu
              for d in ray.get(service.decide.remote(r.snapshot, r.measured, r.finished))] for r in rounds]
 
 
+PROFILE_ATTEMPTS = 3   # profile_lines, then 4x and 16x as many where a job runs out
+
+
 def profile_rates(handles: dict, cfg: ScenarioConfig) -> dict[int, dict[str, float]]:
     """Valve §6's one-off profile, on a machine whose cores the nodes share: the offline tokens/s of
     the first k nodes while k of them run the profile job at once (k = nodes, ..., 1), no online load."""
     import ray
 
-    lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(cfg.profile_lines)]
     names = sorted(handles)
     rates: dict[int, dict[str, float]] = {}
     for k in range(len(names), 0, -1):
         busy = names[:k]
-        for n in busy:
-            ray.get(handles[n].start_job.remote(f"profile{k}", lines))
-        time.sleep(cfg.profile_warmup_s)      # the batch's start-up is not the job's rate
-        before = {n: ray.get(handles[n].observe.remote()) for n in busy}
-        time.sleep(cfg.profile_s)
-        after = {n: ray.get(handles[n].observe.remote()) for n in busy}
-        ended = [n for n in busy if ray.get(handles[n].progress.remote(f"profile{k}"))["ended"]]
-        for n in busy:
-            ray.get(handles[n].stop_job.remote(f"profile{k}"))
-        if ended:
-            raise RuntimeError(f"profile with {k} busy nodes: {ended} ran out of lines before the window "
-                               f"ended; raise profile_lines ({cfg.profile_lines})")
+        # A faster machine than profile_lines was sized for empties the job inside the window; the
+        # phase is run again with four times the lines (a rate needs a job busy throughout).
+        for attempt in range(PROFILE_ATTEMPTS):
+            count = cfg.profile_lines * 4 ** attempt
+            lines = [_chat_line(f"p{i}", i, cfg.max_tokens) for i in range(count)]
+            job_id = f"profile{k}-{attempt}"
+            for n in busy:
+                ray.get(handles[n].start_job.remote(job_id, lines))
+            time.sleep(cfg.profile_warmup_s)      # the batch's start-up is not the job's rate
+            before = {n: ray.get(handles[n].observe.remote()) for n in busy}
+            time.sleep(cfg.profile_s)
+            after = {n: ray.get(handles[n].observe.remote()) for n in busy}
+            ended = [n for n in busy if ray.get(handles[n].progress.remote(job_id))["ended"]]
+            for n in busy:
+                ray.get(handles[n].stop_job.remote(job_id))
+            if not ended:
+                break
+        else:
+            raise RuntimeError(f"profile with {k} busy nodes: {ended} ran out of {count} lines before the "
+                               f"window ended; raise profile_lines ({cfg.profile_lines})")
         rates[k] = {n: (after[n]["offline_tokens"] - before[n]["offline_tokens"]) / (after[n]["t_s"] - before[n]["t_s"])
                     for n in busy}
         if min(rates[k].values()) <= 0:

@@ -191,7 +191,7 @@ def test_a_server_given_an_otlp_endpoint_exports_its_traces_and_its_json_log_joi
                            "--log-format", "json", "--log-level", "info", "--served-model-name", "tiny-test"
                            ).wait_ready()
     try:
-        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60,
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=60,
                               headers={"x-request-id": "join-me-7"})
         assert response.status_code == 200
         assert httpx.get(f"{server.url}/health").status_code == 200   # a probe: DEBUG, not in an INFO log
