@@ -18,22 +18,13 @@ import pytest
 from backfill.cluster.node_actor import free_port
 from backfill.finetune.colocate import harli_profile_path
 from backfill.policy.harli import HarliLatencyModel, SoloFit
+from tests.node.test_model_server import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "chat"
 TINY_MODEL_NAME = "tiny-random"   # ModelConfig.tiny().name: the name the HARLI profile is kept under
 TRAINING = [("What is the capital of France?", "Paris."), ("Name a color.", "Blue."),
             ("What is 2+2?", "Four."), ("Say hi.", "Hi!")]
-
-
-def wait_for(cond, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ready(metrics_url: str) -> bool:
