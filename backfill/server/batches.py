@@ -303,7 +303,7 @@ class BatchWorker:
                 # line rather than run its inference without end.
                 result = (False, error_record(line.custom_id, "line_attempts_exhausted",
                                               f"the request ran {MAX_LINE_ATTEMPTS} times without finishing"),
-                          0, 0)
+                          0, 0, 0)
             if result is not None:
                 write = asyncio.ensure_future(self._record(line, result))
                 try:
@@ -318,16 +318,16 @@ class BatchWorker:
             self._tasks.pop(key, None)
             self._wake.set()
 
-    async def _record(self, line: PendingLine, result: tuple[bool, str, int, int]) -> None:
+    async def _record(self, line: PendingLine, result: tuple[bool, str, int, int, int]) -> None:
         """Commit a line's result with bounded retries; if the store keeps refusing it, mark the line
         failed instead; if even that fails, never run the line again in this process (its inference
         is not repeated without end; /health reports the store's error)."""
         key = (line.batch_id, line.line)
-        ok, record, input_tokens, output_tokens = result
+        ok, record, input_tokens, output_tokens, cached_tokens = result
         for attempt in range(RECORD_ATTEMPTS):
             try:
                 await asyncio.to_thread(self.store.record_result, line.batch_id, line.line, line.custom_id, ok,
-                                        record, input_tokens, output_tokens)
+                                        record, input_tokens, output_tokens, cached_tokens)
                 self._attempts.pop(key, None)
                 return
             except Exception as exc:
@@ -346,8 +346,8 @@ class BatchWorker:
             log.exception("batch %s line %d: the store refuses even its failure; the line will not run again "
                           "until the server restarts on a repaired database", line.batch_id, line.line)
 
-    async def _execute(self, line: PendingLine) -> tuple[bool, str, int, int] | None:
-        """(ok, record, input tokens, output tokens), or None to leave the line pending."""
+    async def _execute(self, line: PendingLine) -> tuple[bool, str, int, int, int] | None:
+        """(ok, record, input tokens, output tokens, cached input tokens), or None to leave the line pending."""
         try:
             prepared = self.service.prepare(_KIND[line.endpoint], json.loads(line.body), RequestClass.OFFLINE)
             outcome = await self.service.run(prepared, {"backfill.batch_id": line.batch_id,
@@ -361,13 +361,13 @@ class BatchWorker:
             if api.status_code == 503:
                 return None
             return False, response_record(line.custom_id, api.status_code, f"req_{uuid.uuid4().hex}",
-                                          api.body()), 0, 0
+                                          api.body()), 0, 0, 0
         except Exception:
             # A bug on this line must not stall the whole batch by being retried forever.
             log.exception("batch %s line %d crashed", line.batch_id, line.line)
             api = APIError(500, "internal server error while running this request", code="internal_error",
                            type="server_error")
-            return False, response_record(line.custom_id, 500, f"req_{uuid.uuid4().hex}", api.body()), 0, 0
+            return False, response_record(line.custom_id, 500, f"req_{uuid.uuid4().hex}", api.body()), 0, 0, 0
         body = response_body(prepared, outcome, self.service.token_text)
         return (True, response_record(line.custom_id, 200, prepared.response_id, body),
-                outcome.num_prompt_tokens, outcome.num_output_tokens)
+                outcome.num_prompt_tokens, outcome.num_output_tokens, outcome.num_cached_tokens)

@@ -62,6 +62,8 @@ class Reading:
     refused: tuple[float, ...] = ()      # online 429s so far, per REJECT_REASONS
     stalled_s: tuple[float, ...] = ()    # seconds offline work did not advance so far, per STALL_REASONS
     online_seqs: int = 0                 # online requests in the scheduler at that instant
+    prefix_queries: tuple[int, ...] = ()  # prompt tokens looked up in the prefix cache, per CLASSES
+    prefix_hits: tuple[int, ...] = ()     # of those, found cached, per CLASSES
 
 
 def histogram_buckets(histogram: Histogram, request_class: str) -> tuple[tuple[float, float], ...]:
@@ -120,7 +122,9 @@ class DashboardSampler:
                        stats.online_busy_s, stats.aborted_steps,
                        tuple(refused.get(reason, 0.0) for reason in REJECT_REASONS),
                        tuple(self.stalled_s[reason] for reason in STALL_REASONS),
-                       sum(1 for seq in self.state.engine.sequences() if seq.request_class.value == "online"))
+                       sum(1 for seq in self.state.engine.sequences() if seq.request_class.value == "online"),
+                       tuple(stats.prefix_cache_queries.get(cls, 0) for cls in CLASSES),
+                       tuple(stats.prefix_cache_hits.get(cls, 0) for cls in CLASSES))
 
     def start(self) -> None:
         self.readings.append(self.read())
@@ -177,6 +181,20 @@ class DashboardSampler:
         return kept or [now], now
 
 
+def hit_rate(hits: float, queries: float) -> float | None:
+    """hits / queries, as rate(prefix_cache_hits) / rate(prefix_cache_queries) reads it; None without queries."""
+    return hits / queries if queries > 0 else None
+
+
+def prefix_cache_summary(first: Reading, last: Reading) -> dict[str, Any]:
+    """Prompt tokens looked up and found in the prefix cache over [first, last], in all and per class."""
+    queries = {cls: new - old for cls, new, old in zip(CLASSES, last.prefix_queries, first.prefix_queries)}
+    hits = {cls: new - old for cls, new, old in zip(CLASSES, last.prefix_hits, first.prefix_hits)}
+    return {"queries": sum(queries.values()), "hits": sum(hits.values()),
+            "hit_rate": hit_rate(sum(hits.values()), sum(queries.values())),
+            "hit_rate_by_class": {cls: hit_rate(hits[cls], queries[cls]) for cls in queries}}
+
+
 def summary(first: Reading, last: Reading) -> dict[str, Any]:
     """The page's numbers over [first, last], as Prometheus' increase() and histogram_quantile() give them."""
     duration_s = max(last.t_s - first.t_s, 1e-9)
@@ -191,6 +209,7 @@ def summary(first: Reading, last: Reading) -> dict[str, Any]:
             "offline_tokens": offline_tokens, "offline_tokens_per_s": offline_tokens / duration_s,
             "idle_share": min(max(1.0 - (last.online_busy_s - first.online_busy_s) / duration_s, 0.0), 1.0),
             "preemptions": last.preemptions - first.preemptions,
+            "prefix_cache": prefix_cache_summary(first, last),
             "refused": {reason: new - old for reason, new, old in zip(REJECT_REASONS, last.refused, first.refused)},
             "offline_stalled_share": {reason: min((new - old) / duration_s, 1.0)
                                       for reason, new, old in zip(STALL_REASONS, last.stalled_s, first.stalled_s)}}
@@ -205,7 +224,8 @@ def series(readings: list[Reading], now: Reading) -> list[dict[str, Any]]:
                 point = summary(previous, reading)
                 points.append({"t_s": round(reading.t_s - now.t_s, 3),
                                **{k: point[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-                                                        "tpot_p99_ms", "offline_tokens_per_s", "idle_share")}})
+                                                        "tpot_p99_ms", "offline_tokens_per_s", "idle_share")},
+                               "prefix_cache_hit_rate": point["prefix_cache"]["hit_rate"]})
             previous = reading
     return points
 

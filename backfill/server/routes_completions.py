@@ -24,7 +24,7 @@ def add_completion_routes(v1: APIRouter, state: ServerState) -> None:
         request_class = prepared.request.request_class.value
         request.state.request_class = request_class
         request.state.model = prepared.model
-        predicted_ms = state.admit(prepared)
+        admitted = state.admit(prepared)
         try:
             # The span carries the access log's request id and OpenTelemetry's GenAI attributes.
             generation = service.submit(prepared, trace_carrier=request.headers, trace_attributes={
@@ -34,7 +34,7 @@ def add_completion_routes(v1: APIRouter, state: ServerState) -> None:
         except BaseException:
             state.release(request_class)
             raise
-        state.track(generation, predicted_ms)
+        state.track(generation, admitted)
         request.state.generation = generation   # for the access log
 
         async def close() -> None:

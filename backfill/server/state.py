@@ -16,7 +16,8 @@ from backfill.server.errors import APIError
 from backfill.server.fine_tuning import FineTuningWorker
 from backfill.server.metrics import CLASSES, ServerMetrics
 from backfill.server.store import Store
-from backfill.types import RequestClass
+from backfill.errors import BackfillError
+from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
 
@@ -47,7 +48,7 @@ class ServerState:
     offline_paused: Callable[[], bool] | None = None
     admission: TtftAdmission | None = None
     # Admitted online requests and the TTFT predicted for each when it was admitted.
-    online: dict[Generation, float] = field(default_factory=dict)
+    online: dict[Generation, Admitted] = field(default_factory=dict)
     # Every HTTP request's generation in flight (online and flex): what the drain deadline ends.
     generations: set[Generation] = field(default_factory=set)
 
@@ -100,58 +101,79 @@ class ServerState:
                 generation.end_now()
         return not online_busy or now >= self.drain_deadline_s
 
-    def admit(self, prepared: Prepared) -> float:
-        """Take the request or raise 503 / 429; returns its predicted TTFT (ms; 0 when not predicted)."""
+    def admit(self, prepared: Prepared) -> Admitted:
+        """Take the request or raise 503 / 429; returns what admission predicted for it."""
         request_class = prepared.request.request_class.value
         self.check_not_draining()
         if self.in_flight[request_class] >= self.config.max_online_queue:
             self.metrics.observe_rejected(request_class, "queue_full")
             raise APIError(429, f"too many {request_class} requests in flight "
                                 f"({self.config.max_online_queue}); retry later", code="queue_full")
-        predicted_ms = 0.0
+        admitted = Admitted()
         if self.admission is not None and prepared.request.request_class is RequestClass.ONLINE:
-            num_prompt = len(prepared.request.prompt_token_ids) * len(prepared.requests)
+            # A prompt whose prefix is cached computes only the rest (the policy charges it the same way).
+            num_prompt = uncached_prompt_tokens(self.engine, prepared.request) * len(prepared.requests)
             now = time.monotonic()
-            decision = self.admission.decide(num_prompt, (queued_view(g, predicted, now)
-                                                          for g, predicted in self.online.items()))
+            decision = self.admission.decide(num_prompt, (queued_view(g, a, now) for g, a in self.online.items()))
             if not decision.admit:
                 self.metrics.observe_rejected(request_class, "slo_overload")
                 raise APIError(429, f"the server is at capacity: this request's time to first token is predicted "
                                     f"at {decision.predicted_ttft_ms:.0f} ms, over the {self.admission.ttft_slo_ms:g} ms "
                                     f"SLO; retry after the Retry-After header's seconds", code="slo_overload",
                                headers=retry_after_header(decision.retry_after_ms))
-            predicted_ms = decision.predicted_ttft_ms
+            admitted = Admitted(decision.predicted_ttft_ms, num_prompt)
         self.in_flight[request_class] += 1
         if self.on_in_flight_change is not None:
             self.on_in_flight_change(request_class, self.in_flight[request_class])
-        return predicted_ms
+        return admitted
 
-    def track(self, generation: Generation, predicted_ms: float) -> None:
+    def track(self, generation: Generation, admitted: Admitted) -> None:
         self.generations.add(generation)
         if self.drain_cut:   # admitted just before the drain refused new work, after the cut
             generation.end_now()
         if generation.request.request_class is RequestClass.ONLINE:
-            self.online[generation] = predicted_ms
+            self.online[generation] = admitted
 
     def release(self, request_class: str, generation: Generation | None = None) -> None:
         self.in_flight[request_class] -= 1
         if self.on_in_flight_change is not None:
             self.on_in_flight_change(request_class, self.in_flight[request_class])
         self.generations.discard(generation)
-        predicted_ms = self.online.pop(generation, None) if generation is not None else None
-        if predicted_ms and self.admission is not None and generation.first_token_s is not None:
-            self.admission.observe(predicted_ms, (generation.first_token_s - generation.request.arrival_time) * 1e3)
+        admitted = self.online.pop(generation, None) if generation is not None else None
+        if admitted is not None and admitted.predicted_ttft_ms and self.admission is not None \
+                and generation.first_token_s is not None:
+            self.admission.observe(admitted.predicted_ttft_ms,
+                                   (generation.first_token_s - generation.request.arrival_time) * 1e3)
 
 
-def queued_view(generation: Generation, predicted_ttft_ms: float = 0.0,
+@dataclass(frozen=True)
+class Admitted:
+    """What admission predicted for an online request it took."""
+
+    predicted_ttft_ms: float = 0.0        # 0: not predicted
+    num_prompt_tokens: int | None = None  # its choices' prompt tokens not in the prefix cache at arrival
+
+
+def uncached_prompt_tokens(engine: AsyncEngine, request: GenerationRequest) -> int:
+    """The prompt tokens a request will compute: those the prefix cache does not hold now."""
+    try:
+        return len(request.prompt_token_ids) - engine.cached_prompt_tokens(request)
+    except BackfillError:   # an unknown adapter: submitting the request reports it
+        return len(request.prompt_token_ids)
+
+
+def queued_view(generation: Generation, admitted: Admitted | None = None,
                 now_s: float | None = None) -> QueuedRequest:
     now_s = time.monotonic() if now_s is None else now_s
+    admitted = admitted or Admitted()
     unfinished = [i for i, reason in enumerate(generation.finish_reasons) if reason is None]
     max_tokens = generation.request.sampling.max_tokens
-    return QueuedRequest(len(generation.request.prompt_token_ids) * len(generation.requests),
+    num_prompt = admitted.num_prompt_tokens if admitted.num_prompt_tokens is not None else \
+        len(generation.request.prompt_token_ids) * len(generation.requests)
+    return QueuedRequest(num_prompt,
                          generation.first_token_s is not None, len(unfinished),
                          min((max_tokens - generation.output_tokens[i] for i in unfinished), default=0),
-                         (now_s - generation.request.arrival_time) * 1e3, predicted_ttft_ms)
+                         (now_s - generation.request.arrival_time) * 1e3, admitted.predicted_ttft_ms)
 
 
 def make_admission(engine: AsyncEngine, config: ServerConfig) -> TtftAdmission | None:

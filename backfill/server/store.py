@@ -70,6 +70,7 @@ CREATE TABLE IF NOT EXISTS batches (
     failed INTEGER NOT NULL DEFAULT 0,
     input_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0,
     created_at INTEGER NOT NULL,
     expires_at INTEGER,
     in_progress_at INTEGER,
@@ -165,6 +166,7 @@ class Store:
         try:
             conn.executescript(SCHEMA)
             store_integrity.add_checksum_columns(conn)
+            _add_cached_tokens_column(conn)
             unchecked = store_integrity.unchecked_rows(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
@@ -388,7 +390,7 @@ class Store:
         return [(r["id"], r["status"], r["expires_at"], r["pending"]) for r in rows]
 
     def record_result(self, batch_id: str, line: int, custom_id: str, ok: bool, record: str,
-                      input_tokens: int = 0, output_tokens: int = 0) -> bool:
+                      input_tokens: int = 0, output_tokens: int = 0, cached_tokens: int = 0) -> bool:
         """Store one line's result and mark the line done, atomically; False if it already had one."""
         with self._write() as conn:
             inserted = conn.execute(
@@ -400,7 +402,8 @@ class Store:
             conn.execute("UPDATE batch_lines SET done = 1 WHERE batch_id = ? AND line = ?", (batch_id, line))
             column = "completed" if ok else "failed"
             conn.execute(f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
-                         "output_tokens = output_tokens + ? WHERE id = ?", (input_tokens, output_tokens, batch_id))
+                         "output_tokens = output_tokens + ?, cached_tokens = cached_tokens + ? WHERE id = ?",
+                         (input_tokens, output_tokens, cached_tokens, batch_id))
             return True
 
     def mark_finalizing(self, batch_id: str) -> None:
@@ -447,6 +450,12 @@ def _insert_file(conn: sqlite3.Connection, file_id: str, purpose: str, filename:
                  (file_id, purpose, filename, len(content), int(time.time()), content, sha256_hex(content)))
 
 
+def _add_cached_tokens_column(conn: sqlite3.Connection) -> None:
+    """A database made before batches counted their cached prompt tokens gains the column (0 so far)."""
+    if "cached_tokens" not in {row[1] for row in conn.execute("PRAGMA table_info(batches)")}:
+        conn.execute("ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
+
+
 def _file_object(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
             "filename": row["filename"], "purpose": row["purpose"], "status": "processed",
@@ -459,7 +468,7 @@ def _batch_object(row: sqlite3.Row) -> dict:
            "status": row["status"], "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
            "created_at": row["created_at"], "expires_at": row["expires_at"],
            "request_counts": {"total": row["total"], "completed": row["completed"], "failed": row["failed"]},
-           "usage": {"input_tokens": row["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
+           "usage": {"input_tokens": row["input_tokens"], "input_tokens_details": {"cached_tokens": row["cached_tokens"]},
                      "output_tokens": row["output_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": row["input_tokens"] + row["output_tokens"]},
            "metadata": json.loads(row["metadata"]) if row["metadata"] else None}

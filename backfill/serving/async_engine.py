@@ -117,6 +117,11 @@ class AsyncEngine:
         """The KV block pool, for between-steps tasks that lease idle blocks on the engine's thread."""
         return self.scheduler.kv
 
+    def cached_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The leading prompt tokens of a request not yet submitted that the prefix cache holds now,
+        for admission's prediction; a probe that takes nothing (UnknownAdapterError: no such adapter)."""
+        return self.scheduler.cached_prompt_tokens(request)
+
     def sequences(self) -> list[SequenceView]:
         """The requests in the engine now (id, class, status)."""
         # list() copies the dict in one C call under the GIL, so the loop cannot resize it mid-iteration.

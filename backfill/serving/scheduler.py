@@ -272,6 +272,21 @@ class Scheduler:
         cached = len(self.kv.cached_blocks(hashes))
         return cached * self.kv.block_size, hashes[cached] if cached < mappable else None
 
+    def cached_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The leading prompt tokens of a request not yet added that the prefix cache holds now (a probe
+        that takes nothing; the blocks may be evicted before the request is scheduled)."""
+        if not self.kv.prefix_caching:
+            return 0
+        prompt, bs = request.prompt_token_ids, self.kv.block_size
+        mappable = (len(prompt) - 1) // bs   # as _mappable_blocks: the last token's block is computed
+        if mappable <= 0:
+            return 0
+        adapter = self.runner.adapters.get(request.adapter) if request.adapter is not None else None
+        hashes: list[BlockHash] = []
+        extend_hashes(hashes, self.kv.hash_root, list(prompt[:mappable * bs]), bs, mappable,
+                      adapter.cache_key if adapter is not None else "")
+        return len(self.kv.cached_blocks(hashes)) * bs
+
     def _map_cached_prefix(self, seq: Sequence) -> None:
         """Put the cached run of seq's leading blocks in its (empty) block table; the first time, count
         the lookup in prompt tokens (vLLM's prefix_cache_queries / prefix_cache_hits)."""

@@ -145,3 +145,25 @@ def test_a_late_queue_turns_an_admission_into_a_429_with_a_longer_retry():
     decision = policy.decide(100, late)
     assert not decision.admit and decision.predicted_ttft_ms == pytest.approx(2 * 330.0)
     assert decision.retry_after_ms == pytest.approx(2 * 220.0)   # the 200 tokens ahead, at the late pace
+
+
+def test_a_cached_prefix_is_predicted_as_only_its_uncached_rest(tmp_path):
+    """Admission charges an online prompt only the tokens the prefix cache does not hold, as the policy does."""
+    serving = ServingConfig(kv_cache_gb=0.0625, max_model_len=512,
+                            coserve=CoServeConfig(slo=SLO(ttft_ms=1e6, tpot_ms=1e6)))
+    db = tmp_path / "server.db"
+    app = create_app(build_tiny_engine(serving), ServerConfig(serving=serving, db=str(db)), Store(db))
+    state = app.state.backfill
+    shared = [5 + (i * 7) % 200 for i in range(300)]
+    with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": shared + [1], "max_tokens": 1}).status_code == 200
+        block = state.engine.kv_block_size
+        for tail, cached in (([2, 3], 300 // block * block), ([], (299 // block) * block)):
+            prepared = state.service.prepare("text", {"prompt": shared + tail, "max_tokens": 1})
+            admitted = state.admit(prepared)
+            state.release("online")
+            assert admitted.num_prompt_tokens == len(shared) + len(tail) - cached > 0
+            assert admitted.predicted_ttft_ms > 0
+        fresh = state.service.prepare("text", {"prompt": [7] * 300, "max_tokens": 1})
+        assert state.admit(fresh).num_prompt_tokens == 300
+        state.release("online")

@@ -54,6 +54,9 @@ def from_metrics(text: str) -> dict[str, float | None]:
                 online_requests += sample.value
             elif sample.name == "backfill_output_tokens_total":
                 values[sample.labels["class"] + "_tokens"] = sample.value
+            elif sample.name in ("backfill_prefix_cache_queries_total", "backfill_prefix_cache_hits_total"):
+                kind = "queries" if "queries" in sample.name else "hits"
+                values[f"prefix_{kind}_{sample.labels['class']}"] = sample.value
             elif set(sample.labels) <= {"model_name"}:
                 values[sample.name] = sample.value
             elif sample.name == "backfill_queue_length":
@@ -63,6 +66,10 @@ def from_metrics(text: str) -> dict[str, float | None]:
         value = prometheus_quantile(q, buckets[kind])
         return None if value is None else value * 1e3
 
+    def hit_pct(*classes: str) -> float | None:
+        queries = sum(values[f"prefix_queries_{c}"] for c in classes)
+        return None if queries == 0 else 100 * sum(values[f"prefix_hits_{c}"] for c in classes) / queries
+
     return {"ttft_p50_ms": ms(0.5, "ttft"), "ttft_p99_ms": ms(0.99, "ttft"), "tpot_p50_ms": ms(0.5, "tpot"),
             "tpot_p99_ms": ms(0.99, "tpot"), "online_requests": online_requests,
             "online_tokens": values["online_tokens"], "offline_tokens": values["offline_tokens"],
@@ -70,7 +77,10 @@ def from_metrics(text: str) -> dict[str, float | None]:
             "online_busy_s": values["backfill_online_busy_seconds_total"],
             "queue_online": values["queue_online"], "queue_offline": values["queue_offline"],
             "kv_usage_pct": values["backfill_kv_cache_usage_ratio"] * 100,
-            "batch_lines_waiting": values["backfill_batch_lines_waiting"]}
+            "batch_lines_waiting": values["backfill_batch_lines_waiting"],
+            "prefix_cache_queries": values["prefix_queries_online"] + values["prefix_queries_offline"],
+            "prefix_cache_hit_pct": hit_pct("online", "offline"),
+            "prefix_cache_hit_online_pct": hit_pct("online"), "prefix_cache_hit_offline_pct": hit_pct("offline")}
 
 
 def test_quantile_follows_histogram_quantile():
@@ -116,6 +126,13 @@ def test_dashboard_data_is_what_metrics_says(tmp_path):
             for key in ("online_requests", "online_tokens", "offline_tokens", "preemptions"):
                 assert window[key] == expected[key], key
             assert window["online_requests"] > 0 and window["offline_tokens"] > 0
+            prefix = window["prefix_cache"]
+            assert prefix["queries"] == expected["prefix_cache_queries"] > 0
+            assert 100 * prefix["hit_rate"] == pytest.approx(expected["prefix_cache_hit_pct"])
+            for cls in ("online", "offline"):
+                shown = prefix["hit_rate_by_class"][cls]
+                assert (None if shown is None else 100 * shown) == pytest.approx(
+                    expected[f"prefix_cache_hit_{cls}_pct"]), cls
             assert window["offline_tokens_per_s"] == pytest.approx(window["offline_tokens"] / window["duration_s"])
             assert window["idle_share"] == pytest.approx(1 - expected["online_busy_s"] / window["duration_s"],
                                                          abs=0.02)
@@ -154,7 +171,10 @@ def test_page_in_headless_chromium_shows_what_metrics_says(tmp_path):
     server = ServerProcess(tmp_path / "s.db").wait_ready()
     try:
         client = openai_client(server.url)
-        lines = [chat_line(f"line-{i}", f"request {i}", max_tokens=24, ignore_eos=True) for i in range(24)]
+        system = {"role": "system", "content": "You answer questions about the sea, its tides, its fish and its "
+                                               "ships, in one short sentence, politely and without lists."}
+        lines = [chat_line(f"line-{i}", max_tokens=24, ignore_eos=True,
+                           messages=[system, {"role": "user", "content": f"request {i}"}]) for i in range(24)]
         batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         loader = threading.Thread(target=online_and_flex_load, args=(server.url, 6.0))
@@ -174,6 +194,14 @@ def test_page_in_headless_chromium_shows_what_metrics_says(tmp_path):
                     "queue_offline", "batch_lines_waiting"):
             assert shown[key] == expected[key], key
         assert shown["kv_usage_pct"] == pytest.approx(expected["kv_usage_pct"], abs=0.051)
+        assert shown["prefix_cache_queries"] == expected["prefix_cache_queries"] > 0
+        for key in ("prefix_cache_hit_pct", "prefix_cache_hit_online_pct", "prefix_cache_hit_offline_pct"):
+            digits = 0.051 if key == "prefix_cache_hit_pct" else 0.51   # shown to 0.1 and to 1
+            assert (shown[key] is None) == (expected[key] is None), key
+            if shown[key] is not None:
+                assert shown[key] == pytest.approx(expected[key], abs=digits), key
+        # the 24 lines share a system prompt's full blocks: the offline hit rate is above zero
+        assert expected["prefix_cache_hit_offline_pct"] > 0
         assert shown["online_requests"] > 0 and shown["offline_tokens"] >= 24 * 24
         # Both shown to 0.1: the rate within its rounding and the window's.
         assert shown["offline_tokens_per_s"] == pytest.approx(shown["offline_tokens"] / shown["window_s"],

@@ -66,4 +66,6 @@ def test_batch_output_lines_report_cached_tokens(client, server):
     records = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
     cached = [r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in records]
     assert len(cached) == 4 and max(cached) > 0   # the system prompt is cached from the test before or a line
+    assert batch.usage.input_tokens_details.cached_tokens == sum(cached)   # the Batch object sums its lines
+    assert batch.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in records)
     assert _counter(server, "backfill_prefix_cache_hits_total", "offline") >= sum(cached)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 
 import pytest
@@ -52,6 +53,32 @@ def test_record_result_is_exactly_once(store):
     assert batch["usage"]["input_tokens"] == 5 and batch["usage"]["output_tokens"] == 7
     assert store.running_batches() == [(batch_id, "in_progress", batch["expires_at"], 2)]
     assert [line.line for line in store.pending_lines(10, set())] == [1, 2]
+
+
+def test_a_batch_sums_its_lines_cached_tokens(store):
+    batch_id = started_batch(store)
+    store.record_result(batch_id, 0, "c0", True, "{}", 1040, 64, 1024)
+    store.record_result(batch_id, 1, "c1", True, "{}", 1030, 64, 1008)
+    usage = store.get_batch(batch_id)["usage"]
+    assert usage["input_tokens"] == 2070 and usage["input_tokens_details"]["cached_tokens"] == 2032
+
+
+def test_a_database_from_before_cached_tokens_gains_the_column(tmp_path):
+    path = tmp_path / "old.db"
+    store = Store(path)
+    batch_id = started_batch(store)
+    store.close()
+    conn = sqlite3.connect(path)   # the batches table as it was before the column existed
+    conn.execute("ALTER TABLE batches DROP COLUMN cached_tokens")
+    conn.commit()
+    conn.close()
+    store = Store(path)
+    try:
+        assert store.get_batch(batch_id)["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        assert store.record_result(batch_id, 0, "c0", True, "{}", 10, 2, 8)
+        assert store.get_batch(batch_id)["usage"]["input_tokens_details"]["cached_tokens"] == 8
+    finally:
+        store.close()
 
 
 def test_concurrent_writers_record_each_line_once(tmp_path):

@@ -154,6 +154,22 @@ def test_the_policy_is_charged_only_uncached_tokens(tiny_runner):
     assert {item.seq_id: item.num_tokens for item in plan.scheduled} == {"o1": 6, "fresh": 30}
 
 
+def test_a_request_not_yet_added_is_probed_without_taking_blocks(tiny_runner):
+    """What admission asks before a request is added: the cached leading tokens, and nothing mapped."""
+    scheduler = Scheduler(_pool(tiny_runner, 32, True), FCFSPolicy())
+    first, second = _lines(2)
+    assert scheduler.cached_prompt_tokens(first) == 0
+    scheduler.add(first)
+    _drain(scheduler)
+    free = scheduler.kv.num_free
+    refs = [scheduler.kv.ref_count(b) for b in range(scheduler.kv.num_blocks)]
+    assert scheduler.cached_prompt_tokens(second) == 24   # SYSTEM's three full blocks of 8
+    assert scheduler.kv.num_free == free and [scheduler.kv.ref_count(b) for b in range(scheduler.kv.num_blocks)] == refs
+    short = GenerationRequest(SYSTEM[:8], SamplingParams.greedy_params(max_tokens=2))
+    assert scheduler.cached_prompt_tokens(short) == 0   # its one block holds its last token: computed
+    assert Scheduler(_pool(tiny_runner, 32, False), FCFSPolicy()).cached_prompt_tokens(second) == 0
+
+
 def test_with_caching_off_nothing_is_found(tiny_runner):
     scheduler = Scheduler(_pool(tiny_runner, 32, False), FCFSPolicy())
     for r in _lines(3):
@@ -203,6 +219,19 @@ def test_two_adapters_on_one_prefix_never_share_blocks(tiny_runner, adapter_dirs
     assert len({tuple(off[f"r{i}"]) for i in range(3)}) == 3   # the adapters change the output
     # Only the same adapter's earlier request supplies cached blocks.
     assert hits == {"r0": 0, "r1": 0, "r2": 0, "r3": 24, "r4": 24}
+
+
+def test_the_probe_keys_by_adapter(tiny_runner, adapter_dirs):
+    runner = _pool(tiny_runner, 48, True)
+    runner.adapters.load("a", adapter_dirs / "a")
+    runner.adapters.load("b", adapter_dirs / "b")
+    scheduler = Scheduler(runner, FCFSPolicy())
+    params = SamplingParams.greedy_params(max_tokens=2)
+    scheduler.add(GenerationRequest(SYSTEM + [60], params, adapter="a"))
+    _drain(scheduler)
+    probe = {adapter: scheduler.cached_prompt_tokens(GenerationRequest(SYSTEM + [61], params, adapter=adapter))
+             for adapter in ("a", "b", None)}
+    assert probe == {"a": 24, "b": 0, None: 0}
 
 
 def test_lines_sharing_an_uncached_prefix_compute_it_once(tiny_runner):
