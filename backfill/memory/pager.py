@@ -81,15 +81,20 @@ class KVPager:
         self.store = store
         self.stats = PagerStats()
         self._tokens: dict[str, int] = {}
+        self._first_block: dict[str, int] = {}   # leading blocks left out of the page (shared, cached)
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self._tokens
 
-    def page_out(self, seq_id: str, kv: KVBlockPool, block_ids: list[int], num_tokens: int) -> Location:
+    def page_out(self, seq_id: str, kv: KVBlockPool, block_ids: list[int], num_tokens: int,
+                 first_block: int = 0) -> Location:
+        """Copy block_ids (the request's blocks from first_block on: those before it are shared and stay
+        cached) to the swap space; num_tokens counts the whole request, leading blocks included."""
         started = time.perf_counter()
         page = self.store.empty(seq_id, page_shape(kv, len(block_ids)), kv.dtype)
         gather_blocks(kv, block_ids, page)
         self._tokens[seq_id] = num_tokens
+        self._first_block[seq_id] = first_block
         self.stats.pages_out += 1
         self.stats.tokens_out += num_tokens
         self.stats.bytes_out += page.numel() * page.element_size()
@@ -103,17 +108,24 @@ class KVPager:
         scatter_blocks(kv, block_ids, self.store.view(seq_id))
         self.store.free(seq_id)
         tokens = self._tokens.pop(seq_id)
+        self._first_block.pop(seq_id, None)
         self.stats.pages_in += 1
         self.stats.tokens_in += tokens
         self.stats.paging_s += time.perf_counter() - started
         return tokens
 
     def discard(self, seq_id: str) -> None:
+        self._first_block.pop(seq_id, None)
         if self._tokens.pop(seq_id, None) is not None:
             self.store.free(seq_id)
 
     def num_blocks(self, seq_id: str) -> int:
+        """Blocks the page holds (the request's from first_block(seq_id) on)."""
         return self.store.view(seq_id).shape[2]
+
+    def first_block(self, seq_id: str) -> int:
+        """The request's leading blocks the page left out: shared when paged out, found in the cache on return."""
+        return self._first_block[seq_id]
 
     @property
     def resident_bytes(self) -> int:

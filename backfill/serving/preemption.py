@@ -167,10 +167,15 @@ class RequestPreemption:
         not after a reclamation took its blocks), so it resumes without recomputing anything.
         """
         if self.pager is not None and save_tail and seq.block_table and seq.num_computed > 0:
-            # Paged out whole: nothing to recompute when it comes back.
-            self.pager.page_out(seq.seq_id, self.kv, seq.block_table[:self.kv.blocks_needed(seq.num_computed)],
-                                seq.num_computed)
-            seq.checkpoint = HostCheckpoint()
+            # Paged out whole but for its leading shared blocks (AQUA §7 pages a shared block once: it
+            # stays cached while another request maps it): nothing to recompute when it comes back.
+            table = seq.block_table[:self.kv.blocks_needed(seq.num_computed)]
+            shared = 0
+            while shared < len(table) and self.kv.ref_count(table[shared]) > 1:
+                shared += 1
+            if shared < len(table):
+                self.pager.page_out(seq.seq_id, self.kv, table[shared:], seq.num_computed, first_block=shared)
+                seq.checkpoint = HostCheckpoint()
         ckpt = seq.checkpoint
         if save_tail and seq.block_table and self._whole_block_tokens(seq) <= ckpt.num_tokens < seq.num_computed:
             self._copy_to_checkpoint(seq, seq.num_computed)
@@ -199,13 +204,23 @@ class RequestPreemption:
             seq.num_computed = mapped_tokens
             return
         if paged:
-            # A page holds every block of the request: it goes back whole, into blocks of its own.
-            self.kv.free(seq.block_table)
-            seq.block_table = self.kv.allocate(self.pager.num_blocks(seq.seq_id))
-            seq.num_registered_blocks = 0
-            tokens = self.pager.page_in(seq.seq_id, self.kv, seq.block_table)
-            seq.num_restored_tokens += tokens
-            self.stats.restored_tokens += tokens
+            first = self.pager.first_block(seq.seq_id)
+            if len(seq.block_table) >= first:
+                # The shared leading blocks were found again; the page goes back after them, into
+                # blocks of its own (what else the cache holds of it is not mapped twice).
+                self.kv.free(seq.block_table[first:])
+                seq.block_table = seq.block_table[:first] + self.kv.allocate(self.pager.num_blocks(seq.seq_id))
+                seq.num_registered_blocks = first
+                tokens = self.pager.page_in(seq.seq_id, self.kv, seq.block_table[first:]) - first * self.kv.block_size
+                seq.num_restored_tokens += tokens
+                self.stats.restored_tokens += tokens
+                return
+            # A shared block was evicted since: the page cannot follow the gap, so recompute from it.
+            self.pager.discard(seq.seq_id)
+            lost = seq.num_computed - mapped_tokens
+            seq.num_recomputed_tokens += lost
+            self.stats.recomputed_tokens += lost
+            seq.num_computed = mapped_tokens
             return
         first = len(seq.block_table)
         wanted = seq.checkpoint.blocks[first:self.kv.blocks_needed(seq.num_computed)]

@@ -118,6 +118,57 @@ def test_checkpoints_skip_shared_blocks_and_restore_re_finds_them(tiny_runner):
     assert out["o1"] == _solo(tiny_runner, _lines(2)[1]) and out["o0"] == _solo(tiny_runner, _lines(1)[0])
 
 
+def _paged_second_line(tiny_runner) -> tuple[Scheduler, dict[str, list[int]]]:
+    """o0 computes the system prompt; o1 maps it, runs 10 steps and is paged out."""
+    scheduler = Scheduler(_pool(tiny_runner, 32, True), FCFSPolicy())
+    scheduler.pager = make_pager("cpu")
+    first, second = _lines(2)
+    out: dict[str, list[int]] = {}
+    scheduler.add(first)
+    _step(scheduler, out)
+    scheduler.add(second)
+    _step(scheduler, out, 10)
+    seq = scheduler.seqs["o1"]
+    assert [scheduler.kv.ref_count(b) for b in seq.block_table] == [2, 2, 2, 1, 1]
+    scheduler.request_preemption.preempt(seq)
+    return scheduler, out
+
+
+def _finish(tiny_runner, scheduler: Scheduler, out: dict[str, list[int]]) -> None:
+    for key, tokens in _drain(scheduler)[0].items():
+        out.setdefault(key, []).extend(tokens)
+    assert out["o1"] == _solo(tiny_runner, _lines(2)[1])
+
+
+def test_a_paged_request_pages_its_shared_blocks_once(tiny_runner):
+    """AQUA §7 with prefix caching: the three blocks o0 also maps stay cached, only o1's own two go
+    to the swap space, and on return the page follows the re-found shared blocks."""
+    scheduler, out = _paged_second_line(tiny_runner)
+    pager, seq = scheduler.pager, scheduler.seqs["o1"]
+    assert pager.num_blocks("o1") == 2 and pager.first_block("o1") == 3
+    assert pager.stats.bytes_out == 2 * scheduler.kv.nbytes // scheduler.kv.num_blocks
+    shared = [b for b in scheduler.seqs["o0"].block_table[:3]]
+    _step(scheduler, out)
+    assert seq.block_table[:3] == shared and not pager.holds("o1")
+    assert scheduler.stats.restored_tokens > 0 and scheduler.stats.recomputed_tokens == 0
+    _finish(tiny_runner, scheduler, out)
+    assert out["o0"] == _solo(tiny_runner, _lines(1)[0])
+
+
+def test_a_page_whose_shared_blocks_were_evicted_is_recomputed(tiny_runner):
+    scheduler, out = _paged_second_line(tiny_runner)
+    seq = scheduler.seqs["o1"]
+    computed = seq.num_computed
+    scheduler.request_preemption.preempt(scheduler.seqs["o0"], save_tail=False)   # nobody maps the prompt ...
+    scheduler.cancel("o0")        # ... nor will again
+    scheduler.kv.clear_cache()    # ... and its blocks are forgotten (evicted)
+    recomputed = scheduler.stats.recomputed_tokens
+    _step(scheduler, out)
+    assert not scheduler.pager.holds("o1")   # the page was dropped: it cannot follow the gap
+    assert scheduler.stats.recomputed_tokens - recomputed >= computed - 1
+    _finish(tiny_runner, scheduler, out)
+
+
 def test_shared_blocks_are_re_found_after_a_preemption(tiny_runner):
     runner = _pool(tiny_runner, 32, True)
     scheduler = Scheduler(runner, FCFSPolicy())
