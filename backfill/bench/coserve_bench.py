@@ -43,6 +43,7 @@ from backfill.bench.arrivals import gamma_arrivals
 from backfill.bench.ceiling import offline_ceilings
 from backfill.bench.cpu_hog import hog_after
 from backfill.bench.driver import RunResult, run_workload
+from backfill.bench.heartbeat import Heartbeat
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, compute_metrics
@@ -240,8 +241,9 @@ def pool_rounds(rounds: list[CoserveRoundResult], slo: SLO | None) -> ModeResult
     return ModeResult(metrics, records, {"engine": engine_stats, "rounds": len(rounds)})
 
 
-def load_and_profile(serving: ServingConfig):
-    """The model, its runner and latency profile, built on the torch thread the engine runs on."""
+def load_and_profile(serving: ServingConfig, log: Callable[[str], None] | None = None):
+    """The model, its runner and latency profile, built on the torch thread the engine runs on; with
+    log, a progress line every few seconds (compiling kernels and decode buckets says little itself)."""
     from backfill.engine.weights import load_model
 
     def build():
@@ -250,7 +252,10 @@ def load_and_profile(serving: ServingConfig):
         runner.wait_until_warm()   # the measured runs start warm, as a server reports ready only then
         return loaded, runner, load_or_profile(runner, serving, loaded.config.name)
 
-    return run_on_torch_thread(build)
+    if log is None:
+        return run_on_torch_thread(build)
+    with Heartbeat(log, "loading the model, its kernels and its step-latency profile"):
+        return run_on_torch_thread(build)
 
 
 # One mode's share of one round: (mode, the round's scenario, the SLOs, round index) -> its result
@@ -291,13 +296,14 @@ def run_coserve_bench(scenario: CoserveScenario = CoserveScenario(), serving: Se
     """Every mode on the scenario's rounds; `prepared` is load_and_profile's result, to run several
     scenarios on one loaded model."""
     parse_modes(modes)  # before the model loads
-    loaded, runner, latency = prepared if prepared is not None else load_and_profile(serving)
+    loaded, runner, latency = prepared if prepared is not None else load_and_profile(serving, log)
     name, tokenizer = loaded.config.name, loaded.tokenizer
     if scenario.warmup_s > 0:
         log(f"== warm-up: {scenario.warmup_s:.0f} s of offline batching (not measured)")
         engine = AsyncEngine(build_scheduler(runner, replace(serving, policy="priority"), tokenizer, name, latency),
                              tokenizer, name)
-        asyncio.run(_run_round(engine, warmup_workload(scenario, tokenizer), progress=False))
+        with Heartbeat(log, "warm-up", expected_s=scenario.warmup_s):
+            asyncio.run(_run_round(engine, warmup_workload(scenario, tokenizer), progress=False))
 
     def run_mode(spec: ModeSpec, round_scenario: CoserveScenario, slo: SLO, k: int) -> tuple[CoserveRoundResult, dict]:
         workload = make_workload(round_scenario, tokenizer, latency, with_offline=spec.with_offline)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from backfill.bench.heartbeat import PROGRESS_EVERY_S
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.target import StatsSource, Target
 from backfill.bench.workload import BenchRequest, OfflineBacklog, Workload
@@ -83,6 +84,7 @@ class _Run:
         backlogs = [asyncio.create_task(self._backlog(b)) for b in self.workload.offline_backlogs]
         sampler = (asyncio.create_task(self._sample(sample_interval_s))
                    if sample_interval_s is not None and isinstance(self.target, StatsSource) else None)
+        refresher = asyncio.create_task(self._refresh_bar()) if not self.bar.disable else None
         try:
             if max_duration_s is None:
                 await self._open_loop()
@@ -100,13 +102,20 @@ class _Run:
             self.stop.set()
             for task in backlogs:
                 task.cancel()
-            if sampler is not None:
-                sampler.cancel()
-                await asyncio.gather(sampler, return_exceptions=True)
+            for task in (sampler, refresher):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             self.bar.close()
         records = sorted(self.records, key=lambda r: (r.send_s is None, r.send_s or 0.0))
         return RunResult(records, self.samples, end_s, started_unix_s, self.t0, self.exhausted, self.sample_error,
                          self.cut_short)
+
+    async def _refresh_bar(self) -> None:
+        """Redraw the bar (its elapsed time) while no request finishes: a user never watches it frozen."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            self.bar.refresh()
 
     async def _open_loop(self) -> None:
         for req in self.workload.requests:

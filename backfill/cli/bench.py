@@ -183,7 +183,7 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
 
             read_baseline(args.baseline_file, asdict(scenario))
 
-        loaded, _, latency = load_and_profile(serving)
+        loaded, _, latency = load_and_profile(serving, print)
         model = args.served_model or loaded.config.name
         phase_args = dict(label=args.label, api_key=args.api_key, out_dir=args.out, offline_mark=args.offline_mark)
         if args.phase == "online-only":
@@ -208,7 +208,7 @@ def cmd_bench_coserve(args: argparse.Namespace) -> int:
         from backfill.bench.frontier import parse_slos, run_frontier, settings
 
         points = settings(scenario, args.loads, parse_slos(args.slos))
-        prepared = load_and_profile(serving)  # one model load for every point
+        prepared = load_and_profile(serving, print)  # one model load for every point
         run_frontier(points, lambda sc, out: run_coserve_bench(sc, serving, tuple(args.modes), out,
                                                                prepared=prepared), args.out)
         return 0

@@ -47,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{scenario.online_load:.0%} of this machine) served alone, then co-served with a backlog of offline "
           f"batch requests (after a {scenario.warmup_s:.0f} s warm-up).\nLoading the model and its step-latency "
           "profile (measured once per machine; its progress shows)...", flush=True)
-    prepared = load_and_profile(serving)
+    prepared = load_and_profile(serving, print)
     expected = online_rate_per_s(scenario, prepared[2]) * scenario.duration_s
     if expected < MIN_ONLINE_REQUESTS:
         # A slow machine (an AVX2-only CPU, say) runs the demo longer rather than not at all.

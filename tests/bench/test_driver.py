@@ -122,3 +122,24 @@ def test_max_duration_cancels_what_is_still_running_and_says_so(server):
     assert not whole.cut_short and all(r.ok for r in whole.records)
     with pytest.raises(WorkloadError):
         asyncio.run(_run(server, wl, max_duration_s=0))
+
+
+def test_the_progress_bar_is_redrawn_while_no_request_finishes(server, monkeypatch, capsys):
+    """One online request streaming for about a second: the bar's line is redrawn meanwhile (its
+    elapsed time), so a user never watches a frozen bar (issue #58: output at least every 10 s)."""
+    import backfill.bench.driver as driver
+
+    monkeypatch.setattr(driver, "PROGRESS_EVERY_S", 0.1)
+    workload = Workload((BenchRequest("slow", 0.0, "online", (1, 2, 3), "a b c", 100),), ())
+
+    async def go():
+        target = HttpTarget(server.base_url, "m")
+        try:
+            return await run_workload(target, workload, progress=True)
+        finally:
+            await target.aclose()
+
+    result = asyncio.run(go())
+    assert result.records[0].ok and result.records[0].output_tokens == 100
+    drawn = capsys.readouterr().err.count("\r")
+    assert drawn >= 5, drawn   # tqdm draws at start and end only, without the redraws
