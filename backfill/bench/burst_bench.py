@@ -84,7 +84,10 @@ class BurstScenario:
     threads: int | None = None      # torch threads of the consumer (1 on a crowded machine)
     producer_idle_s: float = 6.0    # the producer alone before the first mode and after each one (1 s windows)
     pin_cores: bool = True          # producer on its own core, as on its own accelerator (needs 2 cores)
-    steady_load: float = 0.35       # with steady_rate_per_s None: a share of the measured capacity
+    # With steady_rate_per_s None: a share of the measured capacity (what the scenario's KV memory
+    # serves). Half, so that the 2x burst arrives at that capacity: the queue grows through the burst
+    # and its KV outgrows the memory (AQUA §2), on a fast machine as on a slow one.
+    steady_load: float = 0.5
 
     def __post_init__(self) -> None:
         if self.steady_rate_per_s is not None and not self.steady_rate_per_s > 0:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
+from backfill.bench.heartbeat import Heartbeat
 from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.errors import PolicyInputError
 from backfill.bench.node_engines.engine_proc import (EngineProcess, EngineSpec, engine_kv_layout, engine_model_config,
@@ -371,7 +372,8 @@ def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str |
     started = time.monotonic()
     log("[node bench] measuring this machine: mean-sized online requests served one at a time "
         "(the online rate and the offline request sizes follow from it)")
-    speed = measure_machine(config, log)
+    with Heartbeat(log, "[node bench] measuring this machine (engines starting, requests one at a time)"):
+        speed = measure_machine(config, log)
     config = size_to_machine(config, speed)
     online_trace, backlog = make_trace(config, vocab)
     log(f"[node bench] this machine serves {speed.requests_per_s:.2f} online requests/s one at a time "
@@ -387,7 +389,9 @@ def run_node_bench(config: NodeBenchConfig = NodeBenchConfig(), json_path: str |
     for name in config.phases:
         log(f"[node bench] phase {name} ({len(online_trace)} online requests over {config.duration_s:g} s) "
             f"at {time.monotonic() - started:.0f} s")
-        phases[name] = run_phase(config, PHASES[name], online_trace, backlog)
+        with Heartbeat(log, f"[node bench] phase {name} (engines starting, then the trace)",
+                       expected_s=config.warmup_s + config.duration_s):
+            phases[name] = run_phase(config, PHASES[name], online_trace, backlog)
         r = phases[name]
         off = r.get("offline", {})
         log(f"[node bench]   {name}: online P99 TTFT {_f(r['online']['ttft_ms']['p99'], 0)} ms over "

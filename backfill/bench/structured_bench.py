@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jsonschema
 
+from backfill.bench.heartbeat import Heartbeat
 from backfill.server.completions import CompletionService, collect
 from backfill.server.metrics import ServerMetrics
 from backfill.serving.async_engine import AsyncEngine
@@ -66,13 +67,21 @@ async def _one(service: CompletionService, body: dict, semaphore: asyncio.Semaph
         return StructuredSample(choice.text, choice.finish_reason.value if choice.finish_reason else None, tokens, tpot)
 
 
-async def _phase(service: CompletionService, bodies: list[dict], concurrency: int) -> list[StructuredSample]:
+async def _phase(service: CompletionService, bodies: list[dict], concurrency: int,
+                 done: list[int] | None = None) -> list[StructuredSample]:
     semaphore = asyncio.Semaphore(concurrency)
-    return list(await asyncio.gather(*(_one(service, body, semaphore) for body in bodies)))
+
+    async def counted(body: dict) -> StructuredSample:
+        sample = await _one(service, body, semaphore)
+        if done is not None:
+            done[0] += 1
+        return sample
+
+    return list(await asyncio.gather(*(counted(body) for body in bodies)))
 
 
 async def _run(engine: AsyncEngine, model: str, num_requests: int, groups: int, concurrency: int,
-               max_tokens: int) -> dict:
+               max_tokens: int, done: list[int] | None = None) -> dict:
     service = CompletionService(engine, ServerMetrics(engine, model), model)
     await engine.start()
     try:
@@ -90,11 +99,13 @@ async def _run(engine: AsyncEngine, model: str, num_requests: int, groups: int, 
                             "response_format": {"type": "json_schema",
                                                 "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
                            for i in indices]
-            done = await _phase(service, with_schema, concurrency)
-            structured += done
+            samples = await _phase(service, with_schema, concurrency, done)
+            structured += samples
             twins = [{"messages": body["messages"], "max_tokens": max(sample.output_tokens, 1), "temperature": 0,
-                      "ignore_eos": True} for body, sample in zip(with_schema, done)]
-            plain += await _phase(service, twins, concurrency)
+                      "ignore_eos": True} for body, sample in zip(with_schema, samples)]
+            plain += await _phase(service, twins, concurrency, done)
+            print(f"   group {group + 1}/{groups}: {len(samples)} requests with the schema and their plain twins done",
+                  flush=True)
         wall_s = time.perf_counter() - started
     finally:
         await engine.stop()
@@ -122,7 +133,11 @@ async def _run(engine: AsyncEngine, model: str, num_requests: int, groups: int, 
 
 def run_structured_bench(engine: AsyncEngine, model: str, num_requests: int = 100, groups: int = 4,
                          concurrency: int = 8, max_tokens: int = 160, json_path: str | Path | None = None) -> dict:
-    result = asyncio.run(_run(engine, model, num_requests, groups, concurrency, max_tokens))
+    print(f"bench structured: {num_requests} requests with a JSON schema in {groups} group(s), each followed by "
+          f"its plain twins, {concurrency} at a time, at most {max_tokens} tokens each", flush=True)
+    done = [0]
+    with Heartbeat(print, "bench structured", lambda: f"{done[0]}/{2 * num_requests} requests done"):
+        result = asyncio.run(_run(engine, model, num_requests, groups, concurrency, max_tokens, done))
     print(f"structured output: {result['valid']}/{result['requests']} valid against the schema "
           f"(finish reasons {result['finish_reasons']}, {result['output_tokens_mean']:.1f} tokens on average)")
     print(f"TPOT median with grammar {result['tpot_ms_median_with_grammar']:.2f} ms, without "

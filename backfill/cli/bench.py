@@ -123,12 +123,15 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> int:
+    from backfill.bench.heartbeat import Heartbeat
     from backfill.bench.structured_bench import run_structured_bench
     from backfill.serving.build import build_engine
     from backfill.serving.config import ServingConfig
 
     # fcfs: no latency profile to measure first; the grammar's cost per token does not depend on the policy.
-    engine = build_engine(ServingConfig(model=args.model, dtype=args.dtype, policy="fcfs", kv_cache_gb=0.5))
+    print("bench structured: loading the model...", flush=True)
+    with Heartbeat(print, "loading the model and its kernels"):
+        engine = build_engine(ServingConfig(model=args.model, dtype=args.dtype, policy="fcfs", kv_cache_gb=0.5))
     run_structured_bench(engine, engine.model_name, args.requests, args.groups, args.concurrency, args.max_tokens,
                          args.json)
     return 0
