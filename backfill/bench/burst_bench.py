@@ -40,7 +40,7 @@ import numpy as np
 
 from backfill.bench.arrivals import step_arrivals
 from backfill.bench.driver import run_workload
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, Summary, compute_metrics

@@ -43,7 +43,7 @@ from backfill.bench.arrivals import gamma_arrivals
 from backfill.bench.ceiling import offline_ceilings
 from backfill.bench.cpu_hog import hog_after
 from backfill.bench.driver import RunResult, run_workload
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.bench.inprocess_target import InProcessTarget
 from backfill.bench.lengths import parse_length_spec
 from backfill.bench.metrics import RequestRecord, compute_metrics

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from backfill.bench.heartbeat import PROGRESS_EVERY_S
+from backfill.progress import PROGRESS_EVERY_S
 from backfill.bench.metrics import RequestRecord
 from backfill.bench.target import StatsSource, Target
 from backfill.bench.workload import BenchRequest, OfflineBacklog, Workload

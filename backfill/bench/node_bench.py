@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from backfill.bench.arrivals import parse_arrival_spec
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence
 from backfill.errors import PolicyInputError
 from backfill.bench.node_engines.engine_proc import (EngineProcess, EngineSpec, engine_kv_layout, engine_model_config,

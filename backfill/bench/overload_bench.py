@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.bench.server_process import served, sigterm_as_interrupt
 from backfill.bench.verdict import MIN_EVENTS, MIN_SAMPLES_P99, Verdict, closing_sentence, ratio_text
 from backfill.errors import WorkloadError

@@ -17,7 +17,7 @@ import torch
 
 from backfill.bench.arrivals import poisson_arrivals, uniform_arrivals
 from backfill.bench.disb import DisbClient, DisbWorkload, load_disb
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.bench.lengths import parse_length_spec
 from backfill.errors import RealtimeError
 from backfill.realtime.idempotence import IdempotenceMap, analyze

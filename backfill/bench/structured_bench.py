@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jsonschema
 
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 from backfill.server.completions import CompletionService, collect
 from backfill.server.metrics import ServerMetrics
 from backfill.serving.async_engine import AsyncEngine

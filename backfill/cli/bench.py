@@ -123,7 +123,7 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_structured(args: argparse.Namespace) -> int:
-    from backfill.bench.heartbeat import Heartbeat
+    from backfill.progress import Heartbeat
     from backfill.bench.structured_bench import run_structured_bench
     from backfill.serving.build import build_engine
     from backfill.serving.config import ServingConfig

@@ -53,7 +53,7 @@ def cmd_preempt(args: argparse.Namespace) -> int:
 
 
 def cmd_idempotence(args: argparse.Namespace) -> int:
-    from backfill.bench.heartbeat import Heartbeat
+    from backfill.progress import Heartbeat
     from backfill.bench.realtime_bench import load_models, write_json
     from backfill.realtime.idempotence import format_table
 

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from backfill.bench.heartbeat import Heartbeat
+from backfill.progress import Heartbeat
 
 
 def test_a_heartbeat_speaks_while_its_stretch_runs_and_stops_after():

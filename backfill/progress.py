@@ -1,5 +1,6 @@
-"""A benchmark's progress line every few seconds while one of its stretches runs (a model load, a
-kernel build, a mode), so that a user never watches more than PROGRESS_EVERY_S of silence.
+"""A progress line every few seconds while a long stretch of a command runs (a model load, a kernel
+build, a benchmark's mode, a server's start), so that a user never watches more than
+PROGRESS_EVERY_S of silence.
 
     with Heartbeat(print, "fcfs", lambda: f"{stats.finished['online']}/{n} requests done"):
         run_the_mode()
