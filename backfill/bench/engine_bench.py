@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from backfill.progress import Heartbeat
 from backfill.sampling_params import SamplingParams
 from backfill.engine.step import SeqChunk
 from backfill.types import GenerationRequest, RequestClass
@@ -226,7 +227,15 @@ def run_engine_bench(model: str | None = None, dtypes: tuple[str, ...] = ("float
                      device: str = "auto", with_hf: bool = True, random_weights: bool = False,
                      compile_decode: bool = False, decode_attention: str = "auto", cuda_graphs: bool = True,
                      cuda_kernels: tuple[str, ...] = ("torch",), log=print) -> dict:
-    """Runs are keyed by dtype, with "+triton" for the Triton kernels (CUDA only: skipped elsewhere)."""
+    """Runs are keyed by dtype, with "+triton" for the Triton kernels (CUDA only: skipped elsewhere).
+    A progress line every few seconds while a stretch runs (building kernels, compiling decode)."""
+    with Heartbeat(log, "bench engine"):
+        return _run_engine_bench(model, dtypes, batches, prompt_len, new_tokens, device, with_hf, random_weights,
+                                 compile_decode, decode_attention, cuda_graphs, cuda_kernels, log)
+
+
+def _run_engine_bench(model, dtypes, batches, prompt_len, new_tokens, device, with_hf, random_weights,
+                      compile_decode, decode_attention, cuda_graphs, cuda_kernels, log) -> dict:
     from backfill.engine.shapes import DEFAULT_SHAPE
     from backfill.engine.weights import load_model
     from backfill.engine.shapes import random_model_name

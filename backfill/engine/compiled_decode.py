@@ -323,7 +323,10 @@ class CompiledDecode:
                                                daemon=True)
         # A process that exits while a bucket compiles would abort in C++ ("terminate called without
         # an active exception"): at exit, no further bucket starts and the one compiling finishes.
-        atexit.register(self._stop_buckets)
+        # Registered with threading's exit hooks, which run before concurrent.futures shuts its pools
+        # down (compiling a bucket submits to one); atexit's would run after.
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(self._stop_buckets)
         self._bucket_thread.start()
         if not background:
             self.wait_for_buckets()
