@@ -105,11 +105,7 @@ def serve(config: ServerConfig) -> int:
         from backfill.server.app import create_app
         from backfill.serving.build import build_engine, build_tiny_engine
 
-        from backfill.progress import Heartbeat
-
-        # Weights, kernels and the step-latency profile take seconds to minutes: say so meanwhile.
-        with Heartbeat(log.info, "loading the model, its kernels and its step-latency profile"):
-            engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
+        engine = build_tiny_engine(config.serving) if config.tiny else build_engine(config.serving)
         app = create_app(engine, config, store)
         log.info("serving %s on http://%s:%d (database %s; %s, %s loop)", config.served_model_name or engine.model_name,
                  config.host, config.port, config.db_path, http.__name__, loop)

@@ -23,6 +23,7 @@ from backfill.engine.runner import ModelRunner
 from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
 from backfill.policy import registry
+from backfill.progress import Heartbeat
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
 from backfill.policy.interface import SafepointLayout, SchedulingPolicy
 from backfill.policy.latency_model import LatencyModel
@@ -82,11 +83,13 @@ class ServingStack:
 
 def build_model(model_config: ModelConfig, weights: dict[str, torch.Tensor], cfg: ServingConfig) -> LlamaModel:
     """The model alone, with the kernels cfg asks for (benchmarks that drive a runner of their own)."""
-    return LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=cfg.resolved_device(),
-                      compile_decode=cfg.compile_decode,
-                      paged_attention_kernel=cfg.uses_paged_attention_kernel,
-                      paged_prompt_kernel=cfg.uses_paged_prompt_kernel,
-                      cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
+    # Building kernels, choosing among them and compiling decode take seconds to minutes: say so meanwhile.
+    with Heartbeat(log.info, f"building {model_config.name} (weights, kernels, compiled decode)"):
+        return LlamaModel(model_config, weights, dtype=cfg.torch_dtype, device=cfg.resolved_device(),
+                          compile_decode=cfg.compile_decode,
+                          paged_attention_kernel=cfg.uses_paged_attention_kernel,
+                          paged_prompt_kernel=cfg.uses_paged_prompt_kernel,
+                          cuda_kernels="triton" if cfg.uses_triton_kernels else "torch")
 
 
 def build_eager_model(model_config: ModelConfig, weights: dict[str, torch.Tensor], dtype: str,
