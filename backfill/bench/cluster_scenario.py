@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from backfill.cluster.monitor import MonitorConfig
+from backfill.progress import Heartbeat
 from backfill.cluster.node_actor import ONLINE_MODEL, SERVED_MODEL, NodeServer, NodeSpec
 from backfill.cluster.ray_cluster import ClusterService, CpuContention
 from backfill.cluster.job_scheduler import ClusterSchedulerConfig
@@ -221,6 +222,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
     started = time.perf_counter()
     store = cfg.object_store_mb * 2**20
     log(f"starting {cfg.nodes} Ray nodes on 127.0.0.1, each serving {cfg.model} (a minute or more)")
+    starting = Heartbeat(log, "starting the Ray nodes and loading their models").__enter__()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": store, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
     traffic = None
@@ -234,13 +236,15 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
                    .remote(NodeSpec(f"node{i}", model=cfg.model, window_s=cfg.node_window_s))
                    for i, node in enumerate(ray_nodes[:cfg.nodes])}
         infos = {n: ray.get(h.info.remote(), timeout=cfg.start_timeout_s) for n, h in handles.items()}
+        starting.stop()
         ready_s = time.perf_counter() - started
         log(f"nodes ready in {ready_s:.0f} s; measuring each node's offline tokens/s alone and side by side")
         replayed = None
         if replay is not None:
             replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
 
-        rates = profile_rates(handles, cfg)
+        with Heartbeat(log, "measuring each node's offline tokens/s"):
+            rates = profile_rates(handles, cfg)
         t_mono = rates[1]["node0"]                                 # alone on the machine
         # a share above 1 is the profile's noise: k busy nodes never get more than one alone
         contention = CpuContention(tuple(min(1.0, sum(rates[k].values()) / len(rates[k]) / t_mono)
@@ -330,6 +334,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
             "cpu_share_per_round": cpu.rounds,
         }
     finally:
+        starting.stop()
         if traffic is not None:
             traffic.stop()
         ray.shutdown()
