@@ -17,6 +17,7 @@ import statistics
 from backfill.engine.runner import ModelRunner
 from backfill.engine.step import SeqChunk
 from backfill.policy.latency_model import LatencyModel
+from backfill.progress import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,13 @@ def profile_latency(runner: ModelRunner, *, grid: tuple[int, ...] = DEFAULT_GRID
                     model_name: str = "") -> LatencyModel:
     if repeats < 1 or warmups < 0:
         raise ValueError(f"profiling needs repeats >= 1 and warmups >= 0, got {repeats} and {warmups}")
+    # A point (a 1,024-token chunk on a slow CPU) can take longer than a user waits for a line.
+    with Heartbeat(log.info, "profiling step latency"):
+        return _profile_latency(runner, grid, decode_grid, repeats, warmups, model_name)
+
+
+def _profile_latency(runner: ModelRunner, grid: tuple[int, ...], decode_grid: tuple[int, ...], repeats: int,
+                     warmups: int, model_name: str) -> LatencyModel:
 
     # Steps measured while compiled decode's buckets still compile on the same cores would cost
     # more than they will, and the buckets' sizes would be measured eager.
