@@ -29,7 +29,11 @@
 #   bash scripts/peer_vllm.sh OUTDIR
 #   PARTS="backfill inprocess" bash scripts/peer_vllm.sh OUTDIR   # some parts
 #
-# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report),
+# Part prefix (issue #53, not in the default PARTS): a Batch-style file of PREFIX_LINES (512) lines
+# sharing a 1,024-token system prompt, 64 output tokens, 64 in flight, sent to `backfill serve` and to
+# vLLM (prefix caching on, its default) over HTTP, then backfill in-process with the cache on and off.
+#
+# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report prefix),
 # LLAMA_SERVER (llama-server's path, for part llamacpp), ENGINE_FLAGS (backfill's engine flags; empty:
 # `backfill serve` as a user starts it), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
@@ -50,6 +54,7 @@ BURSTS=${BURSTS:-2}
 COSERVE=${COSERVE:-1}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
 VLLM_KV_GB=${VLLM_KV_GB:-1}
+PREFIX_LINES=${PREFIX_LINES:-512}
 LEVELS="1 8 32 64"
 # A kernel cache of this checkout's own: several checkouts sharing ~/.cache/torch_extensions
 # rebuild each other's kernels (the build files name the source path), minutes per start.
@@ -248,6 +253,32 @@ if [[ " $PARTS " == *" llamacpp "* ]]; then
     else
         echo "== llamacpp: skipped (set LLAMA_SERVER to llama-server's path)"
     fi
+fi
+
+if [[ " $PARTS " == *" prefix "* ]]; then
+    prefix_batch() {  # NAME URL MODEL
+        echo "== prefix: $PREFIX_LINES lines sharing a 1,024-token system prompt to $1 over HTTP"
+        "$BF" bench prefix --scenarios batch --lines "$PREFIX_LINES" --url "$2" --served-model "$3" \
+            --json "$OUT/prefix-$1.json" $ENGINE_FLAGS
+    }
+    if start_backfill -prefix && MODEL=$(served_model "$URL"); then
+        prefix_batch backfill "$URL" "$MODEL"
+    fi
+    stop_server
+    if install_vllm; then
+        PORT=$(free_port)
+        URL=http://127.0.0.1:$PORT
+        echo "== prefix: vLLM on both cores, LD_PRELOAD=$(vllm_preload), prefix caching on (its default)"
+        env VLLM_CPU_NUM_OF_RESERVED_CPU=0 LD_PRELOAD="$(vllm_preload)" VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB \
+            setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+            --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
+            --dtype bfloat16 --max-model-len 2048 --enable-prefix-caching > "$OUT/vllm-prefix-serve.log" 2>&1 &
+        SERVER_PID=$!
+        wait_healthy "$URL" "$OUT/vllm-prefix-serve.log" 900 && prefix_batch vllm "$URL" vllm-model
+        stop_server
+    fi
+    echo "== prefix: backfill in-process, the cache on and off"
+    "$BF" bench prefix --scenarios batch --lines "$PREFIX_LINES" --json "$OUT/prefix-inprocess.json" $ENGINE_FLAGS
 fi
 
 if [[ " $PARTS " == *" report "* ]]; then

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
+from backfill.progress import Heartbeat
 from backfill.server.completions import CompletionService, collect
 from backfill.server.metrics import ServerMetrics
 from backfill.serving.async_engine import AsyncEngine
@@ -164,16 +165,20 @@ async def _batch_http(url: str, model: str, bodies: list[dict], concurrency: int
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     semaphore = asyncio.Semaphore(concurrency)
+    done = [0]
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=3600) as client:
         async def one(body: dict) -> dict:
             async with semaphore:
                 reply = await client.post("/v1/chat/completions", json={**body, "model": model})
                 reply.raise_for_status()
+                done[0] += 1
                 return reply.json()["usage"]
 
         await one(chat_body("warm up", "hello", 4))
+        done[0] = 0
         origin = time.monotonic()
-        usages = await asyncio.gather(*(one(body) for body in bodies))
+        with Heartbeat(print, f"batch over HTTP ({url})", lambda: f"{done[0]}/{len(bodies)} lines done"):
+            usages = await asyncio.gather(*(one(body) for body in bodies))
         wall_s = time.monotonic() - origin
     output = sum(u["completion_tokens"] for u in usages)
     prompt = sum(u["prompt_tokens"] for u in usages)
@@ -198,8 +203,13 @@ def run_batch_scenario(cfg: ServingConfig, lines: int, system_tokens: int, max_t
         out["http"]["url"] = url
         return out
     for on in caching:
+        label = "cache on" if on else "cache off"
+        print(f"batch, {label}: {lines} lines, {concurrency} in flight", flush=True)
         engine = build_engine(replace(cfg, prefix_caching=on))
-        out["cache_on" if on else "cache_off"] = asyncio.run(_batch_inprocess(engine, bodies, concurrency))
+        # finished counts the warm-up request too
+        with Heartbeat(print, f"batch, {label}",
+                       lambda: f"{max(0, engine.stats.finished['offline'] - 1)}/{lines} lines done"):
+            out["cache_on" if on else "cache_off"] = asyncio.run(_batch_inprocess(engine, bodies, concurrency))
     if "cache_on" in out and "cache_off" in out:
         out["speedup_tok_s"] = out["cache_on"]["output_tok_s"] / out["cache_off"]["output_tok_s"]
     return out
@@ -278,7 +288,10 @@ def run_coserve_scenario(cfg: ServingConfig, kind: str, duration_s: float, onlin
                                                                                 seed=1000 + i)
                 yield chat_body(system, q, offline_max_tokens)
 
-        result = asyncio.run(_coserve(engine, online_bodies, online_rate, offline_lines(), duration_s, seed=7))
+        print(f"{kind}, cache {'on' if on else 'off'}: {duration_s:g} s of online chat beside offline lines",
+              flush=True)
+        with Heartbeat(print, f"{kind}, cache {'on' if on else 'off'}", expected_s=duration_s):
+            result = asyncio.run(_coserve(engine, online_bodies, online_rate, offline_lines(), duration_s, seed=7))
         online_results = result.pop("online_results")
         later = online_results[1:]
         # The online system prompt's hit rate: requests after the first that found its full blocks cached.
