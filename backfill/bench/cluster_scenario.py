@@ -223,6 +223,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
     store = cfg.object_store_mb * 2**20
     log(f"starting {cfg.nodes} Ray nodes on 127.0.0.1, each serving {cfg.model} (a minute or more)")
     starting = Heartbeat(log, "starting the Ray nodes and loading their models").__enter__()
+    measuring = Heartbeat(log, "measuring each node's offline tokens/s, then a first window with online load")
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "object_store_memory": store, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
     traffic = None
@@ -243,8 +244,8 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         if replay is not None:
             replayed = replay_on_ray(ray.remote(num_cpus=0)(ClusterService).remote(), *replay)
 
-        with Heartbeat(log, "measuring each node's offline tokens/s"):
-            rates = profile_rates(handles, cfg)
+        measuring.__enter__()
+        rates = profile_rates(handles, cfg)
         t_mono = rates[1]["node0"]                                 # alone on the machine
         # a share above 1 is the profile's noise: k busy nodes never get more than one alone
         contention = CpuContention(tuple(min(1.0, sum(rates[k].values()) / len(rates[k]) / t_mono)
@@ -273,6 +274,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         sla = cfg.sla_share * t_mono
         for job_id, lines in job_lines.items():
             ray.get(service.submit.remote(OfflineJob(job_id, profile, sla), lines))
+        measuring.stop()
         log(f"T_mono {t_mono:.1f} tokens/s; {len(job_lines)} offline jobs submitted, SLA {sla:.1f} tokens/s each; "
             f"a round every {cfg.round_s:g} s")
         raised = killed = None
@@ -335,6 +337,7 @@ def run_scenario(cfg: ScenarioConfig = ScenarioConfig(), replay: tuple[list, lis
         }
     finally:
         starting.stop()
+        measuring.stop()
         if traffic is not None:
             traffic.stop()
         ray.shutdown()
