@@ -95,15 +95,9 @@ def test_checkpoints_skip_shared_blocks_and_restore_re_finds_them(tiny_runner):
     runner = _pool(tiny_runner, 32, True)
     always = AdaptiveCheckpointPolicy(CheckpointConfig(start_usage=0.0, full_usage=0.01))
     scheduler = Scheduler(runner, FCFSPolicy(), checkpoint_policy=always)
-    first, second = _lines(2)
-    out: dict[str, list[int]] = {}
-    scheduler.add(first)
-    _step(scheduler, out)
-    scheduler.add(second)
-    _step(scheduler, out, 10)
+    out = _second_line_mapping_the_first(scheduler)
     seq = scheduler.seqs["o1"]
     shared = seq.block_table[:3]
-    assert [runner.kv.ref_count(b) for b in seq.block_table] == [2, 2, 2, 1, 1]
     # Only its own whole block went to the host: the shared ones stay cached while o0 maps them.
     assert seq.checkpoint.num_tokens == 32
     assert seq.checkpoint.blocks[:3] == [None] * 3 and seq.checkpoint.blocks[3] is not None
@@ -118,19 +112,24 @@ def test_checkpoints_skip_shared_blocks_and_restore_re_finds_them(tiny_runner):
     assert out["o1"] == _solo(tiny_runner, _lines(2)[1]) and out["o0"] == _solo(tiny_runner, _lines(1)[0])
 
 
-def _paged_second_line(tiny_runner) -> tuple[Scheduler, dict[str, list[int]]]:
-    """o0 computes the system prompt; o1 maps it, runs 10 steps and is paged out."""
-    scheduler = Scheduler(_pool(tiny_runner, 32, True), FCFSPolicy())
-    scheduler.pager = make_pager("cpu")
+def _second_line_mapping_the_first(scheduler: Scheduler) -> dict[str, list[int]]:
+    """o0 computes the system prompt; o1 maps its three blocks and runs 10 steps."""
     first, second = _lines(2)
     out: dict[str, list[int]] = {}
     scheduler.add(first)
     _step(scheduler, out)
     scheduler.add(second)
     _step(scheduler, out, 10)
-    seq = scheduler.seqs["o1"]
-    assert [scheduler.kv.ref_count(b) for b in seq.block_table] == [2, 2, 2, 1, 1]
-    scheduler.request_preemption.preempt(seq)
+    assert [scheduler.kv.ref_count(b) for b in scheduler.seqs["o1"].block_table] == [2, 2, 2, 1, 1]
+    return out
+
+
+def _paged_second_line(tiny_runner) -> tuple[Scheduler, dict[str, list[int]]]:
+    """o1 of _second_line_mapping_the_first, paged out."""
+    scheduler = Scheduler(_pool(tiny_runner, 32, True), FCFSPolicy())
+    scheduler.pager = make_pager("cpu")
+    out = _second_line_mapping_the_first(scheduler)
+    scheduler.request_preemption.preempt(scheduler.seqs["o1"])
     return scheduler, out
 
 
