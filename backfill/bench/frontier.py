@@ -16,6 +16,7 @@ from pathlib import Path
 from backfill.bench.report import ModeResult
 from backfill.bench.scenario import CoserveScenario
 from backfill.errors import InvalidRequestError
+from backfill.progress import Heartbeat
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,12 @@ def run_frontier(scenarios: list[CoserveScenario], run: Callable[[CoserveScenari
                  out_dir: str | Path, log=print) -> list[FrontierPoint]:
     """Run each setting (its report in out_dir/<setting>), then print and save the table."""
     points = []
-    for scenario in scenarios:
+    for k, scenario in enumerate(scenarios):
         slug = f"load{scenario.online_load:g}-slo{_slo(scenario).replace('/', '-')}"
-        log(f"== frontier point: online load {scenario.online_load:g}, SLO TTFT/TPOT {_slo(scenario)} ms")
-        points.append(point(scenario, run(scenario, str(Path(out_dir) / slug))))
+        log(f"== frontier point {k + 1}/{len(scenarios)}: online load {scenario.online_load:g}, "
+            f"SLO TTFT/TPOT {_slo(scenario)} ms")
+        with Heartbeat(log, f"frontier point {k + 1}/{len(scenarios)}"):   # a simulated point prints nothing itself
+            points.append(point(scenario, run(scenario, str(Path(out_dir) / slug))))
     table = frontier_table(points)
     log(table)
     for line in unreachable_slos(points):
