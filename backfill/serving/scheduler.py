@@ -252,17 +252,17 @@ class Scheduler:
                           num_blocks, seq.cache_key)
         return seq.block_hashes[:num_blocks]
 
-    def _mappable_blocks(self, seq: Sequence) -> int:
+    def _mappable_blocks(self, num_tokens: int) -> int:
         """Full blocks a hit may map: never the one holding the last token, which is computed so the
         step has logits to sample (and a shared block is never written)."""
-        return (seq.num_tokens - 1) // self.kv.block_size
+        return (num_tokens - 1) // self.kv.block_size
 
     def _prefix_state(self, seq: Sequence) -> tuple[int, BlockHash | None]:
         """For the policy: the leading tokens the prefix cache holds now (a probe, for a request holding
         no blocks), and the address of the next full prompt block it would compute (None: none)."""
         if not self.kv.prefix_caching:
             return 0, None
-        mappable = self._mappable_blocks(seq)
+        mappable = self._mappable_blocks(seq.num_tokens)
         if seq.block_table:
             if seq.num_computed >= len(seq.prompt_ids):
                 return 0, None
@@ -278,7 +278,7 @@ class Scheduler:
         if not self.kv.prefix_caching:
             return 0
         prompt, bs = request.prompt_token_ids, self.kv.block_size
-        mappable = (len(prompt) - 1) // bs   # as _mappable_blocks: the last token's block is computed
+        mappable = self._mappable_blocks(len(prompt))
         if mappable <= 0:
             return 0
         adapter = self.runner.adapters.get(request.adapter) if request.adapter is not None else None
@@ -292,7 +292,7 @@ class Scheduler:
         the lookup in prompt tokens (vLLM's prefix_cache_queries / prefix_cache_hits)."""
         if not self.kv.prefix_caching:
             return
-        seq.block_table = self.kv.take_cached(self._block_hashes(seq, self._mappable_blocks(seq)), seq.is_online)
+        seq.block_table = self.kv.take_cached(self._block_hashes(seq, self._mappable_blocks(seq.num_tokens)), seq.is_online)
         seq.num_registered_blocks = len(seq.block_table)
         if not seq.prefix_looked_up:
             seq.prefix_looked_up = True

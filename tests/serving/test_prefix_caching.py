@@ -98,6 +98,7 @@ def test_checkpoints_skip_shared_blocks_and_restore_re_finds_them(tiny_runner):
     out = _second_line_mapping_the_first(scheduler)
     seq = scheduler.seqs["o1"]
     shared = seq.block_table[:3]
+    assert [runner.kv.ref_count(b) for b in seq.block_table] == [2, 2, 2, 1, 1]
     # Only its own whole block went to the host: the shared ones stay cached while o0 maps them.
     assert seq.checkpoint.num_tokens == 32
     assert seq.checkpoint.blocks[:3] == [None] * 3 and seq.checkpoint.blocks[3] is not None
@@ -112,15 +113,14 @@ def test_checkpoints_skip_shared_blocks_and_restore_re_finds_them(tiny_runner):
     assert out["o1"] == _solo(tiny_runner, _lines(2)[1]) and out["o0"] == _solo(tiny_runner, _lines(1)[0])
 
 
-def _second_line_mapping_the_first(scheduler: Scheduler) -> dict[str, list[int]]:
-    """o0 computes the system prompt; o1 maps its three blocks and runs 10 steps."""
+def _second_line_mapping_the_first(scheduler: Scheduler, steps: int = 10) -> dict[str, list[int]]:
+    """o0 computes the system prompt; o1 maps its three blocks and runs `steps` steps."""
     first, second = _lines(2)
     out: dict[str, list[int]] = {}
     scheduler.add(first)
     _step(scheduler, out)
     scheduler.add(second)
-    _step(scheduler, out, 10)
-    assert [scheduler.kv.ref_count(b) for b in scheduler.seqs["o1"].block_table] == [2, 2, 2, 1, 1]
+    _step(scheduler, out, steps)
     return out
 
 
@@ -129,6 +129,7 @@ def _paged_second_line(tiny_runner) -> tuple[Scheduler, dict[str, list[int]]]:
     scheduler = Scheduler(_pool(tiny_runner, 32, True), FCFSPolicy())
     scheduler.pager = make_pager("cpu")
     out = _second_line_mapping_the_first(scheduler)
+    assert [scheduler.kv.ref_count(b) for b in scheduler.seqs["o1"].block_table] == [2, 2, 2, 1, 1]
     scheduler.request_preemption.preempt(scheduler.seqs["o1"])
     return scheduler, out
 
@@ -171,12 +172,7 @@ def test_a_page_whose_shared_blocks_were_evicted_is_recomputed(tiny_runner):
 def test_shared_blocks_are_re_found_after_a_preemption(tiny_runner):
     runner = _pool(tiny_runner, 32, True)
     scheduler = Scheduler(runner, FCFSPolicy())
-    first, second = _lines(2)
-    out: dict[str, list[int]] = {}
-    scheduler.add(first)
-    _step(scheduler, out)
-    scheduler.add(second)
-    _step(scheduler, out, 3)
+    out = _second_line_mapping_the_first(scheduler, steps=3)
     seq = scheduler.seqs["o1"]
     shared = seq.block_table[:3]
     assert [runner.kv.ref_count(b) for b in shared] == [2, 2, 2]
