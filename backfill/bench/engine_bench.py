@@ -24,6 +24,7 @@ import torch
 
 from backfill.progress import Heartbeat
 from backfill.sampling_params import SamplingParams
+from backfill.engine.paged_attention import shared_prefix_tiles_available
 from backfill.engine.step import SeqChunk
 from backfill.types import GenerationRequest, RequestClass
 from backfill.serving.config import ServingConfig
@@ -272,6 +273,7 @@ def _run_engine_bench(model, dtypes, batches, prompt_len, new_tokens, device, wi
                "compiled_decode": runner.model.compiled_decode is not None,
                "paged_attention_kernel": runner.model.paged_decode_attention is not None,
                "prompt_attention_kernel": runner.model.paged_prompt_attention is not None,
+               "shared_prefix_tiles": runner.model.paged_decode_attention is not None and shared_prefix_tiles_available(),
                "cuda_graphs": runner.decode_graphs is not None, "cuda_kernels": kernels,
                "matmul_kernel": runner.model.matmul_kernel, "bandwidth_floor_ms": floor_ms,
                "decode": [], "hf": []}

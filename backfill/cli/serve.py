@@ -99,6 +99,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     choice = runner.model.kernel_choice
     if choice is not None:  # which kernel multiplies each weight at each step size (engine/kernel_choice.py)
         print(f"matmul kernel per weight and step rows, measured on this machine:\n{choice.format()}")
+    if runner.model.paged_decode_attention is not None:
+        import torch
+
+        from backfill.engine.paged_attention import shared_prefix_tiles_available
+
+        tiles = cfg.torch_dtype == torch.bfloat16 and shared_prefix_tiles_available()
+        print("decode attention over shared prefix blocks: " + ("AMX tiles" if tiles else "vector FMAs"))
     latency = profile_latency(runner, model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)
     latency.save(path)

@@ -10,6 +10,12 @@ pairs than threads has its contexts cut into stretches merged afterwards. Every 
 of the model goes through it when it is on: eager batches and compiled small decode batches alike
 (docs/benchmarks.md has the A/B figures against gather + SDPA).
 
+Sequences whose block tables start with the same blocks (prefix caching maps one cached prompt into
+many tables) read those blocks once per step: the kernel groups them and scores each shared block
+against every query row of the group, on AMX tiles where the CPU has them and the pool is bf16
+(Intel Xeon since Sapphire Rapids), else on vectors, and merges that partial softmax with each
+sequence's own blocks (cascade attention; docs/prefix-caching.md has the figures).
+
 Prompt chunks have their own kernel (`csrc/paged_prompt_attention.cpp`): one call per layer takes
 every chunk of a step, causal within the chunk, against the keys before it in the pool. Per chunk,
 gather + SDPA cost a short prompt mostly fixed cost per layer (docs/peers.md has the figures).
@@ -35,7 +41,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 PROMPT_SOURCE = Path(__file__).parent / "csrc" / "paged_prompt_attention.cpp"
 
-PagedDecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [B, n_q, hd], k_pool, v_pool, block tables [B, width], context lengths [B]) -> [B, n_q, hd]; keywords
+# min_shared_blocks (fewest shared leading blocks read once per group; 0: every table alone) and tiles.
+PagedDecodeAttention = Callable[..., torch.Tensor]
 # (q [N, n_q, hd], k_pool, v_pool, spans [S, 3], block tables [S, width], out [N, n_q, hd]) -> None
 PagedPromptAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                                 None]
@@ -60,6 +68,16 @@ def load_paged_decode_attention() -> PagedDecodeAttention | None:
         log.warning("paged decode attention kernel unavailable, decode attention stays eager: %s", exc)
         return None
     return module.paged_decode_attention
+
+
+def shared_prefix_tiles_available() -> bool:
+    """Whether shared prefixes of bf16 pools run on AMX tiles on this CPU (false where the kernel
+    cannot be built, the build has no AMX, or the OS refuses the tile state)."""
+    try:
+        module = build_cpu_extension("backfill_paged_decode", SOURCE)
+    except Exception:  # as load_paged_decode_attention: no kernel, no tiles
+        return False
+    return bool(module.tiles_available())
 
 
 @functools.lru_cache(maxsize=1)

@@ -95,3 +95,61 @@ def test_model_with_kernel_equals_model_with_sdpa(tiny_config):
                 SeqChunk(2, prompts[2], 0, tables[2])]
         logits.append(runner.execute(step).logits)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def _shared_prefix_batch(g, dtype, n_q, n_kv, head_dim, groups, num_blocks=200, block_size=16):
+    """A pool and a batch whose sequences start with shared blocks: groups is a list of (members,
+    shared blocks); each member then has blocks of its own and a length ending anywhere in its last."""
+    k_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, n_kv, head_dim, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, lens = [], []
+    for members, shared in groups:
+        prefix = [free.pop() for _ in range(shared)]
+        for _ in range(members):
+            own = int(torch.randint(1, 4, (), generator=g))
+            tables.append(prefix + [free.pop() for _ in range(own)])
+            lens.append(len(tables[-1]) * block_size - int(torch.randint(0, block_size, (), generator=g)))
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(tables), n_q, head_dim, generator=g).to(dtype) * 2  # peaked: the merge must rescale
+    return q, k_pool, v_pool, table, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n_q, n_kv, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 24)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_shared_prefixes_read_once_match_each_sequence_alone(dtype, tol, n_q, n_kv, head_dim, tiles):
+    """Two groups sharing long prefixes (one of 21 members, more query rows than a tile), a pair
+    sharing the minimum, and a sequence alone: the same attention as gather + SDPA, and as the
+    kernel walking every table alone (AMX tiles where this CPU has them, else vectors)."""
+    g = torch.Generator().manual_seed(n_q + head_dim)
+    q, k_pool, v_pool, tables, lens = _shared_prefix_batch(g, dtype, n_q, n_kv, head_dim,
+                                                           [(21, 9), (3, 30), (2, 2), (1, 5)])
+    alone = kernel(q, k_pool, v_pool, tables, lens, min_shared_blocks=0)
+    shared = kernel(q, k_pool, v_pool, tables, lens, tiles=tiles)
+    torch.testing.assert_close(shared.float(), _reference(q, k_pool, v_pool, tables, lens), atol=tol, rtol=tol)
+    torch.testing.assert_close(shared.float(), alone.float(), atol=tol, rtol=tol)
+
+
+def test_a_member_that_diverges_early_runs_alone():
+    """Among sequences with the same first block, one leaves the shared prefix after two blocks: the
+    group keeps the long prefix for the others and that sequence walks its own table."""
+    g = torch.Generator().manual_seed(3)
+    q, k_pool, v_pool, tables, lens = _shared_prefix_batch(g, torch.float32, 6, 2, 64, [(4, 12)])
+    tables[3, 2:12] = torch.tensor(range(150, 160))  # blocks no other sequence maps
+    torch.testing.assert_close(kernel(q, k_pool, v_pool, tables, lens),
+                               _reference(q, k_pool, v_pool, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_block_holding_a_members_newest_token_is_not_shared():
+    """Two tables naming the same blocks throughout (one ending mid-block): only blocks before each
+    one's newest token are read as shared; the rest each sequence reads alone."""
+    g = torch.Generator().manual_seed(4)
+    k_pool = torch.randn(12, 16, 2, 64, generator=g)
+    v_pool = torch.randn(12, 16, 2, 64, generator=g)
+    tables = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    lens = torch.tensor([64, 50])
+    q = torch.randn(2, 4, 64, generator=g)
+    torch.testing.assert_close(kernel(q, k_pool, v_pool, tables, lens),
+                               _reference(q, k_pool, v_pool, tables, lens), atol=1e-5, rtol=1e-5)

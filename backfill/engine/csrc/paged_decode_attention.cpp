@@ -19,16 +19,23 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Fewest shared leading blocks for which a group of sequences reads its prefix once (below).
+constexpr int64_t kMinSharedBlocks = 2;
 
 // n <= kLanes elements of a row, as fp32 lanes (the rest zero).
 inline Vec load_float(const float* src, int64_t n) { return n == kLanes ? Vec::loadu(src) : Vec::loadu(src, n); }
@@ -249,9 +256,416 @@ int64_t choose_splits(int64_t pairs, int64_t max_blocks) {
   return std::max<int64_t>(1, std::min(wanted, max_blocks / 4));
 }
 
+// ---- Shared prefixes (cascade attention) -------------------------------------------------------
+//
+// With prefix caching, sequences that start with the same prompt map the same physical blocks
+// (engine/prefix_cache.py). Walked per sequence, a batch of 64 lines sharing a 1,024-token system
+// prompt reads those 64 blocks 64 times a layer, and at that context the step is mostly those reads.
+// Instead, the sequences whose tables start with the same blocks form a group; one task per (group,
+// KV head, stretch of the shared blocks) reads each shared block once and scores it against every
+// query row of the group (members x query heads), and each sequence's own blocks after the prefix
+// go through attend_blocks as before; the two partial softmaxes merge as split contexts do
+// (flash-decoding). With the rows as the vector lanes, scores, the softmax and the value sums are
+// all vertical: no sums across lanes, and a key or value element is broadcast to a whole row chunk.
+
+struct PrefixGroup {
+  std::vector<int64_t> members;  // sequence indices of the batch
+  int64_t shared_blocks;         // leading table entries every member has, each a full block
+};
+
+// Groups of sequences whose block tables start with the same blocks. Only full blocks before each
+// member's newest token count (that block is the member's own). Among the sequences with the same
+// first block, the group keeps the members and prefix length that share the most block reads
+// (members x blocks); a member that diverges early runs alone.
+std::vector<PrefixGroup> find_prefix_groups(const Shape& s, const int64_t* tables, const int64_t* lens,
+                                            int64_t batch, int64_t min_shared_blocks) {
+  std::vector<PrefixGroup> groups;
+  if (min_shared_blocks <= 0 || batch < 2) return groups;
+  std::vector<int64_t> order;
+  for (int64_t b = 0; b < batch; ++b)
+    if ((lens[b] - 1) / s.block_size >= min_shared_blocks) order.push_back(b);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * s.width] < tables[b * s.width]; });
+  for (size_t begin = 0; begin < order.size();) {
+    size_t end = begin + 1;
+    while (end < order.size() && tables[order[end] * s.width] == tables[order[begin] * s.width]) ++end;
+    if (end - begin >= 2) {
+      const int64_t leader = order[begin];
+      const int64_t* lead = tables + leader * s.width;
+      std::vector<std::pair<int64_t, int64_t>> matched;  // (blocks shared with the leader, sequence)
+      for (size_t i = begin; i < end; ++i) {
+        const int64_t b = order[i], limit = std::min((lens[b] - 1) / s.block_size, (lens[leader] - 1) / s.block_size);
+        const int64_t* row = tables + b * s.width;
+        int64_t n = 0;
+        while (n < limit && row[n] == lead[n]) ++n;
+        matched.emplace_back(n, b);
+      }
+      std::sort(matched.begin(), matched.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      int64_t best_count = 0, best_blocks = 0;
+      for (size_t k = 1; k < matched.size(); ++k) {  // the k + 1 longest matches share matched[k].first
+        const int64_t blocks = matched[k].first, count = static_cast<int64_t>(k) + 1;
+        if (blocks >= min_shared_blocks && count * blocks > best_count * best_blocks) {
+          best_count = count;
+          best_blocks = blocks;
+        }
+      }
+      if (best_count >= 2) {
+        PrefixGroup group{{}, best_blocks};
+        for (int64_t k = 0; k < best_count; ++k) group.members.push_back(matched[k].second);
+        std::sort(group.members.begin(), group.members.end());
+        groups.push_back(std::move(group));
+      }
+    }
+    begin = end;
+  }
+  return groups;
+}
+
+// Scratch of one shared task: the rows' scaled queries transposed [head_dim][rows], their output
+// sums transposed the same way, each row's running max and sum, and one block's keys and values in
+// fp32 [block][head_dim] and its probabilities [block][lanes].
+struct SharedScratch {
+  std::vector<float> query_t, acc_t, max, sum, keys, values, probs;
+  SharedScratch(const Shape& s, int64_t padded_rows)
+      : query_t(s.head_dim * padded_rows), acc_t(s.head_dim * padded_rows), max(padded_rows), sum(padded_rows),
+        keys(s.block_size * s.head_dim), values(s.block_size * s.head_dim), probs(s.block_size * kLanes) {}
+};
+
+// Blocks [first, last) of a group's shared prefix, for one KV head, folded into each member's
+// partial for that head (parts[m], m over the group's members). Every block here is full.
+template <typename T, int64_t kHeadDim>
+void attend_shared_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
+                          int64_t first, int64_t last, int64_t head, const std::vector<int64_t>& members,
+                          const Partial* parts) {
+  const int64_t hd = kHeadDim > 0 ? kHeadDim : s.head_dim, group = s.group, bs = s.block_size;
+  const int64_t rows = static_cast<int64_t>(members.size()) * group;
+  const int64_t padded_rows = (rows + kLanes - 1) / kLanes * kLanes;
+  const int64_t token_stride = s.n_kv * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  SharedScratch scratch(s, padded_rows);
+  float* query_t = scratch.query_t.data();
+  float* acc_t = scratch.acc_t.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + (members[r / group] * s.n_q + head * group + r % group) * hd;
+    for (int64_t d = 0; d < hd; ++d) query_t[d * padded_rows + r] = static_cast<float>(qr[d]) * scale;
+  }
+  float* keys = scratch.keys.data();
+  float* values = scratch.values.data();
+  float* probs = scratch.probs.data();
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t block = table[j];
+    const T* k_rows = k_pool + (block * bs * s.n_kv + head) * hd;
+    const T* v_rows = v_pool + (block * bs * s.n_kv + head) * hd;
+    if (j + 1 < last) prefetch_block(s, k_pool, v_pool, table[j + 1], head, hd);
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t d = 0; d < hd; d += kLanes) {
+        const int64_t n = std::min(kLanes, hd - d);
+        load_float(k_rows + t * token_stride + d, n).store(keys + t * hd + d, n);
+        load_float(v_rows + t * token_stride + d, n).store(values + t * hd + d, n);
+      }
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += kLanes) {
+      // Scores of kLanes rows against the block's tokens, eight tokens at a time in registers.
+      for (int64_t t0 = 0; t0 < bs; t0 += 8) {
+        const int64_t tn = std::min<int64_t>(8, bs - t0);
+        Vec dots[8];
+        for (int64_t u = 0; u < 8; ++u) dots[u] = Vec(0.0f);
+        for (int64_t d = 0; d < hd; ++d) {
+          const Vec qd = Vec::loadu(query_t + d * padded_rows + r0);
+          for (int64_t u = 0; u < tn; ++u) dots[u] = at::vec::fmadd(qd, Vec(keys[(t0 + u) * hd + d]), dots[u]);
+        }
+        for (int64_t u = 0; u < tn; ++u) dots[u].store(probs + (t0 + u) * kLanes);
+      }
+      // The block's softmax against the running one, per row (lane). The first block of the stretch
+      // sets the running max (no rescale of the zero sums).
+      Vec block_max = Vec::loadu(probs);
+      for (int64_t t = 1; t < bs; ++t) block_max = at::vec::maximum(block_max, Vec::loadu(probs + t * kLanes));
+      const Vec old_max = j == first ? block_max : Vec::loadu(scratch.max.data() + r0);
+      const Vec new_max = at::vec::maximum(old_max, block_max);
+      const Vec rescale = (old_max - new_max).exp_u20();
+      Vec total(0.0f);
+      for (int64_t t = 0; t < bs; ++t) {
+        const Vec p = (Vec::loadu(probs + t * kLanes) - new_max).exp_u20();
+        p.store(probs + t * kLanes);
+        total = total + p;
+      }
+      new_max.store(scratch.max.data() + r0);
+      const Vec old_sum = j == first ? Vec(0.0f) : Vec::loadu(scratch.sum.data() + r0);
+      (old_sum * rescale + total).store(scratch.sum.data() + r0);
+      // Output sums, eight head dims at a time in registers: acc[d] = acc[d] * rescale + sum_t p[t] v[t][d].
+      for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+        const int64_t dn = std::min<int64_t>(8, hd - d0);
+        Vec acc[8];
+        for (int64_t u = 0; u < dn; ++u)
+          acc[u] = j == first ? Vec(0.0f) : Vec::loadu(acc_t + (d0 + u) * padded_rows + r0) * rescale;
+        for (int64_t t = 0; t < bs; ++t) {
+          const Vec p = Vec::loadu(probs + t * kLanes);
+          for (int64_t u = 0; u < dn; ++u) acc[u] = at::vec::fmadd(p, Vec(values[t * hd + d0 + u]), acc[u]);
+        }
+        for (int64_t u = 0; u < dn; ++u) acc[u].store(acc_t + (d0 + u) * padded_rows + r0);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const Partial& part = parts[r / group];
+    const int64_t g = r % group;
+    part.max[g] = scratch.max[r];
+    part.sum[g] = scratch.sum[r];
+    for (int64_t d = 0; d < hd; ++d) part.acc[g * hd + d] = acc_t[d * padded_rows + r];
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BACKFILL_TILES 1
+// The shared prefix on AMX tiles (Intel Xeon since Sapphire Rapids), where a tile multiply does
+// 16 x 16 x 32 bf16 products in the time the vector path does a few hundred. Scores accumulate in
+// fp32 from the exact products of bf16 queries and keys; the probabilities go in as two bf16 tiles
+// (the rounded value and what rounding left), so the value sums keep about 16 bits of each
+// probability rather than bf16's 8. Linux hands out tile state only on request (arch_prctl).
+constexpr int64_t kTileRows = 16;
+
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 keys [16 tokens][32 dims], 1 queries (pairs of dims) [16][16 rows], 2 scores [16 tokens][16 rows],
+// 3 values transposed [16 dims][16 tokens], 4 and 5 probabilities (high and low bf16; pairs of
+// tokens) [8][16 rows], 6 output sums [16 dims][16 rows].
+void configure_tiles() {
+  TileConfig config;
+  for (int t : {0, 1, 2, 6}) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  config.bytes_per_row[3] = 32, config.rows[3] = 16;
+  for (int t : {4, 5}) config.bytes_per_row[t] = 64, config.rows[t] = 8;
+  _tile_loadconfig(&config);
+}
+
+void attend_shared_blocks_tiles(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k_pool,
+                                const c10::BFloat16* v_pool, const int64_t* table, int64_t first, int64_t last,
+                                int64_t head, const std::vector<int64_t>& members, const Partial* parts) {
+  const int64_t hd = s.head_dim, group = s.group, bs = s.block_size;  // bs == 16, hd % 32 == 0
+  const int64_t rows = static_cast<int64_t>(members.size()) * group;
+  const int64_t chunks = (rows + kTileRows - 1) / kTileRows, padded_rows = chunks * kTileRows;
+  const int64_t token_bytes = s.n_kv * hd * 2;
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(static_cast<float>(hd)));
+  // Queries as the right side of keys x queries: per chunk of 16 rows and pair of dims, the 16 rows'
+  // two bf16 side by side [chunk][hd / 2][16 rows].
+  std::vector<uint32_t> query_pairs(chunks * (hd / 2) * kTileRows, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* pairs =
+        reinterpret_cast<const uint32_t*>(q + (members[r / group] * s.n_q + head * group + r % group) * hd);
+    for (int64_t p = 0; p < hd / 2; ++p) query_pairs[((r / kTileRows) * (hd / 2) + p) * kTileRows + r % kTileRows] = pairs[p];
+  }
+  // The output sums transposed, [chunk][hd][16 rows]; each row's running max and sum, [chunk][16].
+  std::vector<float> acc(chunks * hd * kTileRows, 0.0f), max(padded_rows), sum(padded_rows, 0.0f);
+  std::vector<uint16_t> values_t(hd * kTileRows);  // the block's values transposed [hd][16 tokens]
+  alignas(64) float scores[kTileRows * kTileRows];  // [16 tokens][16 rows]
+  alignas(64) float sums[kTileRows * kTileRows];    // [16 dims][16 rows]
+  alignas(64) uint32_t probs_high[kTileRows / 2 * kTileRows], probs_low[kTileRows / 2 * kTileRows];
+  configure_tiles();
+  for (int64_t j = first; j < last; ++j) {
+    const int64_t block = table[j];
+    const c10::BFloat16* k_rows = k_pool + (block * bs * s.n_kv + head) * hd;
+    const uint16_t* v_rows = reinterpret_cast<const uint16_t*>(v_pool + (block * bs * s.n_kv + head) * hd);
+    if (j + 1 < last) prefetch_block(s, k_pool, v_pool, table[j + 1], head, hd);
+    for (int64_t t = 0; t < bs; ++t)
+      for (int64_t d = 0; d < hd; ++d) values_t[d * kTileRows + t] = v_rows[t * (token_bytes / 2) + d];
+    for (int64_t c = 0; c < chunks; ++c) {
+      // Scores transposed, [16 tokens][16 rows]: the keys load straight from the pool as the left side.
+      _tile_zero(2);
+      for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+        _tile_loadd(0, k_rows + d0, token_bytes);
+        _tile_loadd(1, query_pairs.data() + (c * (hd / 2) + d0 / 2) * kTileRows, 64);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, scores, 64);
+      // The softmax with the rows in the lanes: maxima, exponentials and sums all vertical.
+      __m512 row[kTileRows];
+      __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::max());
+      for (int64_t t = 0; t < kTileRows; ++t) {
+        row[t] = _mm512_mul_ps(_mm512_load_ps(scores + t * kTileRows), scale);
+        block_max = _mm512_max_ps(block_max, row[t]);
+      }
+      float* max_c = max.data() + c * kTileRows;
+      float* sum_c = sum.data() + c * kTileRows;
+      const __m512 old_max = j == first ? block_max : _mm512_loadu_ps(max_c);
+      const __m512 new_max = _mm512_max_ps(old_max, block_max);
+      const __m512 rescale = Vec(_mm512_sub_ps(old_max, new_max)).exp_u20();
+      _mm512_storeu_ps(max_c, new_max);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t t = 0; t < kTileRows; t += 2) {
+        __m512i high[2], low[2];
+        for (int u = 0; u < 2; ++u) {
+          const __m512 p = Vec(_mm512_sub_ps(row[t + u], new_max)).exp_u20();
+          total = _mm512_add_ps(total, p);
+          const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p));
+          high[u] = _mm512_cvtepu16_epi32(h);
+          const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(high[u], 16)));
+          low[u] = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest)));
+        }
+        // A pair of tokens per row of the right side: token t in the low half of each row's word.
+        _mm512_store_si512(probs_high + t / 2 * kTileRows, _mm512_or_si512(high[0], _mm512_slli_epi32(high[1], 16)));
+        _mm512_store_si512(probs_low + t / 2 * kTileRows, _mm512_or_si512(low[0], _mm512_slli_epi32(low[1], 16)));
+      }
+      _mm512_storeu_ps(sum_c, _mm512_fmadd_ps(j == first ? _mm512_setzero_ps() : _mm512_loadu_ps(sum_c), rescale, total));
+      // Output sums transposed, 16 dims at a time: values^T [16 dims][16 tokens] x probabilities.
+      _tile_loadd(4, probs_high, 64);
+      _tile_loadd(5, probs_low, 64);
+      for (int64_t d0 = 0; d0 < hd; d0 += kTileRows) {
+        _tile_zero(6);
+        _tile_loadd(3, values_t.data() + d0 * kTileRows, 32);
+        _tile_dpbf16ps(6, 3, 4);
+        _tile_dpbf16ps(6, 3, 5);
+        _tile_stored(6, sums, 64);
+        float* acc_c = acc.data() + (c * hd + d0) * kTileRows;
+        for (int64_t d = 0; d < kTileRows; ++d)
+          _mm512_storeu_ps(acc_c + d * kTileRows, _mm512_fmadd_ps(_mm512_loadu_ps(acc_c + d * kTileRows), rescale,
+                                                                  _mm512_load_ps(sums + d * kTileRows)));
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < rows; ++r) {
+    const Partial& part = parts[r / group];
+    const int64_t g = r % group, c = r / kTileRows, lane = r % kTileRows;
+    part.max[g] = max[r];
+    part.sum[g] = sum[r];
+    for (int64_t d = 0; d < hd; ++d) part.acc[g * hd + d] = acc[(c * hd + d) * kTileRows + lane];
+  }
+}
+#endif
+
+// Whether a shared prefix of this shape runs on tiles: an AMX build, the kernel's permission, and
+// blocks and heads the tile shapes fit.
+bool tiles_usable(const Shape& s) {
+#if defined(BACKFILL_TILES)
+  return s.block_size == kTileRows && s.head_dim % 32 == 0 && tiles_permitted();
+#else
+  (void)s;
+  return false;
+#endif
+}
+
+// Decode attention of a batch in which some sequences share leading blocks: the groups' shared
+// stretches and every sequence's own blocks as tasks of one pool (longest first, taken in turn by
+// the threads, since their sizes differ by far), then one merge per (sequence, KV head).
+template <typename T, int64_t kHeadDim>
+void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const int64_t* tables,
+                          const int64_t* lens, T* out, int64_t batch, const std::vector<PrefixGroup>& groups,
+                          bool tiles) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t stride = s.group * (s.head_dim + 2);
+  std::vector<int64_t> own_first(batch, 0);  // each sequence's first block after its shared prefix
+  for (const auto& group : groups)
+    for (int64_t b : group.members) own_first[b] = group.shared_blocks;
+  int64_t max_own = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    max_own = std::max(max_own, (lens[b] + s.block_size - 1) / s.block_size - own_first[b]);
+  const int64_t pairs = batch * s.n_kv;
+  const int64_t splits = choose_splits(pairs, max_own);
+  // Shared stretches: enough tasks for every thread, at least two blocks each.
+  const int64_t group_heads = static_cast<int64_t>(groups.size()) * s.n_kv;
+  std::vector<int64_t> stretches(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g)
+    stretches[g] = std::max<int64_t>(1, std::min((4 * threads + group_heads - 1) / group_heads,
+                                                 groups[g].shared_blocks / 2));
+  // Partials: each pair's own splits, then each group member's shared stretches per head.
+  std::vector<int64_t> shared_offset(groups.size());
+  int64_t floats = pairs * splits * stride;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    shared_offset[g] = floats;
+    floats += static_cast<int64_t>(groups[g].members.size()) * s.n_kv * stretches[g] * stride;
+  }
+  std::vector<float> store(floats);
+  auto partial_at = [&](int64_t offset) {
+    float* base = store.data() + offset;
+    return Partial{base + s.group * s.head_dim, base + s.group * s.head_dim + s.group, base};
+  };
+  auto own_partial = [&](int64_t pair, int64_t split) { return partial_at((pair * splits + split) * stride); };
+  auto shared_partial = [&](size_t g, int64_t member, int64_t head, int64_t stretch) {
+    return partial_at(shared_offset[g] + ((member * s.n_kv + head) * stretches[g] + stretch) * stride);
+  };
+  struct Task {
+    int64_t cost, kind, a, b, c;  // kind 0: (pair, split); kind 1: (group, head, stretch)
+  };
+  std::vector<Task> tasks;
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t seq = pair / s.n_kv;
+    const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size - own_first[seq];
+    for (int64_t split = 0; split < splits; ++split) tasks.push_back({blocks / splits + 1, 0, pair, split, 0});
+  }
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (int64_t head = 0; head < s.n_kv; ++head)
+      for (int64_t stretch = 0; stretch < stretches[g]; ++stretch)
+        tasks.push_back({static_cast<int64_t>(groups[g].members.size()) * groups[g].shared_blocks / stretches[g] + 1,
+                         1, static_cast<int64_t>(g), head, stretch});
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch(s);
+    std::vector<Partial> member_parts;
+    for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) {
+      const Task& task = tasks[i];
+      if (task.kind == 0) {
+        const int64_t pair = task.a, split = task.b, seq = pair / s.n_kv, head = pair % s.n_kv;
+        const int64_t begin = own_first[seq], blocks = (lens[seq] + s.block_size - 1) / s.block_size - begin;
+        attend_blocks<T, kHeadDim>(s, q + seq * s.n_q * s.head_dim, k_pool, v_pool, tables + seq * s.width, lens[seq],
+                                   begin + split * blocks / splits, begin + (split + 1) * blocks / splits, head,
+                                   scratch, own_partial(pair, split));
+      } else {
+        const PrefixGroup& group = groups[task.a];
+        const int64_t head = task.b, stretch = task.c, n = stretches[task.a];
+        member_parts.clear();
+        for (size_t m = 0; m < group.members.size(); ++m)
+          member_parts.push_back(shared_partial(task.a, static_cast<int64_t>(m), head, stretch));
+        const int64_t begin = stretch * group.shared_blocks / n, end = (stretch + 1) * group.shared_blocks / n;
+        const int64_t* table = tables + group.members[0] * s.width;
+#if defined(BACKFILL_TILES)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (tiles) {
+            attend_shared_blocks_tiles(s, q, k_pool, v_pool, table, begin, end, head, group.members,
+                                       member_parts.data());
+            continue;
+          }
+        }
+#endif
+        attend_shared_blocks<T, kHeadDim>(s, q, k_pool, v_pool, table, begin, end, head, group.members,
+                                          member_parts.data());
+      }
+    }
+  });
+  // Where each sequence's shared partials lie: (group, member index), or none.
+  std::vector<std::pair<int64_t, int64_t>> membership(batch, {-1, -1});
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t m = 0; m < groups[g].members.size(); ++m)
+      membership[groups[g].members[m]] = {static_cast<int64_t>(g), static_cast<int64_t>(m)};
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    std::vector<Partial> parts;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
+      parts.clear();
+      for (int64_t i = 0; i < splits; ++i) parts.push_back(own_partial(pair, i));
+      const auto [g, m] = membership[seq];
+      if (g >= 0)
+        for (int64_t i = 0; i < stretches[g]; ++i) parts.push_back(shared_partial(g, m, head, i));
+      merge_and_write(s, parts.data(), static_cast<int64_t>(parts.size()),
+                      out + (seq * s.n_q + head * s.group) * s.head_dim);
+    }
+  });
+}
+
 template <typename T, int64_t kHeadDim>
 void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-            T* out, int64_t batch) {
+            T* out, int64_t batch, int64_t min_shared_blocks, bool tiles) {
+  const std::vector<PrefixGroup> groups = find_prefix_groups(s, tables, lens, batch, min_shared_blocks);
+  if (!groups.empty())
+    return attend_with_prefixes<T, kHeadDim>(s, q, k_pool, v_pool, tables, lens, out, batch, groups, tiles);
   int64_t max_blocks = 0;
   for (int64_t b = 0; b < batch; ++b) max_blocks = std::max(max_blocks, (lens[b] + s.block_size - 1) / s.block_size);
   const int64_t pairs = batch * s.n_kv;
@@ -290,10 +704,11 @@ void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const 
 template <typename T>
 void attend_any_head_dim(const Shape& s, const torch::Tensor& q, const torch::Tensor& k_pool,
                          const torch::Tensor& v_pool, const torch::Tensor& tables, const int64_t* lens,
-                         torch::Tensor& out) {
+                         torch::Tensor& out, int64_t min_shared_blocks, bool tiles) {
   const auto run = [&](auto head_dim_constant) {
     attend<T, decltype(head_dim_constant)::value>(s, q.data_ptr<T>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(),
-                                                   tables.data_ptr<int64_t>(), lens, out.data_ptr<T>(), q.size(0));
+                                                   tables.data_ptr<int64_t>(), lens, out.data_ptr<T>(), q.size(0),
+                                                   min_shared_blocks, tiles);
   };
   if (s.head_dim == 64) run(std::integral_constant<int64_t, 64>());
   else if (s.head_dim == 128) run(std::integral_constant<int64_t, 128>());
@@ -303,9 +718,12 @@ void attend_any_head_dim(const Shape& s, const torch::Tensor& q, const torch::Te
 }  // namespace
 
 // q [B, n_q, hd]; k_pool, v_pool [num_blocks, block_size, n_kv, hd]; block_tables [B, width] int64;
-// context_lens [B] int64, each in [1, width * block_size]. Returns [B, n_q, hd].
+// context_lens [B] int64, each in [1, width * block_size]. Returns [B, n_q, hd]. Sequences whose
+// tables start with the same min_shared_blocks or more full blocks read them once as a group
+// (cascade attention, above); 0 walks every sequence's table alone.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                     int64_t min_shared_blocks, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
               block_tables.is_contiguous() && context_lens.is_contiguous(), "inputs must be contiguous");
@@ -322,15 +740,20 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   for (int64_t i = 0; i < batch; ++i)
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "context length outside its block table");
   const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width};
+  const bool use_tiles = tiles && tiles_usable(shape);
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
-    case at::kFloat: attend_any_head_dim<float>(shape, q, k_pool, v_pool, block_tables, lens, out); break;
-    case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, q, k_pool, v_pool, block_tables, lens, out); break;
-    default: attend_any_head_dim<c10::Half>(shape, q, k_pool, v_pool, block_tables, lens, out);
+    case at::kFloat: attend_any_head_dim<float>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles); break;
+    case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles); break;
+    default: attend_any_head_dim<c10::Half>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles);
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("min_shared_blocks") = kMinSharedBlocks, py::arg("tiles") = true);
+  m.def("tiles_available", []() { return tiles_usable(Shape{1, 1, 1, 64, 16, 1}); },
+        "whether shared prefixes of bf16 pools with 16-token blocks run on AMX tiles here");
 }
