@@ -45,10 +45,18 @@ def isa_capped_below_avx512() -> bool:
     return "avx512f" in cpu_flags() and torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
+def kernel_headers(source: Path) -> list[Path]:
+    """The headers beside a kernel's source, which it may include (shared by several kernels)."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def source_digest(source: Path) -> str:
-    """A short hash of a kernel's source: step-time profiles measured with one version of a kernel
-    do not describe another."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:8]
+    """A short hash of a kernel's source and the headers beside it: step-time profiles measured with
+    one version of a kernel do not describe another."""
+    h = hashlib.sha256(source.read_bytes())
+    for header in kernel_headers(source):
+        h.update(header.read_bytes())
+    return h.hexdigest()[:8]
 
 
 def put_ninja_on_path() -> None:
@@ -92,9 +100,11 @@ def build_cpu_extension(name: str, source: Path, *, python_module: bool = True):
         # Compiled from a copy in the cache, not from the checkout: ninja rebuilds whenever the source
         # path changes, so two checkouts (a fresh clone beside another) would recompile each other's
         # build at every switch though the source is the same. The copy changes only with the content.
+        for file in (source, *kernel_headers(source)):
+            stable = build_dir / file.name
+            if not stable.exists() or stable.read_bytes() != file.read_bytes():
+                shutil.copyfile(file, stable)
         stable = build_dir / source.name
-        if not stable.exists() or stable.read_bytes() != source.read_bytes():
-            shutil.copyfile(source, stable)
         return cpp_extension.load(name=full_name, sources=[str(stable)], build_directory=str(build_dir),
                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp",
                                                 *vector_capability_flags()],

@@ -26,8 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "tile_attention.h"
 
 namespace {
 
@@ -414,143 +413,6 @@ void attend_shared_blocks(const Shape& s, const T* q, const T* k_pool, const T* 
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define BACKFILL_TILES 1
-// The shared prefix on AMX tiles (Intel Xeon since Sapphire Rapids), where a tile multiply does
-// 16 x 16 x 32 bf16 products in the time the vector path does a few hundred. Scores accumulate in
-// fp32 from the exact products of bf16 queries and keys; the probabilities go in as two bf16 tiles
-// (the rounded value and what rounding left), so the value sums keep about 16 bits of each
-// probability rather than bf16's 8. Linux hands out tile state only on request (arch_prctl).
-constexpr int64_t kTileRows = 16;
-
-bool tiles_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0 keys [16 tokens][32 dims], 1 queries (pairs of dims) [16][16 rows], 2 scores [16 tokens][16 rows],
-// 3 values transposed [16 dims][16 tokens], 4 and 5 probabilities (high and low bf16; pairs of
-// tokens) [8][16 rows], 6 output sums [16 dims][16 rows].
-void configure_tiles() {
-  TileConfig config;
-  for (int t : {0, 1, 2, 6}) config.bytes_per_row[t] = 64, config.rows[t] = 16;
-  config.bytes_per_row[3] = 32, config.rows[3] = 16;
-  for (int t : {4, 5}) config.bytes_per_row[t] = 64, config.rows[t] = 8;
-  _tile_loadconfig(&config);
-}
-
-void attend_shared_blocks_tiles(const Shape& s, const c10::BFloat16* q, const c10::BFloat16* k_pool,
-                                const c10::BFloat16* v_pool, const int64_t* table, int64_t first, int64_t last,
-                                int64_t head, const std::vector<int64_t>& members, const Partial* parts) {
-  const int64_t hd = s.head_dim, group = s.group, bs = s.block_size;  // bs == 16, hd % 32 == 0
-  const int64_t rows = static_cast<int64_t>(members.size()) * group;
-  const int64_t chunks = (rows + kTileRows - 1) / kTileRows, padded_rows = chunks * kTileRows;
-  const int64_t token_bytes = s.n_kv * hd * 2;
-  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(static_cast<float>(hd)));
-  // Queries as the right side of keys x queries: per chunk of 16 rows and pair of dims, the 16 rows'
-  // two bf16 side by side [chunk][hd / 2][16 rows].
-  std::vector<uint32_t> query_pairs(chunks * (hd / 2) * kTileRows, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint32_t* pairs =
-        reinterpret_cast<const uint32_t*>(q + (members[r / group] * s.n_q + head * group + r % group) * hd);
-    for (int64_t p = 0; p < hd / 2; ++p) query_pairs[((r / kTileRows) * (hd / 2) + p) * kTileRows + r % kTileRows] = pairs[p];
-  }
-  // The output sums transposed, [chunk][hd][16 rows]; each row's running max and sum, [chunk][16].
-  std::vector<float> acc(chunks * hd * kTileRows, 0.0f), max(padded_rows), sum(padded_rows, 0.0f);
-  std::vector<uint16_t> values_t(hd * kTileRows);  // the block's values transposed [hd][16 tokens]
-  alignas(64) float scores[kTileRows * kTileRows];  // [16 tokens][16 rows]
-  alignas(64) float sums[kTileRows * kTileRows];    // [16 dims][16 rows]
-  alignas(64) uint32_t probs_high[kTileRows / 2 * kTileRows], probs_low[kTileRows / 2 * kTileRows];
-  configure_tiles();
-  for (int64_t j = first; j < last; ++j) {
-    const int64_t block = table[j];
-    const c10::BFloat16* k_rows = k_pool + (block * bs * s.n_kv + head) * hd;
-    const uint16_t* v_rows = reinterpret_cast<const uint16_t*>(v_pool + (block * bs * s.n_kv + head) * hd);
-    if (j + 1 < last) prefetch_block(s, k_pool, v_pool, table[j + 1], head, hd);
-    for (int64_t t = 0; t < bs; ++t)
-      for (int64_t d = 0; d < hd; ++d) values_t[d * kTileRows + t] = v_rows[t * (token_bytes / 2) + d];
-    for (int64_t c = 0; c < chunks; ++c) {
-      // Scores transposed, [16 tokens][16 rows]: the keys load straight from the pool as the left side.
-      _tile_zero(2);
-      for (int64_t d0 = 0; d0 < hd; d0 += 32) {
-        _tile_loadd(0, k_rows + d0, token_bytes);
-        _tile_loadd(1, query_pairs.data() + (c * (hd / 2) + d0 / 2) * kTileRows, 64);
-        _tile_dpbf16ps(2, 0, 1);
-      }
-      _tile_stored(2, scores, 64);
-      // The softmax with the rows in the lanes: maxima, exponentials and sums all vertical.
-      __m512 row[kTileRows];
-      __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::max());
-      for (int64_t t = 0; t < kTileRows; ++t) {
-        row[t] = _mm512_mul_ps(_mm512_load_ps(scores + t * kTileRows), scale);
-        block_max = _mm512_max_ps(block_max, row[t]);
-      }
-      float* max_c = max.data() + c * kTileRows;
-      float* sum_c = sum.data() + c * kTileRows;
-      const __m512 old_max = j == first ? block_max : _mm512_loadu_ps(max_c);
-      const __m512 new_max = _mm512_max_ps(old_max, block_max);
-      const __m512 rescale = Vec(_mm512_sub_ps(old_max, new_max)).exp_u20();
-      _mm512_storeu_ps(max_c, new_max);
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t t = 0; t < kTileRows; t += 2) {
-        __m512i high[2], low[2];
-        for (int u = 0; u < 2; ++u) {
-          const __m512 p = Vec(_mm512_sub_ps(row[t + u], new_max)).exp_u20();
-          total = _mm512_add_ps(total, p);
-          const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p));
-          high[u] = _mm512_cvtepu16_epi32(h);
-          const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(high[u], 16)));
-          low[u] = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest)));
-        }
-        // A pair of tokens per row of the right side: token t in the low half of each row's word.
-        _mm512_store_si512(probs_high + t / 2 * kTileRows, _mm512_or_si512(high[0], _mm512_slli_epi32(high[1], 16)));
-        _mm512_store_si512(probs_low + t / 2 * kTileRows, _mm512_or_si512(low[0], _mm512_slli_epi32(low[1], 16)));
-      }
-      _mm512_storeu_ps(sum_c, _mm512_fmadd_ps(j == first ? _mm512_setzero_ps() : _mm512_loadu_ps(sum_c), rescale, total));
-      // Output sums transposed, 16 dims at a time: values^T [16 dims][16 tokens] x probabilities.
-      _tile_loadd(4, probs_high, 64);
-      _tile_loadd(5, probs_low, 64);
-      for (int64_t d0 = 0; d0 < hd; d0 += kTileRows) {
-        _tile_zero(6);
-        _tile_loadd(3, values_t.data() + d0 * kTileRows, 32);
-        _tile_dpbf16ps(6, 3, 4);
-        _tile_dpbf16ps(6, 3, 5);
-        _tile_stored(6, sums, 64);
-        float* acc_c = acc.data() + (c * hd + d0) * kTileRows;
-        for (int64_t d = 0; d < kTileRows; ++d)
-          _mm512_storeu_ps(acc_c + d * kTileRows, _mm512_fmadd_ps(_mm512_loadu_ps(acc_c + d * kTileRows), rescale,
-                                                                  _mm512_load_ps(sums + d * kTileRows)));
-      }
-    }
-  }
-  _tile_release();
-  for (int64_t r = 0; r < rows; ++r) {
-    const Partial& part = parts[r / group];
-    const int64_t g = r % group, c = r / kTileRows, lane = r % kTileRows;
-    part.max[g] = max[r];
-    part.sum[g] = sum[r];
-    for (int64_t d = 0; d < hd; ++d) part.acc[g * hd + d] = acc[(c * hd + d) * kTileRows + lane];
-  }
-}
-#endif
-
-// Whether a shared prefix of this shape runs on tiles: an AMX build, the kernel's permission, and
-// blocks and heads the tile shapes fit.
-bool tiles_usable(const Shape& s) {
-#if defined(BACKFILL_TILES)
-  return s.block_size == kTileRows && s.head_dim % 32 == 0 && tiles_permitted();
-#else
-  (void)s;
-  return false;
-#endif
-}
-
 // Decode attention of a batch in which some sequences share leading blocks: the groups' shared
 // stretches and every sequence's own blocks as tasks of one pool (longest first, taken in turn by
 // the threads, since their sizes differ by far), then one merge per (sequence, KV head).
@@ -610,6 +472,7 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(s);
     std::vector<Partial> member_parts;
+    std::vector<float> tile_max, tile_sum, tile_acc;
     for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) {
       const Task& task = tasks[i];
       if (task.kind == 0) {
@@ -629,8 +492,21 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
 #if defined(BACKFILL_TILES)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (tiles) {
-            attend_shared_blocks_tiles(s, q, k_pool, v_pool, table, begin, end, head, group.members,
-                                       member_parts.data());
+            const int64_t rows = static_cast<int64_t>(group.members.size()) * s.group;
+            tile_max.resize(rows), tile_sum.resize(rows), tile_acc.resize(rows * s.head_dim);
+            const auto query_row = [&](int64_t r) {
+              return q + (group.members[r / s.group] * s.n_q + head * s.group + r % s.group) * s.head_dim;
+            };
+            tile_attention::attend_full_blocks_on_tiles(s.n_kv, s.head_dim, k_pool, v_pool, table, begin, end, head, query_row,
+                                        tile_attention::TileRows{rows, tile_max.data(), tile_sum.data(), tile_acc.data()});
+            for (int64_t r = 0; r < rows; ++r) {
+              const Partial& part = member_parts[r / s.group];
+              const int64_t g = r % s.group;
+              part.max[g] = tile_max[r];
+              part.sum[g] = tile_sum[r];
+              std::copy(tile_acc.data() + r * s.head_dim, tile_acc.data() + (r + 1) * s.head_dim,
+                        part.acc + g * s.head_dim);
+            }
             continue;
           }
         }
@@ -740,7 +616,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   for (int64_t i = 0; i < batch; ++i)
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "context length outside its block table");
   const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width};
-  const bool use_tiles = tiles && tiles_usable(shape);
+  const bool use_tiles = tiles && tile_attention::tiles_usable(block_size, head_dim);
   auto out = torch::empty_like(q);
   switch (q.scalar_type()) {
     case at::kFloat: attend_any_head_dim<float>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles); break;
@@ -754,6 +630,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("min_shared_blocks") = kMinSharedBlocks, py::arg("tiles") = true);
-  m.def("tiles_available", []() { return tiles_usable(Shape{1, 1, 1, 64, 16, 1}); },
+  m.def("tiles_available", []() { return tile_attention::tiles_usable(16, 64); },
         "whether shared prefixes of bf16 pools with 16-token blocks run on AMX tiles here");
 }
