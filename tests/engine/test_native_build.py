@@ -58,3 +58,18 @@ def test_two_checkouts_of_one_source_compile_the_same_cached_copy(tmp_path, monk
     sources[1].write_text("int y;\n")
     native_build.build_cpu_extension("k", sources[1])
     assert open(copy).read() == "int y;\n"
+
+
+def test_the_kernels_build_where_a_compiler_is_present():
+    """The kernels' tests skip where no kernel loads, so a source that stops compiling must fail here
+    instead (where there is a C++ compiler: CI's machines have one)."""
+    import shutil
+
+    import pytest
+
+    from backfill.engine import paged_attention
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    assert paged_attention.load_paged_decode_attention() is not None
+    assert paged_attention.load_paged_prompt_attention() is not None

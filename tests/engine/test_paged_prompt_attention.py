@@ -63,6 +63,20 @@ def test_kernel_matches_causal_sdpa_per_chunk(dtype, tol, n_q, n_kv):
     torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, spans, tables), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_keys_before_a_chunk_on_tiles_match_causal_sdpa(head_dim, tiles):
+    """bf16 chunks after long contexts: on an AMX machine the keys before each chunk (whole key
+    tiles) go through the tile routine for more query rows than one of its tasks takes, and the
+    causal rest carries on from its softmax state; elsewhere, and with tiles=False, vectors only."""
+    chunks = [(100, 700), (30, 1024), (3, 64), (16, 130)]
+    q, k_pool, v_pool, spans, padded, tables = _case(torch.bfloat16, 9, 3, head_dim, chunks, seed=head_dim,
+                                                     num_blocks=160)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel(q * 2, k_pool, v_pool, spans, padded, out, tiles=tiles)
+    torch.testing.assert_close(out.float(), _reference(q * 2, k_pool, v_pool, spans, tables), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("head_dim", [8, 24, 128])
 def test_kernel_takes_head_sizes_off_the_fixed_ones(head_dim):
     """64 and 128 are compiled with the head size fixed; others take the generic loops."""

@@ -15,7 +15,9 @@
 // triangle.
 //
 // The arithmetic is ATen's Vectorized<float> (AVX-512 / AVX2 / scalar, chosen at build time by the
-// CPU_CAPABILITY macros the loader passes), as in paged_decode_attention.cpp.
+// CPU_CAPABILITY macros the loader passes), as in paged_decode_attention.cpp. On an AMX machine, a
+// bf16 chunk's keys before its first token (whole key tiles of them) go through tile_attention.h
+// for all the chunk's query rows at once, and attend_tile carries on from that softmax state.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,10 +25,13 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "tile_attention.h"
 
 namespace {
 
@@ -73,6 +78,13 @@ struct Scratch {
   std::vector<float> query, acc, max, sum, scores;
   Scratch(const Shape& s, int64_t rows)
       : query(rows * s.head_dim), acc(rows * s.head_dim), max(rows), sum(rows), scores(rows * kKeyTile) {}
+};
+
+// One (span, KV head)'s rows' softmax state over the keys the tiles took: [rows][head_dim], [rows], [rows].
+struct PrefixState {
+  float* acc;
+  float* max;
+  float* sum;
 };
 
 // One (span, KV head)'s keys and values up to its last token, in fp32: the keys transposed within
@@ -138,13 +150,14 @@ inline void weigh_values_any(const float* probs, const float* values, float* acc
   }
 }
 
-// Converts one (span, KV head)'s keys and values into `ctx`.
+// Converts one (span, KV head)'s keys and values from position key_begin on into `ctx` (the keys
+// before it went through the tiles).
 template <typename T>
 void convert_context(const Shape& s, const Span& span, const int64_t* table, const T* k_pool, const T* v_pool,
-                     int64_t head, const Context& ctx) {
+                     int64_t head, const Context& ctx, int64_t key_begin) {
   const int64_t hd = s.head_dim, context = span.start_pos + span.num_tokens;
   std::vector<float> key_row(hd);
-  for (int64_t pos = 0; pos < context; ++pos) {
+  for (int64_t pos = key_begin; pos < context; ++pos) {
     row_to_float(pool_row(s, k_pool, table, pos, head), key_row.data(), hd);
     float* tile = ctx.keys_t + pos / kKeyTile * hd * kKeyTile + pos % kKeyTile;
     for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = key_row[d];
@@ -158,9 +171,11 @@ void convert_context(const Shape& s, const Span& span, const int64_t* table, con
 }
 
 // One task: query tokens [first, last) of a span (relative to it), every query head of KV head `head`.
+// prefix: where keys [0, key_begin) were already folded in (on tiles), the running max, sum and
+// weighted values of the span's rows for this head (row token * group + g); unused when key_begin is 0.
 template <typename T, int64_t kHeadDim>
 void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* q, T* out, int64_t head,
-                 int64_t first, int64_t last, Scratch& scratch) {
+                 int64_t first, int64_t last, int64_t key_begin, const PrefixState& prefix, Scratch& scratch) {
   const int64_t hd = kHeadDim > 0 ? kHeadDim : s.head_dim, group = s.group;
   const int64_t rows = (last - first) * group;  // row r: token first + r / group, query head head * group + r % group
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -170,13 +185,20 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (span.token_start + first + r / group) * s.q_token_stride + (head * group + r % group) * hd;
     for (int64_t d = 0; d < hd; ++d) query[r * hd + d] = static_cast<float>(src[d]) * scale;
-    scratch.max[r] = kNegInf;
-    scratch.sum[r] = 0.0f;
+    if (key_begin > 0) {
+      const int64_t row = first * group + r;
+      std::copy(prefix.acc + row * hd, prefix.acc + (row + 1) * hd, acc + r * hd);
+      scratch.max[r] = prefix.max[row];
+      scratch.sum[r] = prefix.sum[row];
+    } else {
+      std::fill(acc + r * hd, acc + (r + 1) * hd, 0.0f);
+      scratch.max[r] = kNegInf;
+      scratch.sum[r] = 0.0f;
+    }
   }
-  std::fill(acc, acc + rows * hd, 0.0f);
   const int64_t first_pos = span.start_pos + first;     // the tile's first query position
   const int64_t key_end = span.start_pos + last;        // keys [0, key_end) are visible to its last
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyTile) {
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
     const int64_t keys = std::min(kKeyTile, key_end - k0);
     const float* keys_t = ctx.keys_t + k0 * hd;  // tile k0 / kKeyTile
     const float* values = ctx.values + k0 * hd;
@@ -239,10 +261,76 @@ struct Task {
   int64_t span, head, first, last, cost;
 };
 
+// Query rows of one prefix task on tiles: enough for the packed values of a block to serve many.
+constexpr int64_t kPrefixRows = 256;
+
+// Each span's keys before its last whole key tile ahead of its first token go through the tiles
+// (bf16 on an AMX machine), for all its query rows at once; the rest, the causal part included,
+// through attend_tile, which carries on from the tiles' softmax state.
+template <typename T>
+void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q,
+                              const T* k_pool, const T* v_pool, const std::vector<int64_t>& key_begin,
+                              const std::vector<PrefixState>& states) {
+#if defined(BACKFILL_TILES)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    struct PrefixTask {
+      int64_t span, head, first_row, rows;
+    };
+    std::vector<PrefixTask> tasks;
+    for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
+      if (key_begin[i] == 0) continue;
+      const int64_t rows = spans[i].num_tokens * s.group;
+      for (int64_t head = 0; head < s.n_kv; ++head)
+        for (int64_t r0 = 0; r0 < rows; r0 += kPrefixRows) tasks.push_back({i, head, r0, std::min(kPrefixRows, rows - r0)});
+    }
+    std::atomic<int64_t> next{0};
+    const int64_t count = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1)) < count;) {
+        const PrefixTask& task = tasks[i];
+        const Span& span = spans[task.span];
+        const PrefixState& state = states[task.span * s.n_kv + task.head];
+        const auto query_row = [&](int64_t r) {
+          const int64_t row = task.first_row + r;
+          return q + (span.token_start + row / s.group) * s.q_token_stride + (task.head * s.group + row % s.group) * s.head_dim;
+        };
+        tile_attention::attend_full_blocks_on_tiles(
+            s.n_kv, s.head_dim, k_pool, v_pool, tables + task.span * s.width, 0, key_begin[task.span] / s.block_size,
+            task.head, query_row,
+            tile_attention::TileRows{task.rows, state.max + task.first_row, state.sum + task.first_row,
+                                     state.acc + task.first_row * s.head_dim});
+      }
+    });
+    return;
+  }
+#endif
+  (void)s, (void)spans, (void)tables, (void)q, (void)k_pool, (void)v_pool, (void)key_begin, (void)states;
+}
+
 template <typename T, int64_t kHeadDim>
 void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q, const T* k_pool,
-            const T* v_pool, T* out) {
+            const T* v_pool, T* out, bool tiles) {
   const int64_t span_count = static_cast<int64_t>(spans.size());
+  // Keys [0, key_begin[i]) of span i go through the tiles: whole key tiles of attend_tile, all before
+  // the span's first token (so visible to every one of its queries).
+  std::vector<int64_t> key_begin(span_count, 0);
+  std::vector<int64_t> state_offsets(span_count + 1, 0);
+  for (int64_t i = 0; i < span_count; ++i) {
+    if (tiles) key_begin[i] = spans[i].start_pos / kKeyTile * kKeyTile;
+    state_offsets[i + 1] = state_offsets[i] +
+        (key_begin[i] > 0 ? s.n_kv * spans[i].num_tokens * s.group * (s.head_dim + 2) : 0);
+  }
+  const at::Tensor state_buffer = at::empty({state_offsets[span_count]}, at::kFloat);
+  std::vector<PrefixState> states(span_count * s.n_kv, PrefixState{nullptr, nullptr, nullptr});
+  for (int64_t i = 0; i < span_count; ++i) {
+    if (key_begin[i] == 0) continue;
+    const int64_t rows = spans[i].num_tokens * s.group;
+    for (int64_t head = 0; head < s.n_kv; ++head) {
+      float* base = state_buffer.data_ptr<float>() + state_offsets[i] + head * rows * (s.head_dim + 2);
+      states[i * s.n_kv + head] = PrefixState{base, base + rows * s.head_dim, base + rows * (s.head_dim + 1)};
+    }
+  }
+  if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, key_begin, states);
   std::vector<int64_t> offsets(span_count + 1, 0);  // floats of each span's contexts (all its KV heads)
   for (int64_t i = 0; i < span_count; ++i) {
     const int64_t context = spans[i].start_pos + spans[i].num_tokens;
@@ -260,7 +348,8 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
   at::parallel_for(0, span_count * s.n_kv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t span = pair / s.n_kv, head = pair % s.n_kv;
-      convert_context(s, spans[span], tables + span * s.width, k_pool, v_pool, head, context_of(span, head));
+      convert_context(s, spans[span], tables + span * s.width, k_pool, v_pool, head, context_of(span, head),
+                      key_begin[span]);
     }
   });
   std::vector<Task> tasks;
@@ -268,7 +357,7 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     for (int64_t first = 0; first < spans[i].num_tokens; first += kQueryTile) {
       const int64_t last = std::min(spans[i].num_tokens, first + kQueryTile);
       for (int64_t head = 0; head < s.n_kv; ++head)
-        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last)});
+        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last - key_begin[i])});
     }
   // Longest and shortest in turn: parallel_for hands each thread a contiguous range of tasks.
   std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
@@ -283,7 +372,7 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = dealt[i];
       attend_tile<T, kHeadDim>(s, spans[task.span], context_of(task.span, task.head), q, out, task.head, task.first,
-                               task.last, scratch);
+                               task.last, key_begin[task.span], states[task.span * s.n_kv + task.head], scratch);
     }
   });
 }
@@ -291,10 +380,10 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
 template <typename T>
 void attend_any_head_dim(const Shape& s, const std::vector<Span>& spans, const torch::Tensor& tables,
                          const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                         torch::Tensor& out) {
+                         torch::Tensor& out, bool tiles) {
   const auto run = [&](auto head_dim_constant) {
     attend<T, decltype(head_dim_constant)::value>(s, spans, tables.data_ptr<int64_t>(), q.data_ptr<T>(),
-                                                   k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), out.data_ptr<T>());
+                                                   k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), out.data_ptr<T>(), tiles);
   };
   if (s.head_dim == 64) run(std::integral_constant<int64_t, 64>());
   else if (s.head_dim == 128) run(std::integral_constant<int64_t, 128>());
@@ -308,9 +397,10 @@ void attend_any_head_dim(const Shape& s, const std::vector<Span>& spans, const t
 // tokens [token_start, token_start + num_tokens) of q are one sequence's positions
 // [start_pos, start_pos + num_tokens), whose keys and values up to there are in the pool; tables
 // [S, width] int64, each span's block table. Writes those tokens' rows of out [N, n_q, hd] (a
-// contiguous tensor of q's dtype) and leaves the others.
+// contiguous tensor of q's dtype) and leaves the others. tiles: a bf16 span's keys before its
+// chunk go through AMX tiles where this CPU has them (tile_attention.h).
 void paged_prompt_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                            const torch::Tensor& spans, const torch::Tensor& tables, torch::Tensor& out) {
+                            const torch::Tensor& spans, const torch::Tensor& tables, torch::Tensor& out, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads and head dims must be contiguous");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && spans.is_contiguous() && tables.is_contiguous() &&
@@ -343,13 +433,17 @@ void paged_prompt_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
   }
   const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width, q.stride(0)};
   switch (q.scalar_type()) {
-    case at::kFloat: attend_any_head_dim<float>(shape, list, tables, q, k_pool, v_pool, out); break;
-    case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, list, tables, q, k_pool, v_pool, out); break;
-    default: attend_any_head_dim<c10::Half>(shape, list, tables, q, k_pool, v_pool, out);
+    case at::kFloat: attend_any_head_dim<float>(shape, list, tables, q, k_pool, v_pool, out, false); break;
+    case at::kBFloat16:
+      attend_any_head_dim<c10::BFloat16>(shape, list, tables, q, k_pool, v_pool, out,
+                                         tiles && tile_attention::tiles_usable(block_size, head_dim));
+      break;
+    default: attend_any_head_dim<c10::Half>(shape, list, tables, q, k_pool, v_pool, out, false);
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prompt_attention", &paged_prompt_attention,
-        "causal attention of prompt chunks over a paged KV pool (CPU)");
+        "causal attention of prompt chunks over a paged KV pool (CPU)", py::arg("q"), py::arg("k_pool"),
+        py::arg("v_pool"), py::arg("spans"), py::arg("tables"), py::arg("out"), py::arg("tiles") = true);
 }
