@@ -77,6 +77,20 @@ def test_keys_before_a_chunk_on_tiles_match_causal_sdpa(head_dim, tiles):
     torch.testing.assert_close(out.float(), _reference(q * 2, k_pool, v_pool, spans, tables), atol=2e-2, rtol=2e-2)
 
 
+def test_chunks_after_one_cached_prefix_match_causal_sdpa():
+    """Chunks whose tables start with the same blocks (one cached prompt, then each its own
+    question), beside one with a different prefix: those sharing the blocks go through the tiles
+    together (on an AMX machine), each still seeing only its own tokens after them."""
+    q, k_pool, v_pool, spans, padded, tables = _case(torch.bfloat16, 9, 3, 64, [(30, 1024), (17, 1030), (90, 1024),
+                                                                              (40, 1024)], seed=7, num_blocks=200)
+    for i in (1, 2):  # the first 64 blocks of spans 1 and 2 are span 0's
+        padded[i, :64] = padded[0, :64]
+        tables[i][:64] = tables[0][:64]
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel(q, k_pool, v_pool, spans, padded, out)
+    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, spans, tables), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("head_dim", [8, 24, 128])
 def test_kernel_takes_head_sizes_off_the_fixed_ones(head_dim):
     """64 and 128 are compiled with the head size fixed; others take the generic loops."""

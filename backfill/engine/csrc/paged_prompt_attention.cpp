@@ -264,38 +264,97 @@ struct Task {
 // Query rows of one prefix task on tiles: enough for the packed values of a block to serve many.
 constexpr int64_t kPrefixRows = 256;
 
+// Spans whose keys before the chunk go through the tiles together: the same key_begin and the same
+// blocks up to it (prompts that start with one cached prefix), their rows numbered span after span.
+struct PrefixGroup {
+  std::vector<int64_t> spans;
+  std::vector<int64_t> first_row;  // each span's first row in the group
+  int64_t rows = 0;
+};
+
+std::vector<PrefixGroup> group_prefixes(const Shape& s, const std::vector<Span>& spans, const int64_t* tables,
+                                        const std::vector<int64_t>& key_begin) {
+  std::vector<int64_t> order;
+  for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i)
+    if (key_begin[i] > 0) order.push_back(i);
+  const auto same_prefix = [&](int64_t a, int64_t b) {
+    if (key_begin[a] != key_begin[b]) return false;
+    return std::equal(tables + a * s.width, tables + a * s.width + key_begin[a] / s.block_size, tables + b * s.width);
+  };
+  std::vector<PrefixGroup> groups;
+  std::vector<bool> taken(spans.size(), false);
+  for (size_t x = 0; x < order.size(); ++x) {
+    if (taken[order[x]]) continue;
+    PrefixGroup group;
+    for (size_t y = x; y < order.size(); ++y) {
+      const int64_t i = order[y];
+      if (taken[i] || !same_prefix(order[x], i)) continue;
+      taken[i] = true;
+      group.spans.push_back(i);
+      group.first_row.push_back(group.rows);
+      group.rows += spans[i].num_tokens * s.group;
+    }
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
 // Each span's keys before its last whole key tile ahead of its first token go through the tiles
-// (bf16 on an AMX machine), for all its query rows at once; the rest, the causal part included,
-// through attend_tile, which carries on from the tiles' softmax state.
+// (bf16 on an AMX machine), for all the query rows of the spans that share those blocks at once;
+// the rest, the causal part included, through attend_tile, which carries on from the tiles'
+// softmax state. Writes the state of span i's rows for head h at states[i * n_kv + h].
 template <typename T>
 void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q,
                               const T* k_pool, const T* v_pool, const std::vector<int64_t>& key_begin,
-                              const std::vector<PrefixState>& states) {
+                              std::vector<PrefixState>& states, std::vector<float>& state_store) {
 #if defined(BACKFILL_TILES)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const std::vector<PrefixGroup> groups = group_prefixes(s, spans, tables, key_begin);
+    // Per (group, head) one contiguous state for the group's rows, each span's rows a stretch of it.
+    std::vector<int64_t> group_offset(groups.size() + 1, 0);
+    for (size_t g = 0; g < groups.size(); ++g)
+      group_offset[g + 1] = group_offset[g] + s.n_kv * groups[g].rows * (s.head_dim + 2);
+    state_store.resize(group_offset.back());
+    std::vector<PrefixState> group_states(groups.size() * s.n_kv);
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (int64_t head = 0; head < s.n_kv; ++head) {
+        const int64_t rows = groups[g].rows;
+        float* base = state_store.data() + group_offset[g] + head * rows * (s.head_dim + 2);
+        const PrefixState state{base, base + rows * s.head_dim, base + rows * (s.head_dim + 1)};
+        group_states[g * s.n_kv + head] = state;
+        for (size_t m = 0; m < groups[g].spans.size(); ++m) {
+          const int64_t r0 = groups[g].first_row[m];
+          states[groups[g].spans[m] * s.n_kv + head] =
+              PrefixState{state.acc + r0 * s.head_dim, state.max + r0, state.sum + r0};
+        }
+      }
     struct PrefixTask {
-      int64_t span, head, first_row, rows;
+      int64_t group, head, first_row, rows;
     };
     std::vector<PrefixTask> tasks;
-    for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
-      if (key_begin[i] == 0) continue;
-      const int64_t rows = spans[i].num_tokens * s.group;
+    for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g)
       for (int64_t head = 0; head < s.n_kv; ++head)
-        for (int64_t r0 = 0; r0 < rows; r0 += kPrefixRows) tasks.push_back({i, head, r0, std::min(kPrefixRows, rows - r0)});
-    }
+        for (int64_t r0 = 0; r0 < groups[g].rows; r0 += kPrefixRows)
+          tasks.push_back({g, head, r0, std::min(kPrefixRows, groups[g].rows - r0)});
     std::atomic<int64_t> next{0};
     const int64_t count = static_cast<int64_t>(tasks.size());
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t i; (i = next.fetch_add(1)) < count;) {
         const PrefixTask& task = tasks[i];
-        const Span& span = spans[task.span];
-        const PrefixState& state = states[task.span * s.n_kv + task.head];
+        const PrefixGroup& group = groups[task.group];
         const auto query_row = [&](int64_t r) {
           const int64_t row = task.first_row + r;
-          return q + (span.token_start + row / s.group) * s.q_token_stride + (task.head * s.group + row % s.group) * s.head_dim;
+          // The span holding this row: the last whose first row is at or before it.
+          const int64_t m = std::upper_bound(group.first_row.begin(), group.first_row.end(), row) -
+                            group.first_row.begin() - 1;
+          const int64_t local = row - group.first_row[m];
+          return q + (spans[group.spans[m]].token_start + local / s.group) * s.q_token_stride +
+                 (task.head * s.group + local % s.group) * s.head_dim;
         };
+        const PrefixState& state = group_states[task.group * s.n_kv + task.head];
+        const int64_t span = group.spans[0];
         tile_attention::attend_full_blocks_on_tiles(
-            s.n_kv, s.head_dim, k_pool, v_pool, tables + task.span * s.width, 0, key_begin[task.span] / s.block_size,
+            s.n_kv, s.head_dim, k_pool, v_pool, tables + span * s.width, 0, key_begin[span] / s.block_size,
             task.head, query_row,
             tile_attention::TileRows{task.rows, state.max + task.first_row, state.sum + task.first_row,
                                      state.acc + task.first_row * s.head_dim});
@@ -304,7 +363,8 @@ void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, co
     return;
   }
 #endif
-  (void)s, (void)spans, (void)tables, (void)q, (void)k_pool, (void)v_pool, (void)key_begin, (void)states;
+  (void)s, (void)spans, (void)tables, (void)q, (void)k_pool, (void)v_pool, (void)key_begin, (void)states,
+      (void)state_store;
 }
 
 template <typename T, int64_t kHeadDim>
@@ -314,23 +374,11 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
   // Keys [0, key_begin[i]) of span i go through the tiles: whole key tiles of attend_tile, all before
   // the span's first token (so visible to every one of its queries).
   std::vector<int64_t> key_begin(span_count, 0);
-  std::vector<int64_t> state_offsets(span_count + 1, 0);
-  for (int64_t i = 0; i < span_count; ++i) {
-    if (tiles) key_begin[i] = spans[i].start_pos / kKeyTile * kKeyTile;
-    state_offsets[i + 1] = state_offsets[i] +
-        (key_begin[i] > 0 ? s.n_kv * spans[i].num_tokens * s.group * (s.head_dim + 2) : 0);
-  }
-  const at::Tensor state_buffer = at::empty({state_offsets[span_count]}, at::kFloat);
+  if (tiles)
+    for (int64_t i = 0; i < span_count; ++i) key_begin[i] = spans[i].start_pos / kKeyTile * kKeyTile;
   std::vector<PrefixState> states(span_count * s.n_kv, PrefixState{nullptr, nullptr, nullptr});
-  for (int64_t i = 0; i < span_count; ++i) {
-    if (key_begin[i] == 0) continue;
-    const int64_t rows = spans[i].num_tokens * s.group;
-    for (int64_t head = 0; head < s.n_kv; ++head) {
-      float* base = state_buffer.data_ptr<float>() + state_offsets[i] + head * rows * (s.head_dim + 2);
-      states[i * s.n_kv + head] = PrefixState{base, base + rows * s.head_dim, base + rows * (s.head_dim + 1)};
-    }
-  }
-  if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, key_begin, states);
+  std::vector<float> state_store;
+  if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, key_begin, states, state_store);
   std::vector<int64_t> offsets(span_count + 1, 0);  // floats of each span's contexts (all its KV heads)
   for (int64_t i = 0; i < span_count; ++i) {
     const int64_t context = spans[i].start_pos + spans[i].num_tokens;
