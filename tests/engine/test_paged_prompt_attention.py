@@ -82,7 +82,7 @@ def test_chunks_after_one_cached_prefix_match_causal_sdpa():
     question), beside one with a different prefix: those sharing the blocks go through the tiles
     together (on an AMX machine), each still seeing only its own tokens after them."""
     q, k_pool, v_pool, spans, padded, tables = _case(torch.bfloat16, 9, 3, 64, [(30, 1024), (17, 1030), (90, 1024),
-                                                                              (40, 1024)], seed=7, num_blocks=200)
+                                                                              (40, 1024)], seed=7, num_blocks=300)
     for i in (1, 2):  # the first 64 blocks of spans 1 and 2 are span 0's
         padded[i, :64] = padded[0, :64]
         tables[i][:64] = tables[0][:64]
