@@ -31,7 +31,8 @@
 #
 # Part prefix (issue #53, not in the default PARTS): a Batch-style file of PREFIX_LINES (512) lines
 # sharing a 1,024-token system prompt, 64 output tokens, 64 in flight, sent to `backfill serve` and to
-# vLLM (prefix caching on, its default) over HTTP, then backfill in-process with the cache on and off.
+# vLLM (prefix caching on, its default) over HTTP, then backfill in-process with the cache on and off
+# (PREFIX_INPROCESS=0 leaves the in-process runs out: the HTTP pair again in a few minutes).
 #
 # Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report prefix),
 # LLAMA_SERVER (llama-server's path, for part llamacpp), ENGINE_FLAGS (backfill's engine flags; empty:
@@ -277,8 +278,10 @@ if [[ " $PARTS " == *" prefix "* ]]; then
         wait_healthy "$URL" "$OUT/vllm-prefix-serve.log" 900 && prefix_batch vllm "$URL" vllm-model
         stop_server
     fi
-    echo "== prefix: backfill in-process, the cache on and off"
-    "$BF" bench prefix --scenarios batch --lines "$PREFIX_LINES" --json "$OUT/prefix-inprocess.json" $ENGINE_FLAGS
+    if [[ ${PREFIX_INPROCESS:-1} == 1 ]]; then
+        echo "== prefix: backfill in-process, the cache on and off"
+        "$BF" bench prefix --scenarios batch --lines "$PREFIX_LINES" --json "$OUT/prefix-inprocess.json" $ENGINE_FLAGS
+    fi
 fi
 
 if [[ " $PARTS " == *" report "* ]]; then
