@@ -24,35 +24,29 @@ from backfill.engine.paged_attention import (load_paged_decode_attention, load_p
                                              shared_prefix_tiles_available)
 
 
-def pools(num_blocks: int, n_kv: int, head_dim: int, block_size: int, g: torch.Generator):
-    shape = (num_blocks, block_size, n_kv, head_dim)
-    return (torch.randn(shape, generator=g).to(torch.bfloat16), torch.randn(shape, generator=g).to(torch.bfloat16))
+def prefixed_tables(args, g, count: int, own_tokens: int):
+    """Pools, and count block tables that start with one prefix of args.prefix_tokens and then each
+    hold own_tokens of their own."""
+    shape = (args.pool_blocks, 16, args.kv_heads, args.head_dim)
+    k_pool, v_pool = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    free = torch.randperm(args.pool_blocks, generator=g).tolist()
+    prefix = [free.pop() for _ in range(args.prefix_tokens // 16)]
+    tables = [prefix + [free.pop() for _ in range(-(-own_tokens // 16))] for _ in range(count)]
+    return k_pool, v_pool, torch.tensor(tables)
 
 
 def decode_case(args, g):
-    k_pool, v_pool = pools(args.pool_blocks, args.kv_heads, args.head_dim, 16, g)
-    free = torch.randperm(args.pool_blocks, generator=g).tolist()
-    prefix = [free.pop() for _ in range(args.prefix_tokens // 16)]
-    tables, lens = [], []
-    for _ in range(args.sequences):
-        own = [free.pop() for _ in range(-(-args.own_tokens // 16))]
-        tables.append(prefix + own)
-        lens.append(args.prefix_tokens + args.own_tokens)
+    k_pool, v_pool, tables = prefixed_tables(args, g, args.sequences, args.own_tokens)
+    lens = torch.full((args.sequences,), args.prefix_tokens + args.own_tokens)
     q = torch.randn(args.sequences, args.heads, args.head_dim, generator=g).to(torch.bfloat16)
-    return q, k_pool, v_pool, torch.tensor(tables), torch.tensor(lens)
+    return q, k_pool, v_pool, tables, lens
 
 
 def prompt_case(args, g):
-    k_pool, v_pool = pools(args.pool_blocks, args.kv_heads, args.head_dim, 16, g)
-    free = torch.randperm(args.pool_blocks, generator=g).tolist()
-    prefix = [free.pop() for _ in range(args.prefix_tokens // 16)]
-    spans, tables = [], []
-    for i in range(args.chunks):
-        own = [free.pop() for _ in range(-(-args.chunk_tokens // 16))]
-        tables.append(prefix + own)
-        spans.append((i * args.chunk_tokens, args.chunk_tokens, args.prefix_tokens))
+    k_pool, v_pool, tables = prefixed_tables(args, g, args.chunks, args.chunk_tokens)
+    spans = torch.tensor([(i * args.chunk_tokens, args.chunk_tokens, args.prefix_tokens) for i in range(args.chunks)])
     q = torch.randn(args.chunks * args.chunk_tokens, args.heads, args.head_dim, generator=g).to(torch.bfloat16)
-    return q, k_pool, v_pool, torch.tensor(spans), torch.tensor(tables)
+    return q, k_pool, v_pool, spans, tables
 
 
 def main() -> int:
@@ -84,24 +78,29 @@ def main() -> int:
         "prompt, prefix on tiles": lambda: prompt(*p_args, out, tiles=True),
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(args.rounds):
+    # A round is about 1.5 s on a 2-core Xeon with AMX (the vector prompt path is most of it), a few
+    # times that without tiles: each round says when it is done.
+    print(f"{args.rounds} rounds of {args.calls} calls per path, {len(paths)} paths", flush=True)
+    for round_index in range(args.rounds):
         for name, call in paths.items():
             call()  # warm
             for _ in range(args.calls):
                 t0 = time.perf_counter()
                 call()
                 times[name].append((time.perf_counter() - t0) * 1e3)
+        print(f"  round {round_index + 1}/{args.rounds} done", flush=True)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     tiles = shared_prefix_tiles_available()
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, AMX tiles: {tiles}")
     print(f"decode: {args.sequences} sequences, {args.prefix_tokens} shared + {args.own_tokens} own tokens; "
           f"prompt: {args.chunks} chunks of {args.chunk_tokens} after {args.prefix_tokens} shared")
     for name, ms in medians.items():
-        print(f"  {name:32s} {ms:8.3f} ms per layer")
+        print(f"  {name:32s} {ms:8.3f} ms per layer (median of {len(times[name])} calls)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "threads": torch.get_num_threads(), "tiles_available": tiles,
-                       "median_ms_per_layer": medians}, f, indent=1)
+                       "median_ms_per_layer": medians, "calls_per_path": len(next(iter(times.values())))},
+                      f, indent=1)
     return 0
 
 
