@@ -200,9 +200,33 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       }
       part.sum[g] += sum_lanes(total);
     }
-    // Values weighted by the probabilities: the block's rows are converted to fp32 once, then each
-    // chunk of each query head's output sums over the block's tokens in a register (accumulating
-    // in memory token by token chained every update through a store and a load).
+    // Values weighted by the probabilities. Where every query head's whole output fits in registers
+    // beside one value row (head_dim 64 on AVX-512, up to 4 query heads per KV head), each row is
+    // converted once and added to all of them: the sums never leave the registers in the block.
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0 && kHeadDim / kLanes <= 4) {
+      constexpr int64_t kChunks = kHeadDim / kLanes, kMaxGroup = 4;
+      if (group <= kMaxGroup) {
+        Vec sums[kMaxGroup][kChunks];
+        for (int64_t g = 0; g < kMaxGroup; ++g)
+          for (int64_t c = 0; c < kChunks; ++c)
+            sums[g][c] = g < group ? Vec::loadu(part.acc + g * hd + c * kLanes) : Vec(0.0f);
+        for (int64_t t = 0; t < tokens; ++t) {
+          Vec row[kChunks];
+          for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(values + t * token_stride + c * kLanes, kLanes);
+          for (int64_t g = 0; g < kMaxGroup; ++g) {
+            if (g >= group) break;
+            const Vec p(scores[g * padded + t]);
+            for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = at::vec::fmadd(p, row[c], sums[g][c]);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t c = 0; c < kChunks; ++c) sums[g][c].store(part.acc + g * hd + c * kLanes);
+        continue;
+      }
+    }
+    // Otherwise the block's rows are converted to fp32 once, then each chunk of each query head's
+    // output sums over the block's tokens in a register (accumulating in memory token by token
+    // chained every update through a store and a load).
     float* rows = scratch.values.data();
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t d = 0; d < hd; d += kLanes) {
