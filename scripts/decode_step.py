@@ -43,7 +43,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=64)
     p.add_argument("--shared-tokens", type=int, default=0, help="a prefix every table maps (whole blocks)")
-    p.add_argument("--own-tokens", type=int, default=100, help="each sequence's context after it (plus 0-29)")
+    p.add_argument("--own-tokens", type=int, default=100, help="each sequence's context after it (plus 0-58)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--json", help="write the figures here")
@@ -59,11 +59,11 @@ def main() -> int:
     runner.wait_until_warm()
     kv = runner.kv
     shared = kv.allocate(args.shared_tokens // kv.block_size) if args.shared_tokens else []
-    longest = args.shared_tokens + args.own_tokens + 30 + args.steps
+    longest = args.shared_tokens + args.own_tokens + 60
     tables = [list(shared) + list(kv.allocate(kv.blocks_needed(longest) - len(shared))) for _ in range(args.sequences)]
 
-    def step(k: int) -> list[SeqChunk]:  # contexts spread over 30 tokens, as a batch's are
-        base = args.shared_tokens + args.own_tokens + k
+    def step(k: int) -> list[SeqChunk]:  # contexts spread over 30 tokens, as a batch's are, and held there
+        base = args.shared_tokens + args.own_tokens + k % 30
         return [SeqChunk(i, [5], base + i % 30, t) for i, t in enumerate(tables)]
 
     for k in range(3):
@@ -75,12 +75,12 @@ def main() -> int:
             print(f"  {k + 1}/{args.steps} steps", flush=True)
     cfg_model = loaded.config
     kv_token_bytes = 2 * cfg_model.num_layers * cfg_model.num_kv_heads * cfg_model.head_dim * kv.k[0].element_size()
-    context = args.shared_tokens + args.own_tokens + 15 + args.steps // 2
+    context = args.shared_tokens + args.own_tokens + 30  # on average
     kv_bytes = kv_token_bytes * (args.shared_tokens + args.sequences * (context - args.shared_tokens))
     step_bytes = runner.model.weight_bytes + kv_bytes
     median = statistics.median(times_ms)
     floor_ms = step_bytes / (rates[cores] * 1e9) * 1e3
-    print(f"{args.sequences} sequences, {args.shared_tokens} shared + {args.own_tokens}-{args.own_tokens + 29} own "
+    print(f"{args.sequences} sequences, {args.shared_tokens} shared + {args.own_tokens}-{args.own_tokens + 58} own "
           f"tokens, {threads} threads: median step {median:.1f} ms of {args.steps}")
     print(f"memory read: {rates[1]:.1f} GB/s on 1 thread, {rates[cores]:.1f} GB/s on {cores}; the step reads "
           f"{step_bytes / 1e6:.0f} MB (weights {runner.model.weight_bytes / 1e6:.0f}, KV {kv_bytes / 1e6:.0f}): "
