@@ -28,7 +28,7 @@ def _reference(q, k_pool, v_pool, tables, lens):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("n_q, n_kv", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("n_q, n_kv", [(9, 3), (4, 4), (8, 4), (8, 2), (8, 1)])  # groups 3, 1, 2, 4, 8
 def test_kernel_matches_gather_and_sdpa(dtype, tol, n_q, n_kv):
     g = torch.Generator().manual_seed(n_q * 10 + n_kv)
     block_size, hd, num_blocks = 16, 64, 40

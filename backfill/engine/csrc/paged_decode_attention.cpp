@@ -116,6 +116,34 @@ inline void prefetch_block(const Shape& s, const T* k_pool, const T* v_pool, int
     }
 }
 
+template <typename T>
+inline void prefetch_row(const T* row, int64_t hd) {
+  for (int64_t byte = 0; byte < hd * static_cast<int64_t>(sizeof(T)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + byte);
+}
+
+// acc[g] += sum over the block's tokens of probs[g][t] * values[t], for kGroup query heads whose
+// whole outputs (kChunks vectors each) stay in registers beside one value row: each row is
+// converted once and added to all of them. The next block's value rows are asked for on the way.
+template <typename T, int64_t kGroup, int64_t kChunks>
+inline void add_values(const T* values, int64_t token_stride, int64_t tokens, const float* probs, int64_t padded,
+                       const T* next_values, float* acc) {
+  Vec sums[kGroup][kChunks];
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = Vec::loadu(acc + (g * kChunks + c) * kLanes);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (next_values != nullptr) prefetch_row(next_values + t * token_stride, kChunks * kLanes);
+    Vec row[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(values + t * token_stride + c * kLanes, kLanes);
+    for (int64_t g = 0; g < kGroup; ++g) {
+      const Vec p(probs[g * padded + t]);
+      for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = at::vec::fmadd(p, row[c], sums[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < kGroup; ++g)
+    for (int64_t c = 0; c < kChunks; ++c) sums[g][c].store(acc + (g * kChunks + c) * kLanes);
+}
+
 // Blocks [first, last) of one sequence's table, for one KV head, folded into `part`. kHeadDim > 0
 // fixes the head size at compile time (the loops over it unroll and the queries stay in registers).
 template <typename T, int64_t kHeadDim>
@@ -141,7 +169,10 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     const int64_t tokens = std::min(s.block_size, context - j * s.block_size);
     const T* keys = k_pool + (block * s.block_size * s.n_kv + head) * hd;
     const T* values = v_pool + (block * s.block_size * s.n_kv + head) * hd;
-    if (j + 1 < last) prefetch_block(s, k_pool, v_pool, table[j + 1], head, hd);
+    // The next block's rows are asked for a token at a time beside this block's work: issued all at
+    // once, the prefetches filled the line fill buffers and stalled the loop behind them.
+    const T* next_keys = j + 1 < last ? k_pool + (table[j + 1] * s.block_size * s.n_kv + head) * hd : nullptr;
+    const T* next_values = j + 1 < last ? v_pool + (table[j + 1] * s.block_size * s.n_kv + head) * hd : nullptr;
     // Scores of the block: each key row is converted once and dotted with every query of the group.
     int64_t t = 0;
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
@@ -150,6 +181,8 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       constexpr int64_t kChunks = kHeadDim / kLanes;
       for (; t + 4 <= tokens; t += 4) {
         Vec rows4[4][kChunks];
+        if (next_keys != nullptr)
+          for (int64_t u = 0; u < 4; ++u) prefetch_row(next_keys + (t + u) * token_stride, hd);
         for (int64_t u = 0; u < 4; ++u)
           for (int64_t c = 0; c < kChunks; ++c) rows4[u][c] = load_float(keys + (t + u) * token_stride + c * kLanes, kLanes);
         for (int64_t g = 0; g < group; ++g) {
@@ -165,6 +198,7 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     }
     for (; t < tokens; ++t) {
       const T* key = keys + t * token_stride;
+      if (next_keys != nullptr) prefetch_row(next_keys + t * token_stride, hd);
       for (int64_t g = 0; g < group; ++g) {
         Vec dot(0.0f);
         for (int64_t d = 0; d < hd; d += kLanes) {
@@ -204,35 +238,29 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     // beside one value row (head_dim 64 on AVX-512, up to 4 query heads per KV head), each row is
     // converted once and added to all of them: the sums never leave the registers in the block.
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0 && kHeadDim / kLanes <= 4) {
-      constexpr int64_t kChunks = kHeadDim / kLanes, kMaxGroup = 4;
-      if (group <= kMaxGroup) {
-        Vec sums[kMaxGroup][kChunks];
-        for (int64_t g = 0; g < kMaxGroup; ++g)
-          for (int64_t c = 0; c < kChunks; ++c)
-            sums[g][c] = g < group ? Vec::loadu(part.acc + g * hd + c * kLanes) : Vec(0.0f);
-        for (int64_t t = 0; t < tokens; ++t) {
-          Vec row[kChunks];
-          for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(values + t * token_stride + c * kLanes, kLanes);
-          for (int64_t g = 0; g < kMaxGroup; ++g) {
-            if (g >= group) break;
-            const Vec p(scores[g * padded + t]);
-            for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = at::vec::fmadd(p, row[c], sums[g][c]);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t c = 0; c < kChunks; ++c) sums[g][c].store(part.acc + g * hd + c * kLanes);
-        continue;
+      constexpr int64_t kChunks = kHeadDim / kLanes;
+      const T* next = next_values;
+      bool done = true;
+      switch (group) {  // the group fixed at compile time, so that the sums get registers, not the stack
+        case 1: add_values<T, 1, kChunks>(values, token_stride, tokens, scores, padded, next, part.acc); break;
+        case 2: add_values<T, 2, kChunks>(values, token_stride, tokens, scores, padded, next, part.acc); break;
+        case 3: add_values<T, 3, kChunks>(values, token_stride, tokens, scores, padded, next, part.acc); break;
+        case 4: add_values<T, 4, kChunks>(values, token_stride, tokens, scores, padded, next, part.acc); break;
+        default: done = false;
       }
+      if (done) continue;
     }
     // Otherwise the block's rows are converted to fp32 once, then each chunk of each query head's
     // output sums over the block's tokens in a register (accumulating in memory token by token
     // chained every update through a store and a load).
     float* rows = scratch.values.data();
-    for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (next_values != nullptr) prefetch_row(next_values + t * token_stride, hd);
       for (int64_t d = 0; d < hd; d += kLanes) {
         const int64_t n = std::min(kLanes, hd - d);
         load_float(values + t * token_stride + d, n).store(rows + t * hd + d, n);
       }
+    }
     for (int64_t d = 0; d < hd; d += kLanes) {
       const int64_t n = std::min(kLanes, hd - d);
       for (int64_t g = 0; g < group; ++g) {
