@@ -51,6 +51,12 @@ through the paged-attention kernel where that is built (engine/paged_attention.p
 gather + SDPA. The KV writes are the eager model's. The safepoints are before each layer and
 before its down projection (ConServe §4.3); the eager path's third one, between attention and the
 MLP, is left out: for a few sequences the o and gate/up projections are a small share of a layer.
+An abort at one carries the step's rows, so the eager path goes on from there (ConServe §4.4).
+
+Steps of more rows than the largest bucket (prompt chunks of a few hundred to a few thousand
+tokens, decode batches past 128) run pieces compiled once with the row count as a symbol: every
+matmul through the model's `Linear` (oneDNN, fastest at that size), and the norms, RoPE and SiLU
+fused around them as in a bucket. Eager, those pointwise ops were a third of a 4,096-token step.
 
 Which kernel multiplies each weight at each batch size is measured on the machine, not assumed
 (engine/kernel_choice.py): where the model's own matmul (oneDNN, on AMX tiles where the CPU has
@@ -71,6 +77,8 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch.fx.experimental import _config as fx_config
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backfill.engine import kernel_choice
@@ -90,6 +98,10 @@ PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 # decode batches of a burst first, then 128, which holds a prompt of up to 128 tokens (a chat turn:
 # its time to first token) and an offline decode batch of more than 64 sequences.
 PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24, 128)
+# Steps of more rows (prompt chunks, large decode batches) run pieces compiled once for any row
+# count, traced at this many: padding them to a bucket would cost matmuls, and eager they paid
+# a third of a 4,096-token step in unfused norms, RoPE and SiLU.
+LARGE_STEP_EXAMPLE_ROWS = 257
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +164,9 @@ def _lm_head(x, w_head, matmul: Matmul = _gemv):
 _COMPILE_LOCK = threading.Lock()
 
 
-def _compile(fn, example_args: tuple[torch.Tensor, ...]):
+def _compile(fn, example_args: tuple[torch.Tensor, ...], dynamic_rows: bool = False):
     """fn traced on the example tensors and compiled by inductor, called with no wrapper in front.
+    With dynamic_rows the sizes are traced as symbols, and the code takes inputs of any row count.
 
     torch.compile checks guards on every call (a step makes about ninety), and even
     torch._inductor.compile runs each call through AOT autograd's runtime wrappers. Here the graph is traced with inductor's decompositions and lowered
@@ -173,9 +186,20 @@ def _compile(fn, example_args: tuple[torch.Tensor, ...]):
     # make_fx and inductor's config patches keep process-global state: a second model compiling on
     # another thread (a bucket thread still running, say) would corrupt this trace, so one at a time.
     with _COMPILE_LOCK:
-        graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)
-        with inductor_config.patch(size_asserts=False):
-            compiled = compile_fx_inner(graph, list(example_args))
+        if not dynamic_rows:
+            graph = make_fx(as_tuple, decomposition_table=select_decomp_table())(*example_args)
+            with inductor_config.patch(size_asserts=False):
+                compiled = compile_fx_inner(graph, list(example_args))
+        else:
+            # Each size its own symbol: with duck shaping, rows that happen to equal a width share it.
+            with fx_config.patch(use_duck_shape=False):
+                graph = make_fx(as_tuple, decomposition_table=select_decomp_table(),
+                                tracing_mode="symbolic")(*example_args)
+            # The symbolic inputs carry the shape environment the inner compiler reads sizes from.
+            fakes = [node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"]
+            fake_mode = detect_fake_mode(fakes)
+            with tracing(TracingContext(fake_mode)), fake_mode, inductor_config.patch(size_asserts=False):
+                compiled = compile_fx_inner(graph, fakes)
     call = compiled.current_callable  # takes the inputs as one list (and may empty it)
     if single:
         return lambda *args: call(list(args))[0]
@@ -277,6 +301,8 @@ class CompiledDecode:
         # Padded buckets, filled by compile_buckets (dict stores are atomic: the engine thread
         # reads it while a background thread adds to it).
         self.buckets: dict[int, DecodePieces] = {}
+        # Steps larger than every bucket, any row count (the matmuls all through the model's Linear).
+        self.large: DecodePieces | None = None
         self._bucket_thread: threading.Thread | None = None
         self._stopping = False
         try:
@@ -315,9 +341,9 @@ class CompiledDecode:
         return kernel_choice.measure(weights, rows, self.lm_head.dtype, linear_name, one_thread)
 
     def compile_buckets(self, background: bool = True) -> None:
-        """Compile the padded buckets for larger batches (packed weights only), on a daemon thread
-        or here; each bucket serves steps as soon as it is compiled."""
-        if not (self.ready and self.packed) or self._bucket_thread is not None:
+        """Compile the padded buckets for larger batches (packed weights only), then the pieces for
+        larger steps, on a daemon thread or here; each serves steps as soon as it is compiled."""
+        if not self.ready or self._bucket_thread is not None:
             return
         self._bucket_thread = threading.Thread(target=self._compile_buckets, name="compile-decode-buckets",
                                                daemon=True)
@@ -345,7 +371,7 @@ class CompiledDecode:
         self.wait_for_buckets()
 
     def _compile_buckets(self) -> None:
-        for batch in PACKED_DECODE_BUCKETS:
+        for batch in PACKED_DECODE_BUCKETS if self.packed else ():
             if self._stopping:
                 return
             try:
@@ -353,6 +379,19 @@ class CompiledDecode:
             except Exception as exc:  # as at load: this bucket's batches stay eager
                 log.warning("compiled decode bucket %d unavailable, its batches stay eager: %s", batch, exc)
                 return
+        if not self._stopping:
+            self.compile_large_steps()
+
+    def compile_large_steps(self) -> None:
+        """Compile the pieces for steps larger than every bucket (any row count), here; the
+        bucket thread calls it after the buckets."""
+        if not self.ready or self.large is not None or not self.linears:
+            return
+        try:
+            self.large = self._compile_pieces(LARGE_STEP_EXAMPLE_ROWS, lm_head=False,
+                                              outside=frozenset(LAYER_WEIGHTS), dynamic_rows=True)
+        except Exception as exc:  # as a bucket: large steps stay eager
+            log.warning("compiled pieces for large steps unavailable, they stay eager: %s", exc)
 
     def pieces_for(self, batch: int) -> tuple[int, DecodePieces] | None:
         """The pieces a decode of `batch` sequences runs on and the batch size they take (>= batch,
@@ -362,6 +401,9 @@ class CompiledDecode:
             return batch, pieces
         fits = [size for size in tuple(self.buckets) if size >= batch]
         if not fits:
+            large = self.large
+            if large is not None and batch > max(PACKED_DECODE_BUCKETS):
+                return batch, large
             return None
         size = min(fits)
         return size, self.buckets[size]
@@ -387,10 +429,12 @@ class CompiledDecode:
         """How the pieces multiply by the weight `name` (qkv, o, gate_up, down or lm_head)."""
         return _packed_matmul(self.out_features[name]) if self.packed else _gemv
 
-    def _compile_pieces(self, batch: int, lm_head: bool = True) -> DecodePieces:
+    def _compile_pieces(self, batch: int, lm_head: bool = True, outside: frozenset[str] | None = None,
+                        dynamic_rows: bool = False) -> DecodePieces:
         """Compile every piece now, on inputs of the shapes decode will use (the weights are real);
         without lm_head, the model's own LM head takes the final-normed rows. A piece whose matmul
-        runs outside (the model's Linear) compiles only what follows its matmul."""
+        runs outside (the model's Linear; by default as the kernel choice says for this size)
+        compiles only what follows its matmul. dynamic_rows: for any row count, traced at batch."""
         hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
@@ -400,25 +444,29 @@ class CompiledDecode:
         eps, n_q, n_kv, mm = self.eps, self.num_heads, self.num_kv_heads, self.matmul
         layer = self.layers[0]
         act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)
-        outside = self.outside(batch)
+        outside = self.outside(batch) if outside is None else outside
         product = {name: torch.zeros(batch, self.out_features[name], dtype=dtype, device=device)
                    for name in ("qkv", "gate_up")}
+
+        def compile_(fn, example_args):
+            return _compile(fn, example_args, dynamic_rows)
+
         with torch.inference_mode():
-            compiled = {"norm": _compile(lambda *t: _norm(*t, eps), (h, norm))}
-            compiled["qkv"] = (_compile(lambda *t: _rope_split(*t, n_q, n_kv), (product["qkv"], cos, sin))
+            compiled = {"norm": compile_(lambda *t: _norm(*t, eps), (h, norm))}
+            compiled["qkv"] = (compile_(lambda *t: _rope_split(*t, n_q, n_kv), (product["qkv"], cos, sin))
                                if "qkv" in outside else
-                               _compile(lambda *t: _qkv_rope(*t, n_q, n_kv, mm("qkv")), (h, layer.qkv, cos, sin)))
-            compiled["o"] = (_compile(lambda *t: _norm(*t, eps), (h.clone(), norm.clone())) if "o" in outside else
-                             _compile(lambda *t: _project_then_norm(*t, eps, mm("o")), (h, attn, layer.o, norm)))
-            compiled["gate_up"] = (_compile(lambda y: _silu_mul(y, dtype), (product["gate_up"],))
+                               compile_(lambda *t: _qkv_rope(*t, n_q, n_kv, mm("qkv")), (h, layer.qkv, cos, sin)))
+            compiled["o"] = (compile_(lambda *t: _norm(*t, eps), (h.clone(), norm.clone())) if "o" in outside else
+                             compile_(lambda *t: _project_then_norm(*t, eps, mm("o")), (h, attn, layer.o, norm)))
+            compiled["gate_up"] = (compile_(lambda y: _silu_mul(y, dtype), (product["gate_up"],))
                                    if "gate_up" in outside else
-                                   _compile(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)))
-            compiled["down"] = (_compile(lambda *t: _norm(*t, eps), (h.clone(), norm.clone()))
+                                   compile_(lambda *t: _gate_up_silu(*t, mm("gate_up")), (h, layer.gate_up)))
+            compiled["down"] = (compile_(lambda *t: _norm(*t, eps), (h.clone(), norm.clone()))
                                 if "down" in outside else
-                                _compile(lambda *t: _project_then_norm(*t, eps, mm("down")),
+                                compile_(lambda *t: _project_then_norm(*t, eps, mm("down")),
                                          (h, act, layer.down, norm)))
             if lm_head and "lm_head" not in outside:
-                compiled["lm_head"] = _compile(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head))
+                compiled["lm_head"] = compile_(lambda *t: _lm_head(*t, mm("lm_head")), (h, self.lm_head))
         return DecodePieces(compiled, outside, self.layers, self.linears)
 
 

@@ -334,9 +334,10 @@ class LlamaModel:
             blocks, context = meta.decode_block_tables[0], int(meta.positions[0]) + 1
         x = fast.norm(h, self.layers[0]["attn_norm"])  # the normed input of the next matmul
         last = len(self.layers) - 1
+        # An abort carries what the eager path needs to go on from there (its stages 0 and 2).
         for li, layer in enumerate(self.layers):
             if safepoint is not None and li > 0 and safepoint(li):
-                raise StepAborted(li)
+                raise StepAborted(li, SuspendedStep(li, 0, (h[:batch], None)))
             q, k, v = fast.qkv_rope(x, li, cos, sin)
             if pad:
                 q, k, v = q[:batch], k[:batch], v[:batch]
@@ -357,11 +358,11 @@ class LlamaModel:
             h, x = fast.o_then_norm(h, attn, li, layer["mlp_norm"])
             act = fast.gate_up_silu(x, li)
             if safepoint is not None and safepoint(li):
-                raise StepAborted(li)
+                raise StepAborted(li, SuspendedStep(li, 2, (h[:batch], act[:batch])))
             next_norm = self.layers[li + 1]["attn_norm"] if li < last else self.final_norm
             h, x = fast.down_then_norm(h, act, li, next_norm)
         if safepoint is not None and safepoint(cfg.num_layers):
-            raise StepAborted(cfg.num_layers)
+            raise StepAborted(cfg.num_layers, SuspendedStep(cfg.num_layers, 0, (h[:batch], None)))
         every_row = decode_only and meta.logits_index.shape[0] == batch
         if fast.lm_head_logits is not None and every_row:
             return fast.lm_head_logits(x, self.compiled_decode.lm_head)

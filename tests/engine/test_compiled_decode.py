@@ -290,3 +290,67 @@ def test_no_compiler_leaves_decode_eager(caplog):
     assert "compiled decode unavailable" in caplog.text
     runner = ModelRunner(model, KVBlockPool(cfg, 8, 8))
     assert len(_decode(runner, _prompt(6, 5), 3)[0]) == 3
+
+
+@pytest.fixture(scope="module")
+def large_steps(tiny_config, weights):
+    """A compiled model with the pieces for steps past every bucket (no buckets compiled), and an
+    eager one."""
+    compiled = LlamaModel(tiny_config, weights, compile_decode=True)
+    compiled.compiled_decode.compile_large_steps()
+    assert compiled.compiled_decode.large is not None
+    return (ModelRunner(LlamaModel(tiny_config, weights), KVBlockPool(tiny_config, 32, 8)),
+            ModelRunner(compiled, KVBlockPool(tiny_config, 32, 8)))
+
+
+def _large_step(runner: ModelRunner, safepoint=None):
+    """A 150-token prompt chunk beside a 40-token one and a decode: 191 rows, past every bucket."""
+    tables = [runner.kv.allocate(runner.kv.blocks_needed(n + 1)) for n in (150, 40, 30)]
+    runner.execute([SeqChunk("c", _prompt(29, 62), 0, tables[2])])
+    step = [SeqChunk("a", _prompt(150, 60), 0, tables[0]), SeqChunk("b", _prompt(40, 61), 0, tables[1]),
+            SeqChunk("c", [7], 29, tables[2])]
+    return tables, step, runner.execute(step, safepoint=safepoint)
+
+
+def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeypatch):
+    eager, compiled = large_steps
+    rows = []
+    run = compiled.model.compiled_decode.large.qkv_rope
+    monkeypatch.setattr(compiled.model.compiled_decode.large, "qkv_rope",
+                        lambda x, *rest: rows.append(x.shape[0]) or run(x, *rest))
+    outs = []
+    for runner in (eager, compiled):
+        tables, _, out = _large_step(runner)
+        # The cache the step left: a decode reading all of each sequence.
+        after = runner.execute([SeqChunk(name, [9], n, t) for name, n, t in zip("abc", (150, 40, 30), tables)])
+        outs.append((out.logits, after.logits))
+        for t in tables:
+            runner.kv.free(t)
+    assert rows and set(rows) == {191}  # the step ran the dynamic pieces at its own row count
+    for fast, slow in zip(*outs):
+        torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layer, stage", [(2, 0), (1, 2), (None, 0)])
+def test_compiled_step_aborted_then_resumed_equals_no_abort(large_steps, tiny_config, layer, stage):
+    """An abort in a compiled step carries its rows: resumed (on the eager path) from that safepoint,
+    the step gives the logits it would have given without stopping. layer None: before the LM head."""
+    eager, compiled = large_steps
+    stop_layer = tiny_config.num_layers if layer is None else layer
+    tables, step, expected = _large_step(eager)
+    for t in tables:
+        eager.kv.free(t)
+    calls = []
+
+    def stop_once(at: int) -> bool:
+        calls.append(at)
+        return at == stop_layer and calls.count(at) == (2 if stage == 2 else 1)
+
+    tables, step, aborted = _large_step(compiled, safepoint=stop_once)
+    assert aborted.aborted and aborted.aborted_at_layer == stop_layer
+    suspended = aborted.suspended
+    assert suspended is not None and (suspended.layer, suspended.stage) == (stop_layer, stage)
+    resumed = compiled.execute(step, resume=suspended)
+    torch.testing.assert_close(resumed.logits, expected.logits, atol=2e-4, rtol=1e-3)
+    for t in tables:
+        compiled.kv.free(t)

@@ -166,7 +166,8 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
     assert model.decode_run_batches == tuple(sorted(PACKED_DECODE_BUCKETS))  # HARLI's stage 1 runs there
     assert model.compiled_decode.pieces_for(9)[0] == 16 and model.compiled_decode.pieces_for(33)[0] == 48
     assert model.compiled_decode.pieces_for(8)[0] == 8 and model.compiled_decode.pieces_for(65)[0] == 128
-    assert model.compiled_decode.pieces_for(129) is None
+    # Past the largest bucket, the pieces compiled for any row count, unpadded.
+    assert model.compiled_decode.pieces_for(129) == (129, model.compiled_decode.large)
     eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 160, 8, dtype=dtype))
     fast = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=dtype))
     calls = []
