@@ -341,16 +341,19 @@ class LlamaModel:
             q, k, v = fast.qkv_rope(x, li, cos, sin)
             if pad:
                 q, k, v = q[:batch], k[:batch], v[:batch]
-            self._write_kv(li, k, v, meta, kv)
-            if not decode_only:  # prompt chunks (and any decodes beside them)
-                attn = self._attention(q, li, meta, kv)
-            elif kernel is not None:  # reads the pool in place (backfill/engine/paged_attention.py)
-                attn = kernel(q.contiguous(), kv.k[li], kv.v[li], meta.decode_block_tables,
-                              meta.decode_context_lens).view(batch, -1)
-            elif batch == 1:
-                attn = self._single_decode_attention(q, li, blocks, context, kv)
+            if decode_only and kernel is not None:
+                # Reads the pool in place (engine/paged_attention.py), after writing the step's keys
+                # and values into it: one call a layer where the write took two more.
+                attn = kernel(q, kv.k[li], kv.v[li], meta.decode_block_tables, meta.decode_context_lens,
+                              k_new=k, v_new=v, slots=meta.slot_mapping).view(batch, -1)
             else:
-                attn = self._decode_attention(q, li, meta, kv).reshape(batch, -1)
+                self._write_kv(li, k, v, meta, kv)
+                if not decode_only:  # prompt chunks (and any decodes beside them)
+                    attn = self._attention(q, li, meta, kv)
+                elif batch == 1:
+                    attn = self._single_decode_attention(q, li, blocks, context, kv)
+                else:
+                    attn = self._decode_attention(q, li, meta, kv).reshape(batch, -1)
             if pad:
                 attn = F.pad(attn, (0, 0, 0, pad))
             # One safepoint fewer than the eager path (none between attention and the MLP): the o

@@ -153,3 +153,31 @@ def test_a_shared_block_holding_a_members_newest_token_is_not_shared():
     q = torch.randn(2, 4, 64, generator=g)
     torch.testing.assert_close(kernel(q, k_pool, v_pool, tables, lens),
                                _reference(q, k_pool, v_pool, tables, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_keys_written_then_attended_as_a_separate_write(dtype):
+    """With k_new, v_new and slots the kernel writes the step's rows into the pools first: the pools
+    and the outputs equal an index_copy followed by the plain call. q, k_new and v_new are slices of
+    one wider product, as the compiled q/k/v piece hands them over."""
+    g = torch.Generator().manual_seed(7)
+    block_size, n_q, n_kv, hd, num_blocks = 16, 9, 3, 64, 24
+    k_pool = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, n_kv, hd, generator=g).to(dtype)
+    lens = torch.tensor([17, 32, 1, 40])
+    tables = torch.randperm(num_blocks, generator=g)[:4 * 3].view(4, 3)
+    slots = torch.stack([tables[b, (n - 1) // block_size] * block_size + (n - 1) % block_size
+                         for b, n in enumerate(lens.tolist())])
+    product = torch.randn(4, n_q + 2 * n_kv, hd, generator=g).to(dtype)
+    q, k_new, v_new = product[:, :n_q], product[:, n_q:n_q + n_kv], product[:, n_q + n_kv:]
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref.view(-1, n_kv, hd).index_copy_(0, slots, k_new)
+    v_ref.view(-1, n_kv, hd).index_copy_(0, slots, v_new)
+    expected = kernel(q.contiguous(), k_ref, v_ref, tables, lens)
+    out = kernel(q, k_pool, v_pool, tables, lens, k_new=k_new, v_new=v_new, slots=slots)
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="come together"):
+        kernel(q, k_pool, v_pool, tables, lens, k_new=k_new)
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        kernel(q, k_pool, v_pool, tables, lens, k_new=k_new, v_new=v_new, slots=slots + num_blocks * block_size)

@@ -85,6 +85,7 @@ struct Partial {
 
 struct Shape {
   int64_t n_q, n_kv, group, head_dim, block_size, width;
+  int64_t q_stride;  // elements from one sequence's queries to the next's (a slice of a q/k/v product)
 };
 
 // Scratch of one thread: the group's scaled queries in fp32, one block's scores [group][block] and
@@ -397,7 +398,7 @@ void attend_shared_blocks(const Shape& s, const T* q, const T* k_pool, const T* 
   float* query_t = scratch.query_t.data();
   float* acc_t = scratch.acc_t.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const T* qr = q + (members[r / group] * s.n_q + head * group + r % group) * hd;
+    const T* qr = q + members[r / group] * s.q_stride + (head * group + r % group) * hd;
     for (int64_t d = 0; d < hd; ++d) query_t[d * padded_rows + r] = static_cast<float>(qr[d]) * scale;
   }
   float* keys = scratch.keys.data();
@@ -530,7 +531,7 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
       if (task.kind == 0) {
         const int64_t pair = task.a, split = task.b, seq = pair / s.n_kv, head = pair % s.n_kv;
         const int64_t begin = own_first[seq], blocks = (lens[seq] + s.block_size - 1) / s.block_size - begin;
-        attend_blocks<T, kHeadDim>(s, q + seq * s.n_q * s.head_dim, k_pool, v_pool, tables + seq * s.width, lens[seq],
+        attend_blocks<T, kHeadDim>(s, q + seq * s.q_stride, k_pool, v_pool, tables + seq * s.width, lens[seq],
                                    begin + split * blocks / splits, begin + (split + 1) * blocks / splits, head,
                                    scratch, own_partial(pair, split));
       } else {
@@ -547,7 +548,7 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
             const int64_t rows = static_cast<int64_t>(group.members.size()) * s.group;
             tile_max.resize(rows), tile_sum.resize(rows), tile_acc.resize(rows * s.head_dim);
             const auto query_row = [&](int64_t r) {
-              return q + (group.members[r / s.group] * s.n_q + head * s.group + r % s.group) * s.head_dim;
+              return q + group.members[r / s.group] * s.q_stride + (head * s.group + r % s.group) * s.head_dim;
             };
             tile_attention::attend_full_blocks_on_tiles(s.n_kv, s.head_dim, k_pool, v_pool, table, begin, end, head, query_row,
                                         tile_attention::TileRows{rows, tile_max.data(), tile_sum.data(), tile_acc.data()});
@@ -614,7 +615,7 @@ void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const 
       const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
       const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size;
       const Partial part = partial(pair, split);
-      attend_blocks<T, kHeadDim>(s, q + seq * s.n_q * s.head_dim, k_pool, v_pool, tables + seq * s.width, lens[seq],
+      attend_blocks<T, kHeadDim>(s, q + seq * s.q_stride, k_pool, v_pool, tables + seq * s.width, lens[seq],
                     split * blocks / splits, (split + 1) * blocks / splits, head, scratch, part);
       if (splits == 1) merge_and_write(s, &part, 1, output_of(pair));  // the whole context: write it now
     }
@@ -645,16 +646,24 @@ void attend_any_head_dim(const Shape& s, const torch::Tensor& q, const torch::Te
 
 }  // namespace
 
+// Rows [B, heads, hd] whose heads and elements are contiguous (each sequence's row may be a slice of
+// a wider product).
+bool rows_dense(const torch::Tensor& t) { return t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2); }
+
 // q [B, n_q, hd]; k_pool, v_pool [num_blocks, block_size, n_kv, hd]; block_tables [B, width] int64;
 // context_lens [B] int64, each in [1, width * block_size]. Returns [B, n_q, hd]. Sequences whose
 // tables start with the same min_shared_blocks or more full blocks read them once as a group
-// (cascade attention, above); 0 walks every sequence's table alone.
+// (cascade attention, above); 0 walks every sequence's table alone. With k_new, v_new [B, n_kv, hd]
+// and slots [B] int64, each sequence's new key and value are first written to its slot of the pools
+// (block * block_size + offset): the step's KV write, without two more dispatches a layer.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                      const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                                     int64_t min_shared_blocks, bool tiles) {
+                                     int64_t min_shared_blocks, bool tiles, const c10::optional<torch::Tensor>& k_new,
+                                     const c10::optional<torch::Tensor>& v_new, const c10::optional<torch::Tensor>& slots) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-              block_tables.is_contiguous() && context_lens.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(rows_dense(q) && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "inputs must be contiguous (q: within each sequence's row)");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "q, k_pool and v_pool must be CPU tensors of one dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -667,9 +676,30 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < batch; ++i)
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "context length outside its block table");
-  const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width};
+  TORCH_CHECK(k_new.has_value() == v_new.has_value() && k_new.has_value() == slots.has_value(),
+              "k_new, v_new and slots come together");
+  if (k_new.has_value()) {
+    const torch::Tensor& kn = *k_new;
+    const torch::Tensor& vn = *v_new;
+    const torch::Tensor& sl = *slots;
+    TORCH_CHECK(rows_dense(kn) && rows_dense(vn) && kn.size(0) == batch && vn.size(0) == batch &&
+                kn.size(1) == n_kv && vn.size(1) == n_kv && kn.size(2) == head_dim && vn.size(2) == head_dim,
+                "k_new and v_new must be [B, n_kv, head_dim], contiguous within each row");
+    TORCH_CHECK(kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(), "k_new, v_new: q's dtype");
+    TORCH_CHECK(sl.scalar_type() == at::kLong && sl.is_contiguous() && sl.numel() == batch, "slots: [B] int64");
+    const int64_t* slot = sl.data_ptr<int64_t>();
+    const int64_t pool_slots = k_pool.size(0) * block_size, row_bytes = n_kv * head_dim * k_pool.element_size();
+    for (int64_t i = 0; i < batch; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_slots, "slot outside the pool");
+      std::memcpy(static_cast<char*>(k_pool.data_ptr()) + slot[i] * row_bytes,
+                  static_cast<const char*>(kn.data_ptr()) + i * kn.stride(0) * kn.element_size(), row_bytes);
+      std::memcpy(static_cast<char*>(v_pool.data_ptr()) + slot[i] * row_bytes,
+                  static_cast<const char*>(vn.data_ptr()) + i * vn.stride(0) * vn.element_size(), row_bytes);
+    }
+  }
+  const Shape shape{n_q, n_kv, n_q / n_kv, head_dim, block_size, width, q.stride(0)};
   const bool use_tiles = tiles && tile_attention::tiles_usable(block_size, head_dim);
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({batch, n_q, head_dim}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat: attend_any_head_dim<float>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles); break;
     case at::kBFloat16: attend_any_head_dim<c10::BFloat16>(shape, q, k_pool, v_pool, block_tables, lens, out, min_shared_blocks, use_tiles); break;
@@ -681,7 +711,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("min_shared_blocks") = kMinSharedBlocks, py::arg("tiles") = true);
+        py::arg("min_shared_blocks") = kMinSharedBlocks, py::arg("tiles") = true, py::arg("k_new") = py::none(),
+        py::arg("v_new") = py::none(), py::arg("slots") = py::none());
   m.def("tiles_available", []() { return tile_attention::tiles_usable(16, 64); },
         "whether shared prefixes of bf16 pools with 16-token blocks run on AMX tiles here");
 }
