@@ -32,3 +32,13 @@ def test_a_running_loop_neither_blocks_other_work_nor_a_second_loop():
     second.result(10)
     assert seen["first"] == torch_thread and seen["second"] != torch_thread
     assert run_on_torch_thread(threading.get_ident) == torch_thread  # free again once the loop ended
+
+
+def test_glibc_is_told_to_keep_freed_memory_for_reuse():
+    """Under glibc the settings are taken (mallopt answers 1 for each); elsewhere nothing is set."""
+    import platform
+
+    from backfill.serving import torch_thread
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert torch_thread.keep_freed_memory_for_reuse() is glibc
