@@ -5,8 +5,11 @@ compiled steps), maps block tables for --sequences sequences (each a shared pref
 --shared-tokens, then --own-tokens of its own), times --steps decode steps, and reads 1 GiB of
 memory with torch on one and on every thread: the step's bytes (weights and the KV it reads) over
 that rate is its memory floor. About a minute (the model build and compiled buckets first).
+With --prompt-tokens P it times prompt steps instead: --sequences prompts of P distinct tokens
+each, prefilled together in one step (the rows a burst's prompts make), and their tok/s.
 
     python scripts/decode_step.py --sequences 64 --shared-tokens 0 --own-tokens 100 --json step.json
+    python scripts/decode_step.py --sequences 8 --prompt-tokens 128 --json prompt-step.json
 """
 
 from __future__ import annotations
@@ -39,6 +42,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def time_prompt_steps(runner, args, threads: int) -> int:
+    """Steps that prefill --sequences prompts of --prompt-tokens tokens from position 0."""
+    kv, n, length = runner.kv, args.sequences, args.prompt_tokens
+
+    def step(k: int) -> float:
+        tables = [list(kv.allocate(kv.blocks_needed(length))) for _ in range(n)]
+        chunks = [SeqChunk(i, [3 + (k * 7919 + i * 104729 + t) % 40000 for t in range(length)], 0, table)
+                  for i, table in enumerate(tables)]
+        elapsed = _timed(lambda: runner.execute(chunks))
+        for table in tables:
+            kv.free(table)
+        return elapsed * 1e3
+
+    for k in range(2):
+        step(k)
+    times_ms = [step(k) for k in range(2, 2 + args.steps)]
+    median = statistics.median(times_ms)
+    print(f"{n} prompts of {length} tokens in one step ({n * length} rows), {threads} threads: median step "
+          f"{median:.1f} ms of {args.steps}, {n * length / median * 1e3:.0f} prompt tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "threads": threads, "step_ms": times_ms, "median_step_ms": median,
+                       "prompt_tokens_per_s": n * length / median * 1e3}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=64)
@@ -46,18 +75,21 @@ def main() -> int:
     p.add_argument("--own-tokens", type=int, default=100, help="each sequence's context after it (plus 0-58)")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="time prompt steps of this many tokens a sequence")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     cores = torch.get_num_threads()
     threads = args.threads or cores
     print(f"reading 1 GiB on 1 and {cores} threads, then building the model (about a minute)", flush=True)
-    rates = {1: read_gb_s(1), cores: read_gb_s(cores)}
+    rates = {} if args.prompt_tokens else {1: read_gb_s(1), cores: read_gb_s(cores)}
     torch.set_num_threads(threads)
     loaded = load_model()
     cfg = ServingConfig(dtype="auto", compile_decode=True, threads=threads)
     runner = build_runner(loaded.config, loaded.weights, cfg)
     runner.wait_until_warm()
     kv = runner.kv
+    if args.prompt_tokens:
+        return time_prompt_steps(runner, args, threads)
     shared = kv.allocate(args.shared_tokens // kv.block_size) if args.shared_tokens else []
     longest = args.shared_tokens + args.own_tokens + 60
     tables = [list(shared) + list(kv.allocate(kv.blocks_needed(longest) - len(shared))) for _ in range(args.sequences)]

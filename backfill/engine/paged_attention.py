@@ -42,7 +42,8 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 PROMPT_SOURCE = Path(__file__).parent / "csrc" / "paged_prompt_attention.cpp"
 
 # (q [B, n_q, hd], k_pool, v_pool, block tables [B, width], context lengths [B]) -> [B, n_q, hd]; keywords
-# min_shared_blocks (fewest shared leading blocks read once per group; 0: every table alone) and tiles.
+# min_shared_blocks (fewest shared leading blocks read once per group; 0: every table alone), tiles,
+# and k_new, v_new [B, n_kv, hd] with slots [B]: the step's keys and values, written to their slots first.
 PagedDecodeAttention = Callable[..., torch.Tensor]
 # (q [N, n_q, hd], k_pool, v_pool, spans [S, 3], block tables [S, width], out [N, n_q, hd]) -> None
 PagedPromptAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
