@@ -23,6 +23,7 @@ import torch
 
 from backfill.engine.step import SeqChunk
 from backfill.engine.weights import load_model
+from backfill.progress import Heartbeat
 from backfill.serving.build import build_runner
 from backfill.serving.config import ServingConfig
 
@@ -57,7 +58,10 @@ def time_prompt_steps(runner, args, threads: int) -> int:
 
     for k in range(2):
         step(k)
-    times_ms = [step(k) for k in range(2, 2 + args.steps)]
+    times_ms = []
+    for k in range(2, 2 + args.steps):
+        times_ms.append(step(k))
+        print(f"  step {k - 1}/{args.steps}: {times_ms[-1]:.1f} ms", flush=True)  # a line a step: seconds each
     median = statistics.median(times_ms)
     print(f"{n} prompts of {length} tokens in one step ({n * length} rows), {threads} threads: median step "
           f"{median:.1f} ms of {args.steps}, {n * length / median * 1e3:.0f} prompt tok/s")
@@ -80,13 +84,17 @@ def main() -> int:
     args = p.parse_args()
     cores = torch.get_num_threads()
     threads = args.threads or cores
-    print(f"reading 1 GiB on 1 and {cores} threads, then building the model (about a minute)", flush=True)
+    if args.prompt_tokens:
+        print(f"building the model (about a minute), then {args.steps + 2} prompt steps", flush=True)
+    else:
+        print(f"reading 1 GiB on 1 and {cores} threads, then building the model (about a minute)", flush=True)
     rates = {} if args.prompt_tokens else {1: read_gb_s(1), cores: read_gb_s(cores)}
     torch.set_num_threads(threads)
-    loaded = load_model()
-    cfg = ServingConfig(dtype="auto", compile_decode=True, threads=threads)
-    runner = build_runner(loaded.config, loaded.weights, cfg)
-    runner.wait_until_warm()
+    with Heartbeat(lambda line: print(line, flush=True), "building the model and its compiled steps"):
+        loaded = load_model()
+        cfg = ServingConfig(dtype="auto", compile_decode=True, threads=threads)
+        runner = build_runner(loaded.config, loaded.weights, cfg)
+        runner.wait_until_warm()
     kv = runner.kv
     if args.prompt_tokens:
         return time_prompt_steps(runner, args, threads)
