@@ -56,7 +56,7 @@ An abort at one carries the step's rows, so the eager path goes on from there (C
 Steps of more rows than the largest bucket (prompt chunks of a few hundred to a few thousand
 tokens, decode batches past 128) run pieces compiled once with the row count as a symbol: every
 matmul through the model's `Linear` (oneDNN, fastest at that size), and the norms, RoPE and SiLU
-fused around them as in a bucket. Eager, those pointwise ops were a third of a 4,096-token step.
+fused around them as in a bucket. Eager, each of those pointwise ops is a pass over the rows.
 
 Which kernel multiplies each weight at each batch size is measured on the machine, not assumed
 (engine/kernel_choice.py): where the model's own matmul (oneDNN, on AMX tiles where the CPU has
@@ -99,8 +99,8 @@ PACKED_DECODE_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 # its time to first token) and an offline decode batch of more than 64 sequences.
 PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24, 128)
 # Steps of more rows (prompt chunks, large decode batches) run pieces compiled once for any row
-# count, traced at this many: padding them to a bucket would cost matmuls, and eager they paid
-# a third of a 4,096-token step in unfused norms, RoPE and SiLU.
+# count, traced at this many: padding them to a bucket would cost matmuls, and eager they pay
+# for unfused norms, RoPE and SiLU.
 LARGE_STEP_EXAMPLE_ROWS = 257
 
 
