@@ -6,8 +6,9 @@
 // multiply does 16 x 16 x 32 bf16 products in the time a vector path does a few hundred. Scores
 // accumulate in fp32 from the exact products of bf16 queries and keys, with the rows in the lanes,
 // so the running softmax (FlashAttention's) is all vertical: no sums across lanes. The
-// probabilities go into the value products as two bf16 tiles (the value truncated to bf16 and the
-// rest, rounded), so the sums keep about 15 bits of each probability rather than bf16's 8. Linux hands out
+// probabilities go into the value products rounded to bf16, as FlashAttention's bf16 path feeds
+// them to its second product, and the softmax's sums add the rounded values, so the weights a row
+// applies sum to its normaliser exactly. Linux hands out
 // tile state only on request (arch_prctl), once per process. The exponentials are 2^x on the
 // vectors (a degree-5 polynomial and a scale), as accurate as fp32's own exp to a few ulps.
 //
@@ -99,19 +100,17 @@ void attend_full_blocks_on_tiles(int64_t n_kv, int64_t head_dim, const c10::BFlo
   // In base-2 units: exp(s / sqrt(hd) - m) = 2^(s * log2(e) / sqrt(hd) - m * log2(e)).
   const __m512 scale2 = _mm512_set1_ps(1.4426950408889634f / std::sqrt(static_cast<float>(hd)));
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  alignas(64) uint16_t interleave[32], deinterleave[32];
-  for (int j = 0; j < 16; ++j) {
-    interleave[2 * j] = j, interleave[2 * j + 1] = 16 + j;
-    deinterleave[j] = 2 * j, deinterleave[16 + j] = 2 * j + 1;
-  }
-  const __m512i interleave_idx = _mm512_load_si512(interleave), deinterleave_idx = _mm512_load_si512(deinterleave);
+  const __m512i half_ulp = _mm512_set1_epi32(0x8000);  // added to an fp32 word, rounds its bf16 half
+  alignas(64) uint16_t deinterleave[32];
+  for (int j = 0; j < 16; ++j) deinterleave[j] = 2 * j, deinterleave[16 + j] = 2 * j + 1;
+  const __m512i deinterleave_idx = _mm512_load_si512(deinterleave);
   const __m512i token_words = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                  _mm512_set1_epi32(static_cast<int>(token_bytes / 4)));
   // Scratch kept per thread: fresh allocations on every call cost page faults.
   // queries [chunk][hd / 2][16 rows] (pairs of dims); output sums transposed [chunk][hd][16 rows];
   // values transposed [block pair][hd][32 tokens]; scores [buffer][chunk of the pair][block][16 tokens][16 rows];
-  // probabilities [chunk of the pair][block pair][16 token pairs][16 rows], high and low halves.
-  thread_local std::vector<uint32_t> query_pairs, probs_high, probs_low;
+  // probabilities [chunk of the pair][block pair][16 token pairs][16 rows], bf16 pairs.
+  thread_local std::vector<uint32_t> query_pairs, probs;
   thread_local std::vector<float> acc, max, sum, scores;
   thread_local std::vector<uint16_t> values_t;
   query_pairs.assign(chunks * (hd / 2) * R, 0);
@@ -122,7 +121,7 @@ void attend_full_blocks_on_tiles(int64_t n_kv, int64_t head_dim, const c10::BFlo
   acc.assign(chunks * hd * R, 0.0f), max.assign(chunks * R, 0.0f), sum.assign(chunks * R, 0.0f);
   values_t.resize(kPass / 2 * hd * 2 * R);
   scores.resize(2 * 2 * kPass * R * R);
-  probs_high.resize(2 * kPass / 2 * R * R), probs_low.resize(probs_high.size());
+  probs.resize(2 * kPass / 2 * R * R);
   auto scores_at = [&](int64_t buffer, int64_t u, int64_t b) { return scores.data() + ((buffer * 2 + u) * kPass + b) * R * R; };
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
   configure_tiles();
@@ -188,34 +187,27 @@ void attend_full_blocks_on_tiles(int64_t n_kv, int64_t head_dim, const c10::BFlo
         rescale[u] = exp2_nonpositive(_mm512_sub_ps(old_max, new_max[u]));
         _mm512_storeu_ps(max_c, new_max[u]);
       }
-      // Probabilities, block pair by block pair, as two bf16 tiles: the high halves (each truncated
-      // to bf16) and what truncation left (rounded to bf16); token t in the low half of each row's word.
+      // Probabilities, block pair by block pair, as a bf16 tile: token t in the low half of each
+      // row's word, t + 1 in the high half.
       for (int64_t p = 0; p < block_pairs; ++p) {
         if (i + 1 < chunk_pairs) score_pair(i + 1, p, 1 - buffer);
         for (int64_t u = 0; u < 2; ++u)
           for (int64_t half = 0; half < 2; ++half) {
             const int64_t b = 2 * p + half;
-            uint32_t* high_rows = probs_high.data() + ((u * (kPass / 2) + p) * R + half * (R / 2)) * R;
-            uint32_t* low_rows = probs_low.data() + ((u * (kPass / 2) + p) * R + half * (R / 2)) * R;
+            uint32_t* pair_rows = probs.data() + ((u * (kPass / 2) + p) * R + half * (R / 2)) * R;
             if (b >= nb) {
-              for (int64_t t = 0; t < R / 2; ++t) {
-                _mm512_storeu_si512(high_rows + t * R, _mm512_setzero_si512());
-                _mm512_storeu_si512(low_rows + t * R, _mm512_setzero_si512());
-              }
+              for (int64_t t = 0; t < R / 2; ++t) _mm512_storeu_si512(pair_rows + t * R, _mm512_setzero_si512());
               continue;
             }
             const float* s = scores_at(buffer, u, b);
             for (int64_t t = 0; t < R; t += 2) {
               const __m512 p0 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + t * R), scale2, new_max[u]));
               const __m512 p1 = exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(s + (t + 1) * R), scale2, new_max[u]));
-              total[u] = _mm512_add_ps(total[u], _mm512_add_ps(p0, p1));
-              const __m512i w0 = _mm512_castps_si512(p0), w1 = _mm512_castps_si512(p1);
-              // (w1 & high_half) | (w0 >> 16)
-              _mm512_storeu_si512(high_rows + t / 2 * R, _mm512_ternarylogic_epi32(w1, _mm512_srli_epi32(w0, 16), high_half, 0xEC));
-              const __m512 rest0 = _mm512_sub_ps(p0, _mm512_castsi512_ps(_mm512_and_si512(w0, high_half)));
-              const __m512 rest1 = _mm512_sub_ps(p1, _mm512_castsi512_ps(_mm512_and_si512(w1, high_half)));
-              _mm512_storeu_si512(low_rows + t / 2 * R,
-                                  _mm512_permutexvar_epi16(interleave_idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(rest1, rest0))));
+              // Rounded to bf16 (half an ulp added, the low half cleared); 0 <= p <= 1, so no overflow.
+              const __m512i w0 = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(p0), half_ulp), high_half);
+              const __m512i w1 = _mm512_and_si512(_mm512_add_epi32(_mm512_castps_si512(p1), half_ulp), high_half);
+              total[u] = _mm512_add_ps(total[u], _mm512_add_ps(_mm512_castsi512_ps(w0), _mm512_castsi512_ps(w1)));
+              _mm512_storeu_si512(pair_rows + t / 2 * R, _mm512_or_si512(w1, _mm512_srli_epi32(w0, 16)));
             }
           }
       }
@@ -244,11 +236,8 @@ void attend_full_blocks_on_tiles(int64_t n_kv, int64_t head_dim, const c10::BFlo
           const uint16_t* vt = values_t.data() + (p * hd + g * R) * 2 * R;
           _tile_loadd(0, vt, 64);
           _tile_loadd(1, vt + R * 2 * R, 64);
-          _tile_loadd(2, probs_high.data() + p * R * R, 64);
-          _tile_loadd(3, probs_high.data() + (kPass / 2 + p) * R * R, 64);
-          _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(5, 1, 2); _tile_dpbf16ps(6, 0, 3); _tile_dpbf16ps(7, 1, 3);
-          _tile_loadd(2, probs_low.data() + p * R * R, 64);
-          _tile_loadd(3, probs_low.data() + (kPass / 2 + p) * R * R, 64);
+          _tile_loadd(2, probs.data() + p * R * R, 64);
+          _tile_loadd(3, probs.data() + (kPass / 2 + p) * R * R, 64);
           _tile_dpbf16ps(4, 0, 2); _tile_dpbf16ps(5, 1, 2); _tile_dpbf16ps(6, 0, 3); _tile_dpbf16ps(7, 1, 3);
           if (i + 1 < chunk_pairs) fold_max(1 - buffer, step * nb / steps, (step + 1) * nb / steps, block_max);
         }
