@@ -283,7 +283,9 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
 template <typename T>
 void merge_and_write(const Shape& s, const Partial* parts, int64_t count, T* out) {
   const int64_t hd = s.head_dim;
-  std::vector<float> weights(count);
+  float few[16];  // a heap buffer only for many parts: this runs once per (sequence, KV head)
+  std::vector<float> many(count > 16 ? count : 0);
+  float* weights = count > 16 ? many.data() : few;
   for (int64_t g = 0; g < s.group; ++g) {
     float top = kNegInf;
     for (int64_t i = 0; i < count; ++i) top = std::max(top, parts[i].max[g]);
@@ -292,10 +294,15 @@ void merge_and_write(const Shape& s, const Partial* parts, int64_t count, T* out
       weights[i] = parts[i].max[g] == kNegInf ? 0.0f : std::exp(parts[i].max[g] - top);
       sum += weights[i] * parts[i].sum[g];
     }
-    for (int64_t d = 0; d < hd; ++d) {
-      float value = 0.0f;
-      for (int64_t i = 0; i < count; ++i) value += weights[i] * parts[i].acc[g * hd + d];
-      out[g * hd + d] = static_cast<T>(value / sum);
+    // The weighted sum of the parts' outputs a vector of dims at a time, scaled once by 1 / sum.
+    const float inverse = 1.0f / sum;
+    for (int64_t d = 0; d < hd; d += kLanes) {
+      const int64_t n = std::min(kLanes, hd - d);
+      Vec value(0.0f);
+      for (int64_t i = 0; i < count; ++i) value = at::vec::fmadd(Vec(weights[i] * inverse), load_float(parts[i].acc + g * hd + d, n), value);
+      float lanes[kLanes];
+      value.store(lanes, n);
+      for (int64_t j = 0; j < n; ++j) out[g * hd + d + j] = static_cast<T>(lanes[j]);
     }
   }
 }
@@ -485,10 +492,20 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
   const int64_t splits = choose_splits(pairs, max_own);
   // Shared stretches: enough tasks for every thread, at least two blocks each.
   const int64_t group_heads = static_cast<int64_t>(groups.size()) * s.n_kv;
-  std::vector<int64_t> stretches(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g)
-    stretches[g] = std::max<int64_t>(1, std::min((4 * threads + group_heads - 1) / group_heads,
-                                                 groups[g].shared_blocks / 2));
+  // On tiles a stretch is whole softmax passes (tile_attention::kPassBlocks blocks) where it can
+  // be: a short last pass costs a whole one's value transposition and half-empty block pairs.
+  std::vector<int64_t> stretches(groups.size()), stretch_blocks(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t shared = groups[g].shared_blocks;
+    int64_t n = std::max<int64_t>(1, std::min((4 * threads + group_heads - 1) / group_heads, shared / 2));
+    int64_t length = (shared + n - 1) / n;
+#if defined(BACKFILL_TILES)
+    constexpr int64_t pass = tile_attention::kPassBlocks;
+    if (tiles && std::is_same_v<T, c10::BFloat16> && shared >= 2 * pass) length = (length + pass - 1) / pass * pass;
+#endif
+    stretches[g] = (shared + length - 1) / length;
+    stretch_blocks[g] = length;
+  }
   // Partials: each pair's own splits, then each group member's shared stretches per head.
   std::vector<int64_t> shared_offset(groups.size());
   int64_t floats = pairs * splits * stride;
@@ -517,7 +534,7 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
   for (size_t g = 0; g < groups.size(); ++g)
     for (int64_t head = 0; head < s.n_kv; ++head)
       for (int64_t stretch = 0; stretch < stretches[g]; ++stretch)
-        tasks.push_back({static_cast<int64_t>(groups[g].members.size()) * groups[g].shared_blocks / stretches[g] + 1,
+        tasks.push_back({static_cast<int64_t>(groups[g].members.size()) * stretch_blocks[g] + 1,
                          1, static_cast<int64_t>(g), head, stretch});
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
@@ -536,11 +553,11 @@ void attend_with_prefixes(const Shape& s, const T* q, const T* k_pool, const T* 
                                    scratch, own_partial(pair, split));
       } else {
         const PrefixGroup& group = groups[task.a];
-        const int64_t head = task.b, stretch = task.c, n = stretches[task.a];
+        const int64_t head = task.b, stretch = task.c, length = stretch_blocks[task.a];
         member_parts.clear();
         for (size_t m = 0; m < group.members.size(); ++m)
           member_parts.push_back(shared_partial(task.a, static_cast<int64_t>(m), head, stretch));
-        const int64_t begin = stretch * group.shared_blocks / n, end = (stretch + 1) * group.shared_blocks / n;
+        const int64_t begin = stretch * length, end = std::min(group.shared_blocks, begin + length);
         const int64_t* table = tables + group.members[0] * s.width;
 #if defined(BACKFILL_TILES)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
