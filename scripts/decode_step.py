@@ -6,10 +6,12 @@ compiled steps), maps block tables for --sequences sequences (each a shared pref
 memory with torch on one and on every thread: the step's bytes (weights and the KV it reads) over
 that rate is its memory floor. About a minute (the model build and compiled buckets first).
 With --prompt-tokens P it times prompt steps instead: --sequences prompts of P distinct tokens
-each, prefilled together in one step (the rows a burst's prompts make), and their tok/s.
+each, prefilled together in one step (the rows a burst's prompts make), and their tok/s; with
+--compare-row-padding as well, in turns padded to the kernel choice's row multiple and not.
 
     python scripts/decode_step.py --sequences 64 --shared-tokens 0 --own-tokens 100 --json step.json
     python scripts/decode_step.py --sequences 8 --prompt-tokens 128 --json prompt-step.json
+    python scripts/decode_step.py --sequences 8 --prompt-tokens 79 --compare-row-padding --json padding.json
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def time_prompt_steps(runner, args, threads: int) -> int:
             kv.free(table)
         return elapsed * 1e3
 
+    if args.compare_row_padding:
+        fast, rows = runner.model.compiled_decode, n * length
+        if fast is None or fast.large is None or fast.large_step_rows(rows) == rows:
+            print(f"{rows} rows run unpadded here (no compiled large steps, or the kernel choice pads nothing "
+                  f"at this count): nothing to compare")
+            return 1
+        return compare_row_padding(runner, args, threads, step)
     for k in range(2):
         step(k)
     times_ms = []
@@ -72,6 +81,31 @@ def time_prompt_steps(runner, args, threads: int) -> int:
     return 0
 
 
+def compare_row_padding(runner, args, threads: int, step_fn) -> int:
+    """Prompt steps in turns, padded to the kernel choice's row multiple and at their own rows."""
+    fast, rows = runner.model.compiled_decode, args.sequences * args.prompt_tokens
+    padded_to = fast.large_step_rows(rows)
+    times: dict[str, list[float]] = {"own rows": [], "padded": []}
+    for k in range(2):
+        step_fn(k)
+    for k in range(2 * args.steps):
+        mode = "padded" if k % 2 else "own rows"
+        fast.set_large_step_padding(mode == "padded")
+        times[mode].append(step_fn(k + 2))
+    fast.set_large_step_padding(True)
+    medians = {mode: statistics.median(ts) for mode, ts in times.items()}
+    ratios = sorted(a / b for a, b in zip(times["own rows"], times["padded"]))
+    print(f"{rows} rows in one step, {threads} threads, in turns: at their own rows {medians['own rows']:.1f} ms, "
+          f"padded to {padded_to} {medians['padded']:.1f} ms (medians of {args.steps}); paired ratio "
+          f"{ratios[len(ratios) // 2]:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "threads": threads, "rows": rows, "padded_rows": padded_to,
+                       "step_ms": times, "median_step_ms": medians,
+                       "paired_ratio_median": ratios[len(ratios) // 2]}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sequences", type=int, default=64)
@@ -80,6 +114,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0: every core")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--prompt-tokens", type=int, default=0, help="time prompt steps of this many tokens a sequence")
+    p.add_argument("--compare-row-padding", action="store_true",
+                   help="with --prompt-tokens: steps in turns padded to the kernel choice's row multiple and not")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
     cores = torch.get_num_threads()

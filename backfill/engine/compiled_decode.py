@@ -58,6 +58,11 @@ tokens, decode batches past 128) run pieces compiled once with the row count as 
 matmul through the model's `Linear` (oneDNN, fastest at that size), and the norms, RoPE and SiLU
 fused around them as in a bucket. Eager, each of those pointwise ops is a pass over the rows.
 
+Where the machine's matmuls run a row count 8 past a multiple of 16 slower than the next multiple
+(oneDNN's AMX kernels, whose tiles take 16 rows), a step past the buckets runs padded to the
+multiple, its extra rows zeros as in a bucket: the kernel choice times a layer's matmuls at such
+pairs of counts (engine/kernel_choice.py) and says whether.
+
 Which kernel multiplies each weight at each batch size is measured on the machine, not assumed
 (engine/kernel_choice.py): where the model's own matmul (oneDNN, on AMX tiles where the CPU has
 them) beats the small-batch kernel, that piece's matmul runs before it through the model's
@@ -303,6 +308,7 @@ class CompiledDecode:
         self.buckets: dict[int, DecodePieces] = {}
         # Steps larger than every bucket, any row count (the matmuls all through the model's Linear).
         self.large: DecodePieces | None = None
+        self.pad_large_steps = True
         self._bucket_thread: threading.Thread | None = None
         self._stopping = False
         try:
@@ -330,7 +336,6 @@ class CompiledDecode:
     def _measure_choice(self, linear_name: str, rows: tuple[int, ...] | None = None,
                         one_thread: bool = True) -> KernelChoice:
         """Both paths timed on layer 0's weights (and the LM head) at every size the pieces run."""
-        rows = rows or tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
         layer, linears = self.layers[0], self.linears[0]
         in_features = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim,
                        "gate_up": self.hidden_size, "down": self.intermediate_size, "lm_head": self.hidden_size}
@@ -338,7 +343,22 @@ class CompiledDecode:
                           linears[name], in_features[name]) for name in LAYER_WEIGHTS}
         weights["lm_head"] = (lambda x: packed_matmul(self.lm_head, x, self.out_features["lm_head"]),
                               self.lm_head_linear, self.hidden_size)
-        return kernel_choice.measure(weights, rows, self.lm_head.dtype, linear_name, one_thread)
+        choice = kernel_choice.measure(weights, rows or self._choice_rows(), self.lm_head.dtype, linear_name,
+                                       one_thread)
+        choice.large_rows_us = kernel_choice.measure_large_rows(self._layer_matmuls_at, one_thread)
+        return choice
+
+    def _choice_rows(self) -> tuple[int, ...]:
+        return tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
+
+    def _layer_matmuls_at(self, rows: int) -> Callable[[], object]:
+        """Layer 0's four matmuls through the model's Linear on `rows` rows (a large step's)."""
+        linears, dtype = self.linears[0], self.lm_head.dtype
+        x = torch.randn(rows, self.hidden_size, dtype=dtype) * 0.1
+        attn = torch.randn(rows, self.num_heads * self.head_dim, dtype=dtype) * 0.1
+        act = torch.randn(rows, self.intermediate_size, dtype=dtype) * 0.1
+        return lambda: (linears["qkv"](x), linears["o"].add_to(x, attn), linears["gate_up"](x),
+                        linears["down"].add_to(x, act))
 
     def compile_buckets(self, background: bool = True) -> None:
         """Compile the padded buckets for larger batches (packed weights only), then the pieces for
@@ -403,10 +423,23 @@ class CompiledDecode:
         if not fits:
             large = self.large
             if large is not None and batch > max(PACKED_DECODE_BUCKETS):
-                return batch, large
+                return self.large_step_rows(batch), large
             return None
         size = min(fits)
         return size, self.buckets[size]
+
+    def large_step_rows(self, batch: int) -> int:
+        """The rows a step of `batch` rows past every bucket runs at: padded to the multiple the
+        kernel choice measured faster (KernelChoice.large_step_row_multiple), else its own."""
+        if not self.pad_large_steps or self.kernel_choice is None:
+            return batch
+        multiple = self.kernel_choice.large_step_row_multiple
+        return -(-batch // multiple) * multiple
+
+    def set_large_step_padding(self, enabled: bool) -> None:
+        """Pad large steps as the kernel choice says (the default), or run them at their own rows
+        (a benchmark's comparison of the two)."""
+        self.pad_large_steps = enabled
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,16 @@ PATHS = (SMALL_BATCH, LINEAR)
 # The fused path saves a dispatch and a pass over the product; the other must be this much faster
 # to be taken, so that timing noise between two equal kernels does not flip the choice.
 LINEAR_MARGIN = 1.1
-CHOICE_FORMAT = 1
+CHOICE_FORMAT = 2
+# Steps past the compiled buckets (a burst's prompts, the next lines' questions beside decodes) run
+# their matmuls at any row count. Where a count 8 past a multiple of 16 runs slower than the next
+# multiple (oneDNN's AMX kernels take rows in 16-row tiles: on an Intel Xeon, 632 rows of a layer's
+# matmuls took 1.35x the time of 640), such steps are padded to the multiple. Timed in these pairs.
+LARGE_STEP_ROW_PAIRS = ((136, 144), (264, 272), (632, 640))
+LARGE_STEP_ROW_MULTIPLE = 16
+# How much faster the padded counts must be, by the geometric mean of the pairs' ratios: the
+# penalty differs between counts (1.05x to 1.3x here), and the margin keeps noise from padding.
+LARGE_STEP_MARGIN = 1.05
 
 
 def cache_root() -> Path:
@@ -49,6 +59,20 @@ class KernelChoice:
 
     times_us: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
     linear_name: str = "linear"   # what the model's Linear runs (e.g. onednn-packed)
+    # A layer's matmuls through the Linear at each of LARGE_STEP_ROW_PAIRS' row counts (µs).
+    large_rows_us: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def large_step_row_multiple(self) -> int:
+        """What a large step's rows are padded to a multiple of: LARGE_STEP_ROW_MULTIPLE where the
+        padded counts ran faster than the counts 8 below them by LARGE_STEP_MARGIN (the geometric
+        mean over the pairs measured), else 1 (no padding)."""
+        times = self.large_rows_us
+        pairs = [(times.get(odd), times.get(padded)) for odd, padded in LARGE_STEP_ROW_PAIRS]
+        if not times or any(odd is None or padded is None or padded <= 0 for odd, padded in pairs):
+            return 1
+        mean_ratio = math.prod(odd / padded for odd, padded in pairs) ** (1 / len(pairs))
+        return LARGE_STEP_ROW_MULTIPLE if mean_ratio > LARGE_STEP_MARGIN else 1
 
     def path(self, name: str, rows: int) -> str:
         """The path for `name` at `rows`; small-batch where it was not measured."""
@@ -89,19 +113,27 @@ class KernelChoice:
         for row in self.table():
             lines.append(f"{row['weight']:8s} {row['rows']:5d} {row.get('small-batch_us', float('nan')):15.1f} "
                          f"{row.get('linear_us', float('nan')):20.1f}  {row['choice']}")
+        if self.large_rows_us:
+            pairs = ", ".join(f"{odd}: {self.large_rows_us.get(odd, float('nan')):.0f} / {padded}: "
+                              f"{self.large_rows_us.get(padded, float('nan')):.0f}" for odd, padded in LARGE_STEP_ROW_PAIRS)
+            multiple = self.large_step_row_multiple
+            lines.append(f"a layer's matmuls at rows past the buckets, µs ({pairs}): "
+                         + (f"rows padded to a multiple of {multiple}" if multiple > 1 else "rows as they come"))
         return "\n".join(lines)
 
     def to_json(self) -> dict:
         return {"format": CHOICE_FORMAT, "linear_name": self.linear_name,
                 "times_us": {name: {str(rows): cell for rows, cell in cells.items()}
-                             for name, cells in self.times_us.items()}}
+                             for name, cells in self.times_us.items()},
+                "large_rows_us": {str(rows): t for rows, t in self.large_rows_us.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> KernelChoice:
         if data.get("format") != CHOICE_FORMAT:
             raise ValueError(f"kernel choice format {data.get('format')!r}, expected {CHOICE_FORMAT}")
         return cls({name: {int(rows): {p: float(t) for p, t in cell.items()} for rows, cell in cells.items()}
-                    for name, cells in data["times_us"].items()}, data.get("linear_name", "linear"))
+                    for name, cells in data["times_us"].items()}, data.get("linear_name", "linear"),
+                   {int(rows): float(t) for rows, t in data.get("large_rows_us", {}).items()})
 
 
 def _best_times_us(calls: dict[str, Callable[[], object]], max_rounds: int = 40, settled_rounds: int = 4,
@@ -150,6 +182,20 @@ def measure(weights: dict[str, tuple[Callable[[torch.Tensor], object], Callable[
     finally:
         torch.set_num_threads(threads)
     return choice
+
+
+def measure_large_rows(layer_at: Callable[[int], Callable[[], object]], one_thread: bool = True) -> dict[int, float]:
+    """A layer's matmuls (layer_at(rows) returns the call) at each of LARGE_STEP_ROW_PAIRS' row
+    counts, in alternating rounds, on one thread as the choice is (µs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if one_thread else threads)
+    try:
+        with torch.inference_mode():
+            calls = {str(rows): layer_at(rows) for pair in LARGE_STEP_ROW_PAIRS for rows in pair}
+            best = _best_times_us(calls, budget_s=3.0)
+    finally:
+        torch.set_num_threads(threads)
+    return {int(rows): t for rows, t in best.items()}
 
 
 def _measure_into(choice: KernelChoice, weights: dict, rows: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -331,6 +331,31 @@ def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeyp
         torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-3)
 
 
+def test_large_steps_padded_to_the_measured_multiple_match_eager(large_steps, monkeypatch):
+    """Where the kernel choice measured a multiple of 16 rows faster, a step of 191 rows runs the
+    dynamic pieces at 192 (one zero row) and gives the logits the eager step gives."""
+    from backfill.engine.kernel_choice import LARGE_STEP_ROW_PAIRS, KernelChoice
+    eager, compiled = large_steps
+    fast = compiled.model.compiled_decode
+    choice = fast.kernel_choice or KernelChoice()
+    faster = {rows: 1.0 if rows % 16 == 0 else 2.0 for pair in LARGE_STEP_ROW_PAIRS for rows in pair}
+    monkeypatch.setattr(fast, "kernel_choice", KernelChoice(choice.times_us, choice.linear_name, faster))
+    assert fast.large_step_rows(191) == 192 and fast.large_step_rows(192) == 192
+    rows = []
+    run = fast.large.qkv_rope
+    monkeypatch.setattr(fast.large, "qkv_rope", lambda x, *rest: rows.append(x.shape[0]) or run(x, *rest))
+    outs = []
+    for runner in (eager, compiled):
+        tables, _, out = _large_step(runner)
+        after = runner.execute([SeqChunk(name, [9], n, t) for name, n, t in zip("abc", (150, 40, 30), tables)])
+        outs.append((out.logits, after.logits))
+        for t in tables:
+            runner.kv.free(t)
+    assert set(rows) == {192}
+    for padded, slow in zip(*outs):
+        torch.testing.assert_close(padded, slow, atol=2e-4, rtol=1e-3)
+
+
 @pytest.mark.parametrize("layer, stage", [(2, 0), (1, 2), (None, 0)])
 def test_compiled_step_aborted_then_resumed_equals_no_abort(large_steps, tiny_config, layer, stage):
     """An abort in a compiled step carries its rows: resumed (on the eager path) from that safepoint,

@@ -30,6 +30,37 @@ def test_json_round_trip_keeps_every_choice_and_the_digest():
     assert "onednn-packed" in again.format()
 
 
+def test_large_steps_pad_only_where_every_pair_measured_the_padded_count_faster():
+    from backfill.engine.kernel_choice import LARGE_STEP_MARGIN, LARGE_STEP_ROW_MULTIPLE, LARGE_STEP_ROW_PAIRS
+    faster = {rows: 100.0 if rows % 16 == 0 else 140.0 for pair in LARGE_STEP_ROW_PAIRS for rows in pair}
+    assert KernelChoice(large_rows_us=faster).large_step_row_multiple == LARGE_STEP_ROW_MULTIPLE
+    # One pair with no penalty: the mean of 1.4, 1.4 and 1.0 still pads.
+    assert KernelChoice(large_rows_us={**faster, LARGE_STEP_ROW_PAIRS[0][0]: 100.0}).large_step_row_multiple == 16
+    within_margin = {rows: 100.0 if rows % 16 == 0 else 100.0 * LARGE_STEP_MARGIN - 1 for rows in faster}
+    assert KernelChoice(large_rows_us=within_margin).large_step_row_multiple == 1
+    missing = {k: v for k, v in faster.items() if k != LARGE_STEP_ROW_PAIRS[-1][1]}
+    assert KernelChoice(large_rows_us=missing).large_step_row_multiple == 1
+    assert KernelChoice().large_step_row_multiple == 1
+    again = KernelChoice.from_json(json.loads(json.dumps(KernelChoice(large_rows_us=faster).to_json())))
+    assert again.large_rows_us == faster
+    assert f"multiple of {LARGE_STEP_ROW_MULTIPLE}" in again.format()
+
+
+def test_measure_large_rows_times_each_count():
+    from backfill.engine.kernel_choice import LARGE_STEP_ROW_PAIRS
+    w = torch.randn(32, 16)
+    built = []
+
+    def layer_at(rows):
+        built.append(rows)
+        x = torch.randn(rows, 16)
+        return lambda: x @ w.T
+
+    times = kernel_choice.measure_large_rows(layer_at)
+    assert sorted(built) == sorted(rows for pair in LARGE_STEP_ROW_PAIRS for rows in pair) == sorted(times)
+    assert all(t > 0 for t in times.values())
+
+
 def test_from_json_refuses_another_format():
     with pytest.raises(ValueError, match="format"):
         KernelChoice.from_json({"format": 99, "times_us": {}})
