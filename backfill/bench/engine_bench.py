@@ -281,6 +281,8 @@ def _run_engine_bench(model, dtypes, batches, prompt_len, new_tokens, device, wi
         step_matmuls = None
         if choice is not None:  # each path's time per weight and rows, and the one the pieces take
             run["kernel_choice"] = choice.table()
+            run["large_step_rows_us"] = {str(rows): t for rows, t in choice.large_rows_us.items()}
+            run["large_step_row_multiple"] = choice.large_step_row_multiple
             log(f"[{label}] matmul kernel per weight and step rows (one thread), measured on this machine:\n"
                 f"{choice.format()}")
             step_matmuls = runner.model.time_matmuls(tuple(batches))  # the same, on the engine's threads
