@@ -107,6 +107,8 @@ PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24, 128)
 # count, traced at this many: padding them to a bucket would cost matmuls, and eager they pay
 # for unfused norms, RoPE and SiLU.
 LARGE_STEP_EXAMPLE_ROWS = 257
+# Every size the packed pieces run at, where the kernel choice times both paths.
+CHOICE_ROWS = tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -343,13 +345,9 @@ class CompiledDecode:
                           linears[name], in_features[name]) for name in LAYER_WEIGHTS}
         weights["lm_head"] = (lambda x: packed_matmul(self.lm_head, x, self.out_features["lm_head"]),
                               self.lm_head_linear, self.hidden_size)
-        choice = kernel_choice.measure(weights, rows or self._choice_rows(), self.lm_head.dtype, linear_name,
-                                       one_thread)
+        choice = kernel_choice.measure(weights, rows or CHOICE_ROWS, self.lm_head.dtype, linear_name, one_thread)
         choice.large_rows_us = kernel_choice.measure_large_rows(self._layer_matmuls_at, one_thread)
         return choice
-
-    def _choice_rows(self) -> tuple[int, ...]:
-        return tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
 
     def _layer_matmuls_at(self, rows: int) -> Callable[[], object]:
         """Layer 0's four matmuls through the model's Linear on `rows` rows (a large step's)."""

@@ -312,12 +312,17 @@ def _large_step(runner: ModelRunner, safepoint=None):
     return tables, step, runner.execute(step, safepoint=safepoint)
 
 
-def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeypatch):
+def _large_step_rows_and_logits(large_steps, monkeypatch, large_rows_us: dict[int, float]):
+    """The row counts the dynamic pieces ran at, and the logits of the large step and of a decode
+    after it on the eager and the compiled runner, with the kernel choice's large-row times set."""
+    from backfill.engine.kernel_choice import KernelChoice
     eager, compiled = large_steps
+    fast = compiled.model.compiled_decode
+    choice = fast.kernel_choice or KernelChoice()
+    monkeypatch.setattr(fast, "kernel_choice", KernelChoice(choice.times_us, choice.linear_name, large_rows_us))
     rows = []
-    run = compiled.model.compiled_decode.large.qkv_rope
-    monkeypatch.setattr(compiled.model.compiled_decode.large, "qkv_rope",
-                        lambda x, *rest: rows.append(x.shape[0]) or run(x, *rest))
+    run = fast.large.qkv_rope
+    monkeypatch.setattr(fast.large, "qkv_rope", lambda x, *rest: rows.append(x.shape[0]) or run(x, *rest))
     outs = []
     for runner in (eager, compiled):
         tables, _, out = _large_step(runner)
@@ -326,6 +331,11 @@ def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeyp
         outs.append((out.logits, after.logits))
         for t in tables:
             runner.kv.free(t)
+    return rows, outs
+
+
+def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeypatch):
+    rows, outs = _large_step_rows_and_logits(large_steps, monkeypatch, {})  # no padding measured
     assert rows and set(rows) == {191}  # the step ran the dynamic pieces at its own row count
     for fast, slow in zip(*outs):
         torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-3)
@@ -334,23 +344,11 @@ def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeyp
 def test_large_steps_padded_to_the_measured_multiple_match_eager(large_steps, monkeypatch):
     """Where the kernel choice measured a multiple of 16 rows faster, a step of 191 rows runs the
     dynamic pieces at 192 (one zero row) and gives the logits the eager step gives."""
-    from backfill.engine.kernel_choice import LARGE_STEP_ROW_PAIRS, KernelChoice
-    eager, compiled = large_steps
-    fast = compiled.model.compiled_decode
-    choice = fast.kernel_choice or KernelChoice()
+    from backfill.engine.kernel_choice import LARGE_STEP_ROW_PAIRS
     faster = {rows: 1.0 if rows % 16 == 0 else 2.0 for pair in LARGE_STEP_ROW_PAIRS for rows in pair}
-    monkeypatch.setattr(fast, "kernel_choice", KernelChoice(choice.times_us, choice.linear_name, faster))
+    rows, outs = _large_step_rows_and_logits(large_steps, monkeypatch, faster)
+    fast = large_steps[1].model.compiled_decode
     assert fast.large_step_rows(191) == 192 and fast.large_step_rows(192) == 192
-    rows = []
-    run = fast.large.qkv_rope
-    monkeypatch.setattr(fast.large, "qkv_rope", lambda x, *rest: rows.append(x.shape[0]) or run(x, *rest))
-    outs = []
-    for runner in (eager, compiled):
-        tables, _, out = _large_step(runner)
-        after = runner.execute([SeqChunk(name, [9], n, t) for name, n, t in zip("abc", (150, 40, 30), tables)])
-        outs.append((out.logits, after.logits))
-        for t in tables:
-            runner.kv.free(t)
     assert set(rows) == {192}
     for padded, slow in zip(*outs):
         torch.testing.assert_close(padded, slow, atol=2e-4, rtol=1e-3)
