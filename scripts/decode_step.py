@@ -92,6 +92,7 @@ def compare_row_padding(runner, args, threads: int, step_fn) -> int:
         mode = "padded" if k % 2 else "own rows"
         fast.set_large_step_padding(mode == "padded")
         times[mode].append(step_fn(k + 2))
+        print(f"  step {k + 1}/{2 * args.steps} ({mode}): {times[mode][-1]:.1f} ms", flush=True)  # seconds each
     fast.set_large_step_padding(True)
     medians = {mode: statistics.median(ts) for mode, ts in times.items()}
     ratios = sorted(a / b for a, b in zip(times["own rows"], times["padded"]))
