@@ -34,8 +34,10 @@ size: the kernel and oneDNN multiply at the same rate there (the kernel keeps a 
 in cache for all eight-row chunks), and what eager loses is the rest of the step, about twenty
 dispatches per layer. So the packed pieces are also built for buckets of 16 to 128 rows; a
 batch runs in the smallest bucket that holds it, its rows padded with zeros (a padded row costs
-its share of the matmuls, which is why the buckets are close together). The LM head of a bucket
-stays on oneDNN, which is faster than the kernel from sixteen rows. These buckets compile on a
+its share of the matmuls, which is why the buckets are close together). On a CPU with AMX tiles
+the packed weights also multiply on them (the same packing), which reads them faster than oneDNN
+from a handful of rows up; each weight at each size takes the path the kernel choice measured
+fastest, the LM head too. These buckets compile on a
 background thread after load (seconds each, cached on disk by inductor), so the server starts
 as fast as before and large batches stay eager until their bucket is ready.
 
@@ -89,7 +91,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from backfill.engine import kernel_choice
 from backfill.engine.kernel_choice import KernelChoice
 from backfill.engine.rope import apply_rope
-from backfill.engine.small_batch_matmul import can_pack, load_small_batch_matmul, pack_for_small_batches, packed_matmul
+from backfill.engine.small_batch_matmul import (TILE_INPUTS, can_pack, load_small_batch_matmul, load_tiles_matmul,
+                                                pack_for_small_batches, packed_matmul, packed_matmul_tiles)
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_kernel_digest
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,11 @@ Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, x [B, 
 def _packed_matmul(out_features: int) -> Matmul:
     """x @ W.T through the small-batch kernel, for a weight packed by pack_for_small_batches."""
     return lambda packed_weight, x: torch.ops.backfill.packed_matmul(packed_weight, x, out_features)
+
+
+def _packed_matmul_tiles(out_features: int) -> Matmul:
+    """x @ W.T on AMX tiles, for the same packed weight."""
+    return lambda packed_weight, x: torch.ops.backfill.packed_matmul_tiles(packed_weight, x, out_features)
 
 
 def _norm(h, norm_weight, eps: float):
@@ -296,6 +304,11 @@ class CompiledDecode:
                       for layer in layers]
             lm_head = pack_for_small_batches(lm_head)
         self.layers, self.lm_head = layers, lm_head
+        self.in_features = {"qkv": self.hidden_size, "o": num_heads * head_dim, "gate_up": self.hidden_size,
+                            "down": self.intermediate_size, "lm_head": self.hidden_size}
+        # The weights the tile kernel also takes (bf16, inputs in whole tiles), on a CPU with AMX.
+        self.tiled = frozenset(name for name, n in self.in_features.items() if n % TILE_INPUTS == 0) \
+            if self.packed and lm_head.dtype == torch.bfloat16 and load_tiles_matmul() else frozenset()
         self.linears = linears or []
         self.lm_head_linear = lm_head_linear
         # Which weights run through the model's Linear at which batch size; none without linears.
@@ -337,17 +350,27 @@ class CompiledDecode:
 
     def _measure_choice(self, linear_name: str, rows: tuple[int, ...] | None = None,
                         one_thread: bool = True) -> KernelChoice:
-        """Both paths timed on layer 0's weights (and the LM head) at every size the pieces run."""
-        layer, linears = self.layers[0], self.linears[0]
-        in_features = {"qkv": self.hidden_size, "o": self.num_heads * self.head_dim,
-                       "gate_up": self.hidden_size, "down": self.intermediate_size, "lm_head": self.hidden_size}
-        weights = {name: (lambda x, w=getattr(layer, name), n=name: packed_matmul(w, x, self.out_features[n]),
-                          linears[name], in_features[name]) for name in LAYER_WEIGHTS}
-        weights["lm_head"] = (lambda x: packed_matmul(self.lm_head, x, self.out_features["lm_head"]),
-                              self.lm_head_linear, self.hidden_size)
-        choice = kernel_choice.measure(weights, rows or CHOICE_ROWS, self.lm_head.dtype, linear_name, one_thread)
+        """Each path timed at every size the pieces run, over every layer's weights and the LM head."""
+        paths = (kernel_choice.SMALL_BATCH,) + ((kernel_choice.TILES,) if self.tiled else ()) + (kernel_choice.LINEAR,)
+        choice = kernel_choice.measure(self._step_matmuls, paths, rows or CHOICE_ROWS, linear_name, one_thread)
         choice.large_rows_us = kernel_choice.measure_large_rows(self._layer_matmuls_at, one_thread)
         return choice
+
+    def _step_matmuls(self, path: str, rows: int) -> list[tuple[str, Callable[[], object]]]:
+        """A step's matmuls through `path` on `rows` random rows, in a step's order: (name, call)."""
+        dtype = self.lm_head.dtype
+        x = {name: torch.randn(rows, n, dtype=dtype) * 0.1 for name, n in self.in_features.items()}
+        weights = [(li, name) for li in range(len(self.layers)) for name in LAYER_WEIGHTS] + [(None, "lm_head")]
+        calls = []
+        for li, name in weights:
+            if path == kernel_choice.LINEAR:
+                linear = self.lm_head_linear if li is None else self.linears[li][name]
+                calls.append((name, lambda f=linear, v=x[name]: f(v)))
+            elif path == kernel_choice.SMALL_BATCH or name in self.tiled:
+                weight = self.lm_head if li is None else getattr(self.layers[li], name)
+                matmul = packed_matmul_tiles if path == kernel_choice.TILES else packed_matmul
+                calls.append((name, lambda f=matmul, w=weight, v=x[name], n=self.out_features[name]: f(w, v, n)))
+        return calls
 
     def _layer_matmuls_at(self, rows: int) -> Callable[[], object]:
         """Layer 0's four matmuls through the model's Linear on `rows` rows (a large step's)."""
@@ -393,7 +416,7 @@ class CompiledDecode:
             if self._stopping:
                 return
             try:
-                self.buckets[batch] = self._compile_pieces(batch, lm_head=False)
+                self.buckets[batch] = self._compile_pieces(batch)
             except Exception as exc:  # as at load: this bucket's batches stay eager
                 log.warning("compiled decode bucket %d unavailable, its batches stay eager: %s", batch, exc)
                 return
@@ -449,16 +472,22 @@ class CompiledDecode:
 
     def lm_head_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits of a few final-normed rows (a prompt chunk's last, say) through the
-        small-batch kernel, where it reads the LM head faster than the model's own; None where
-        the kernel does not take them or the model's LM head is faster."""
+        small-batch or tile kernel, where one reads the LM head faster than the model's own; None
+        where the kernels do not take them or the model's LM head is faster."""
         rows = x.shape[0]
         if not self.packed or rows > PACKED_DECODE_BATCH_SIZES[-1] or rows == 0 or "lm_head" in self.outside(rows):
             return None
-        return packed_matmul(self.lm_head, x.contiguous(), self.out_features["lm_head"])
+        return self.matmul("lm_head", rows)(self.lm_head, x.contiguous())
 
-    def matmul(self, name: str) -> Matmul:
-        """How the pieces multiply by the weight `name` (qkv, o, gate_up, down or lm_head)."""
-        return _packed_matmul(self.out_features[name]) if self.packed else _gemv
+    def matmul(self, name: str, batch: int) -> Matmul:
+        """How the pieces of `batch` rows multiply by the weight `name` (qkv, o, gate_up, down or
+        lm_head): the kernel the choice took for it at that size."""
+        if not self.packed:
+            return _gemv
+        if name in self.tiled and self.kernel_choice is not None \
+                and self.kernel_choice.path(name, batch) == kernel_choice.TILES:
+            return _packed_matmul_tiles(self.out_features[name])
+        return _packed_matmul(self.out_features[name])
 
     def _compile_pieces(self, batch: int, lm_head: bool = True, outside: frozenset[str] | None = None,
                         dynamic_rows: bool = False) -> DecodePieces:
@@ -472,7 +501,10 @@ class CompiledDecode:
         norm = torch.ones(hidden_size, dtype=dtype, device=device)
         # Distinct example tensors: inductor compiles inputs that alias in the examples as one input.
         cos, sin = (torch.zeros(batch, 1, self.head_dim, dtype=dtype, device=device) for _ in range(2))
-        eps, n_q, n_kv, mm = self.eps, self.num_heads, self.num_kv_heads, self.matmul
+        eps, n_q, n_kv = self.eps, self.num_heads, self.num_kv_heads
+
+        def mm(name: str) -> Matmul:
+            return self.matmul(name, batch)
         layer = self.layers[0]
         act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)
         outside = self.outside(batch) if outside is None else outside

@@ -1,15 +1,21 @@
 """Which kernel multiplies each weight at each step size, chosen by timing both on this machine.
 
-A CPU step's weight matmuls can run through two kernels: the small-batch kernel
-(engine/small_batch_matmul.py), fused inside the compiled pieces, or the model's own `Linear`
-(engine/linear.py: oneDNN with a pre-packed weight, which runs bf16 on AMX tiles where the CPU
-has them) called before a compiled piece that does the rest. Which is faster depends on the CPU,
-not on a rule: on AVX-512 BF16 without AMX the kernel matches oneDNN at every size, on AMX oneDNN
-multiplies many times faster from a handful of rows, and on AVX2 the kernel wins at a few rows.
-So the first load on a machine times both for each weight at each step size the compiled pieces
-run (1 to the largest bucket) and keeps the faster; the table is cached per machine, model
-shape, dtype, thread count and kernel source, and `backfill bench engine` and `backfill profile`
-print it.
+A CPU step's weight matmuls can run through three kernels: the small-batch kernel
+(engine/small_batch_matmul.py) and, on a CPU with AMX tiles, its tile version, both fused inside
+the compiled pieces; or the model's own `Linear` (engine/linear.py: oneDNN with a pre-packed
+weight, which runs bf16 on AMX tiles where the CPU has them) called before a compiled piece that
+does the rest. Which is faster depends on the CPU, not on a rule: on AVX-512 BF16 without AMX the
+kernel matches oneDNN at every size, on AVX2 the kernel wins at a few rows, and on AMX the tiles
+read a decode step's weights faster than oneDNN from a handful of rows up. So the first load on a
+machine times each path at each step size the compiled pieces run (1 to the largest bucket) and
+keeps the fastest; the table is cached per machine, model shape, dtype, thread count and kernel
+source, and `backfill bench engine` and `backfill profile` print it.
+
+Each path is timed as a step runs it: a pass over every layer's matmuls in order, then the LM
+head, so each weight comes from memory as it does in a step. Timed on one weight again and again,
+the weight sits in the core's cache, and the ranking is not the step's: on an Intel Xeon, oneDNN
+multiplied layer 0's cached weights at eight rows in half the small-batch kernel's time, while in a
+pass over all thirty layers it took longer than the kernel.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from backfill.engine.native_build import cpu_key
 log = logging.getLogger(__name__)
 
 SMALL_BATCH = "small-batch"
+TILES = "tiles"
 LINEAR = "linear"
-PATHS = (SMALL_BATCH, LINEAR)
-# The fused path saves a dispatch and a pass over the product; the other must be this much faster
+PATHS = (SMALL_BATCH, TILES, LINEAR)
+# The paths that run inside the compiled pieces, on the weights packed for them.
+FUSED_PATHS = (SMALL_BATCH, TILES)
+# A fused path saves a dispatch and a pass over the product; the Linear must be this much faster
 # to be taken, so that timing noise between two equal kernels does not flip the choice.
 LINEAR_MARGIN = 1.1
-CHOICE_FORMAT = 2
+CHOICE_FORMAT = 3
 # Steps past the compiled buckets (a burst's prompts, the next lines' questions beside decodes) run
 # their matmuls at any row count. Where a count 8 past a multiple of 16 runs slower than the next
 # multiple (oneDNN's AMX kernels take rows in 16-row tiles: on an Intel Xeon, 632 rows of a layer's
@@ -75,11 +84,14 @@ class KernelChoice:
         return LARGE_STEP_ROW_MULTIPLE if mean_ratio > LARGE_STEP_MARGIN else 1
 
     def path(self, name: str, rows: int) -> str:
-        """The path for `name` at `rows`; small-batch where it was not measured."""
-        cell = self.times_us.get(name, {}).get(rows)
-        if not cell or LINEAR not in cell or SMALL_BATCH not in cell:
+        """The path for `name` at `rows`: the faster fused path, or the Linear where it beats that
+        by LINEAR_MARGIN; small-batch where nothing was measured."""
+        cell = self.times_us.get(name, {}).get(rows, {})
+        fused = [path for path in FUSED_PATHS if path in cell]
+        if not fused:
             return SMALL_BATCH
-        return LINEAR if cell[LINEAR] * LINEAR_MARGIN < cell[SMALL_BATCH] else SMALL_BATCH
+        best = min(fused, key=lambda path: cell[path])
+        return LINEAR if LINEAR in cell and cell[LINEAR] * LINEAR_MARGIN < cell[best] else best
 
     def linear_names(self, rows: int) -> frozenset[str]:
         """The weights that run through the model's Linear at `rows`."""
@@ -109,10 +121,13 @@ class KernelChoice:
                 for name, cells in self.times_us.items() for rows, cell in sorted(cells.items())]
 
     def format(self) -> str:
-        lines = [f"{'weight':8s} {'rows':>5s} {'small-batch µs':>15s} {self.linear_name + ' µs':>20s}  choice"]
+        tiles = any(TILES in cell for cells in self.times_us.values() for cell in cells.values())
+        lines = [f"{'weight':8s} {'rows':>5s} {'small-batch µs':>15s}" + (f" {'tiles µs':>10s}" if tiles else "")
+                 + f" {self.linear_name + ' µs':>20s}  choice"]
         for row in self.table():
-            lines.append(f"{row['weight']:8s} {row['rows']:5d} {row.get('small-batch_us', float('nan')):15.1f} "
-                         f"{row.get('linear_us', float('nan')):20.1f}  {row['choice']}")
+            lines.append(f"{row['weight']:8s} {row['rows']:5d} {row.get('small-batch_us', float('nan')):15.1f}"
+                         + (f" {row.get('tiles_us', float('nan')):10.1f}" if tiles else "")
+                         + f" {row.get('linear_us', float('nan')):20.1f}  {row['choice']}")
         if self.large_rows_us:
             pairs = ", ".join(f"{odd}: {self.large_rows_us.get(odd, float('nan')):.0f} / {padded}: "
                               f"{self.large_rows_us.get(padded, float('nan')):.0f}" for odd, padded in LARGE_STEP_ROW_PAIRS)
@@ -164,24 +179,73 @@ def _best_times_us(calls: dict[str, Callable[[], object]], max_rounds: int = 40,
     return best
 
 
-def measure(weights: dict[str, tuple[Callable[[torch.Tensor], object], Callable[[torch.Tensor], object], int]],
-            rows: tuple[int, ...], dtype: torch.dtype, linear_name: str, one_thread: bool = True) -> KernelChoice:
-    """Time both paths for each weight at each step size.
+StepCalls = Callable[[str, int], list[tuple[str, Callable[[], object]]]]
 
-    weights: name -> (small-batch call, Linear call, input features). one_thread: time on one
-    thread (the choice); else on the process's threads (a benchmark's matmul time on a quiet machine).
+
+def measure(step_calls: StepCalls, paths: tuple[str, ...], rows: tuple[int, ...], linear_name: str,
+            one_thread: bool = True, budget_s: float = 1.5) -> KernelChoice:
+    """Time each path at each step size as a step runs it.
+
+    step_calls(path, rows) returns a step's matmuls through `path` on inputs of `rows` rows, in the
+    order a step runs them (every layer's weights, then the LM head), as (weight name, call); a
+    path leaves out the weights it does not take. Each weight's time is its mean over the layers
+    in a pass, the fastest pass kept (µs). one_thread: time on one thread (the choice); else on
+    the process's threads (a benchmark's matmul time on a quiet machine).
     """
     choice = KernelChoice({}, linear_name)
     # Timed on one thread: a shared machine stalls a multi-threaded call whenever any of its threads
-    # is descheduled, but rarely a one-thread call from start to end; both kernels split the output
+    # is descheduled, but rarely a one-thread call from start to end; the kernels split the output
     # columns over threads alike, so the faster one on one thread is the faster one on all.
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if one_thread else threads)
     try:
-        _measure_into(choice, weights, rows, dtype)
+        with torch.inference_mode():
+            for n in rows:
+                passes = {path: step_calls(path, n) for path in paths}
+                for path, cells in _best_passes_us(passes, budget_s).items():
+                    for name, t in cells.items():
+                        choice.times_us.setdefault(name, {}).setdefault(n, {})[path] = t
     finally:
         torch.set_num_threads(threads)
     return choice
+
+
+def _best_passes_us(passes: dict[str, list[tuple[str, Callable[[], object]]]], budget_s: float,
+                    max_rounds: int = 12, settled_rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Per path, each weight's mean time over its calls in one pass, from the fastest of the passes
+    that alternate between the paths (µs).
+
+    The fastest, not the median: on a shared machine a pass is only ever slowed, so the fastest
+    is the kernels' own time. Rounds go on until no path's pass has got faster for
+    `settled_rounds` rounds, or the budget is spent.
+    """
+    def one_pass(calls) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for name, call in calls:
+            started = time.perf_counter_ns()
+            call()
+            sums[name] = sums.get(name, 0.0) + (time.perf_counter_ns() - started) / 1e3
+            counts[name] = counts.get(name, 0) + 1
+        return {name: sums[name] / counts[name] for name in sums}
+
+    for calls in passes.values():  # warm-up: first-touch of the inputs and the kernels' buffers
+        one_pass(calls)
+    best: dict[str, dict[str, float]] = {}
+    best_total = {path: float("inf") for path in passes}
+    deadline = time.perf_counter() + budget_s
+    unchanged = 0
+    for _ in range(max_rounds):
+        improved = False
+        for path, calls in passes.items():
+            times = one_pass(calls)
+            if sum(times.values()) < best_total[path]:
+                improved = improved or best_total[path] != float("inf")
+                best_total[path], best[path] = sum(times.values()), times
+        unchanged = 0 if improved else unchanged + 1
+        if unchanged >= settled_rounds or time.perf_counter() > deadline:
+            break
+    return best
 
 
 def measure_large_rows(layer_at: Callable[[int], Callable[[], object]], one_thread: bool = True) -> dict[int, float]:
@@ -196,16 +260,6 @@ def measure_large_rows(layer_at: Callable[[int], Callable[[], object]], one_thre
     finally:
         torch.set_num_threads(threads)
     return {int(rows): t for rows, t in best.items()}
-
-
-def _measure_into(choice: KernelChoice, weights: dict, rows: tuple[int, ...], dtype: torch.dtype) -> None:
-    with torch.inference_mode():
-        for name, (small_batch, linear, in_features) in weights.items():
-            cells: dict[int, dict[str, float]] = {}
-            for n in rows:
-                x = torch.randn(n, in_features, dtype=dtype) * 0.1
-                cells[n] = _best_times_us({SMALL_BATCH: lambda: small_batch(x), LINEAR: lambda: linear(x)})
-            choice.times_us[name] = cells
 
 
 def cache_path(signature: dict) -> Path:

@@ -367,9 +367,9 @@ class LlamaModel:
         if safepoint is not None and safepoint(cfg.num_layers):
             raise StepAborted(cfg.num_layers, SuspendedStep(cfg.num_layers, 0, (h[:batch], None)))
         every_row = decode_only and meta.logits_index.shape[0] == batch
-        if fast.lm_head_logits is not None and every_row:
-            return fast.lm_head_logits(x, self.compiled_decode.lm_head)
-        # A bucket, or the rows that want logits (a prompt chunk's last): through the small-batch
+        if fast.lm_head_logits is not None and every_row:  # a bucket's padding rows dropped
+            return fast.lm_head_logits(x, self.compiled_decode.lm_head)[:batch]
+        # A bucket, or the rows that want logits (a prompt chunk's last): through the small-batch or tile
         # kernel where the kernel choice found it faster for so few rows, else the eager LM head.
         rows = x[:batch] if every_row else x.index_select(0, meta.logits_index)
         logits = None if every_row else self.compiled_decode.lm_head_rows(rows)

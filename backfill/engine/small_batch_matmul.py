@@ -17,8 +17,14 @@ The instruction set follows the CPU (and ATEN_CPU_CAPABILITY, which holds it low
 where present, else AVX2 with FMA, where a pass serves four rows (half the registers) and bf16
 weights are widened to fp32 in registers, so they still cross the memory bus at two bytes.
 
-It registers `torch.ops.backfill.packed_matmul`, an operator that inductor calls from the
-compiled decode pieces like any other. On a CPU with neither instruction set
+On a CPU with AMX tiles (Intel Xeon from Sapphire Rapids) the same packed bf16 weight also
+multiplies on them (`torch.ops.backfill.packed_matmul_tiles`): sixteen pair-steps of a column
+block are one tile of the layout TDPBF16PS takes. From a handful of rows the vector kernel is
+bound by its multiply-adds while the tiles still read the weight at the speed memory gives; the
+kernel choice (engine/kernel_choice.py) times both, and oneDNN, on the machine.
+
+It registers `torch.ops.backfill.packed_matmul` (and `packed_matmul_tiles`), operators that
+inductor calls from the compiled decode pieces like any other. On a CPU with neither instruction set
 `load_small_batch_matmul` returns False and callers keep their own matmuls.
 """
 
@@ -69,6 +75,32 @@ def load_small_batch_matmul() -> bool:
         log.warning("small-batch matmul kernel unavailable: %s", exc)
         return False
     torch.library.register_fake("backfill::packed_matmul")(_output_like)
+    torch.library.register_fake("backfill::packed_matmul_tiles")(_output_like)
+    return True
+
+
+def cpu_has_amx_tiles() -> bool:
+    """AMX tiles with bf16 products in the CPU's flags, and the kernel built for AVX-512 BF16."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and kernel_isa() == "avx512-bf16"
+
+
+@functools.lru_cache(maxsize=1)
+def load_tiles_matmul() -> bool:
+    """Whether packed_matmul_tiles runs here: an AMX CPU, the kernel built, and the OS granting this
+    process the tile state (a probe product checked against the vector kernel's)."""
+    if not (cpu_has_amx_tiles() and load_small_batch_matmul()):
+        return False
+    weight = torch.randn(40, TILE_INPUTS, dtype=torch.bfloat16)
+    x = torch.randn(3, TILE_INPUTS, dtype=torch.bfloat16)
+    packed = pack_for_small_batches(weight)
+    try:
+        product = torch.ops.backfill.packed_matmul_tiles(packed, x, 40)
+    except RuntimeError as exc:  # built without tiles (a cached build), or no permission for them
+        log.warning("AMX tile matmul unavailable: %s", exc)
+        return False
+    if not torch.allclose(product, packed_matmul(packed, x, 40), atol=1e-3, rtol=1e-3):
+        log.warning("AMX tile matmul disagrees with the vector kernel; not used")
+        return False
     return True
 
 
@@ -101,6 +133,20 @@ def pack_for_small_batches(weight: torch.Tensor) -> torch.Tensor:
     padded[:out_features] = weight
     steps = padded.view(blocks, COLUMN_BLOCK, in_features // step, step).permute(0, 2, 1, 3)
     return steps.contiguous().view(blocks, in_features * COLUMN_BLOCK)
+
+
+# Input features one tile of x holds (32 bf16): packed_matmul_tiles takes weights whose `in` is a multiple.
+TILE_INPUTS = 32
+
+
+def can_tile(weight: torch.Tensor) -> bool:
+    """Whether packed_matmul_tiles takes this (unpacked) weight: bf16, [out, in] with `in` a multiple of 32."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % TILE_INPUTS == 0
+
+
+def packed_matmul_tiles(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """packed_matmul on AMX tiles (bf16 only; see load_tiles_matmul): fp32 [rows, out_features]."""
+    return torch.ops.backfill.packed_matmul_tiles(packed_weight, x, out_features)
 
 
 def packed_matmul(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:

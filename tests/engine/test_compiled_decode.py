@@ -8,7 +8,7 @@ import torch
 from backfill.engine import kernel_choice
 from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES, PACKED_DECODE_BUCKETS
 from backfill.engine.config import ModelConfig
-from backfill.engine.kernel_choice import LINEAR, SMALL_BATCH, KernelChoice
+from backfill.engine.kernel_choice import LINEAR, SMALL_BATCH, TILES, KernelChoice
 from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
@@ -35,8 +35,7 @@ def runners(tiny_config, weights):
 
 def forced_choice(path: str) -> KernelChoice:
     """Every weight at every size through `path`, as if timed so."""
-    fast, slow = {SMALL_BATCH: 1.0, LINEAR: 10.0}, {SMALL_BATCH: 10.0, LINEAR: 1.0}
-    cell = fast if path == SMALL_BATCH else slow
+    cell = {p: (1.0 if p == path else 10.0) for p in (SMALL_BATCH, TILES, LINEAR)}
     sizes = PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS
     return KernelChoice({name: {n: dict(cell) for n in sizes} for name in ("qkv", "o", "gate_up", "down", "lm_head")})
 
@@ -65,6 +64,41 @@ def test_either_kernel_choice_decodes_as_eager(chosen):
     assert fast_tokens == tokens
     for a, b in zip(fast_logits, logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_tile_kernel_decodes_as_the_small_batch_kernel(tiny_config, weights):
+    """bf16 pieces on AMX tiles, in the exact sizes and in padded buckets (the LM head too), against
+    the same pieces on the vector kernel: both sum in fp32, so they differ by rounding only."""
+    from backfill.engine.small_batch_matmul import load_tiles_matmul
+
+    if not load_tiles_matmul():
+        pytest.skip("no AMX tiles on this CPU")
+    runners = {}
+    for path in (SMALL_BATCH, TILES):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernel_choice, "load_or_measure", lambda signature, measure, p=path: forced_choice(p))
+            model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True)
+        model.compiled_decode.compile_buckets(background=False)
+        runners[path] = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=torch.bfloat16))
+    fast = runners[TILES].model.compiled_decode
+    assert fast.tiled == frozenset({"qkv", "o", "gate_up", "down", "lm_head"})
+    assert fast.buckets[16].lm_head_logits is not None  # a bucket's LM head on the tiles too
+    for batch in (5, 9, 33):
+        prompts = [_prompt(4 + i % 5, 50 + i) for i in range(batch)]
+        results = []
+        for runner in runners.values():
+            tables = [runner.kv.allocate(2) for _ in prompts]
+            for i, (ids, table) in enumerate(zip(prompts, tables)):
+                runner.execute([SeqChunk(i, ids, 0, table)])
+            steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
+                                     for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
+            results.append(torch.stack(steps))
+            for table in tables:
+                runner.kv.free(table)
+        vector, tiles = results
+        assert tiles.shape == (3, batch, tiny_config.vocab_size)
+        scale = vector.abs().max()
+        assert (tiles - vector).abs().max() <= 0.05 * scale, (batch, (tiles - vector).abs().max(), scale)
 
 
 def test_kernel_choice_is_printed_per_weight_and_rows(runners):
@@ -199,7 +233,11 @@ def test_each_compiled_piece_equals_its_python_function(chosen, tiny_config, bat
 
     _, _, runner = chosen
     decode = runner.model.compiled_decode
-    fast, li, mm = decode.pieces[batch], 1, decode.matmul
+    fast, li = decode.pieces[batch], 1
+
+    def mm(name):
+        return decode.matmul(name, batch)
+
     layer, linears = decode.layers[li], decode.linears[li]
     eps, n_q, n_kv = decode.eps, tiny_config.num_heads, tiny_config.num_kv_heads
     g = torch.Generator().manual_seed(7)

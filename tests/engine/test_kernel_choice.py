@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backfill.engine import kernel_choice
-from backfill.engine.kernel_choice import LINEAR, LINEAR_MARGIN, SMALL_BATCH, KernelChoice
+from backfill.engine.kernel_choice import LINEAR, LINEAR_MARGIN, SMALL_BATCH, TILES, KernelChoice
 
 
 def test_path_takes_the_linear_only_past_the_margin():
@@ -16,6 +16,18 @@ def test_path_takes_the_linear_only_past_the_margin():
     assert [choice.path("qkv", n) for n in (1, 8, 64)] == [SMALL_BATCH, SMALL_BATCH, LINEAR]
     assert choice.path("qkv", 16) == SMALL_BATCH and choice.path("down", 64) == SMALL_BATCH  # not measured
     assert choice.linear_names(64) == frozenset({"qkv"}) and choice.linear_names(1) == frozenset()
+
+
+def test_path_takes_the_faster_fused_kernel_and_the_linear_past_the_margin_of_it():
+    choice = KernelChoice({"gate_up": {8: {SMALL_BATCH: 400.0, TILES: 150.0, LINEAR: 200.0},
+                                       64: {SMALL_BATCH: 900.0, TILES: 300.0, LINEAR: 300.0 / LINEAR_MARGIN - 1},
+                                       2: {SMALL_BATCH: 100.0, TILES: 120.0, LINEAR: 200.0}},
+                           "down": {8: {SMALL_BATCH: 400.0, LINEAR: 200.0}}})  # no tiles for this weight
+    assert [choice.path("gate_up", n) for n in (2, 8, 64)] == [SMALL_BATCH, TILES, LINEAR]
+    assert choice.path("down", 8) == LINEAR and choice.linear_names(8) == frozenset({"down"})
+    assert "tiles µs" in choice.format()
+    assert [r["choice"] for r in KernelChoice.from_json(json.loads(json.dumps(choice.to_json()))).table()] == \
+        [SMALL_BATCH, TILES, LINEAR, LINEAR]
 
 
 def test_json_round_trip_keeps_every_choice_and_the_digest():
@@ -66,19 +78,28 @@ def test_from_json_refuses_another_format():
         KernelChoice.from_json({"format": 99, "times_us": {}})
 
 
-def test_measure_times_both_paths_at_each_rows():
-    w = torch.randn(64, 32)
-    slow_calls = []
+def test_measure_times_each_path_over_a_steps_matmuls_in_order():
+    """Each path's pass runs every layer's calls in order; a weight's time is its mean over them,
+    and a path that leaves a weight out has no time for it."""
+    layers = [torch.randn(64, 32) for _ in range(3)]
+    head = torch.randn(128, 32)
+    order = []
 
-    def slow(x):
-        slow_calls.append(x.shape[0])
-        return torch.stack([x @ w.T for _ in range(20)]).sum(0)
+    def step_calls(path, rows):
+        x = torch.randn(rows, 32)
+        repeat = 20 if path == SMALL_BATCH else 1  # the slow path
+        calls = [("qkv", lambda w=w, li=li: (order.append((path, li)),
+                                            torch.stack([x @ w.T for _ in range(repeat)]).sum(0)))
+                 for li, w in enumerate(layers)]
+        return calls + ([] if path == TILES else [("lm_head", lambda: x @ head.T)])
 
-    choice = kernel_choice.measure({"qkv": (slow, lambda x: x @ w.T, 32)}, (1, 4), torch.float32, "torch.mm")
-    assert set(choice.times_us["qkv"]) == {1, 4}
+    choice = kernel_choice.measure(step_calls, (SMALL_BATCH, TILES, LINEAR), (1, 4), "torch.mm")
+    assert set(choice.times_us) == {"qkv", "lm_head"} and set(choice.times_us["qkv"]) == {1, 4}
     for cell in choice.times_us["qkv"].values():
-        assert cell[SMALL_BATCH] > cell[LINEAR] > 0
-    assert set(slow_calls) == {1, 4}
+        assert set(cell) == {SMALL_BATCH, TILES, LINEAR} and cell[SMALL_BATCH] > cell[LINEAR] > 0
+    assert all(set(cell) == {SMALL_BATCH, LINEAR} for cell in choice.times_us["lm_head"].values())
+    assert order[:3] == [(SMALL_BATCH, 0), (SMALL_BATCH, 1), (SMALL_BATCH, 2)]
+    assert choice.path("qkv", 4) != SMALL_BATCH and choice.path("lm_head", 4) in (SMALL_BATCH, LINEAR)
 
 
 def test_load_or_measure_caches_and_remeasures_a_damaged_file(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.engine.step import SeqChunk
-from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, load_small_batch_matmul,
-                                                pack_for_small_batches, packed_matmul)
+from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, can_tile, load_small_batch_matmul,
+                                                load_tiles_matmul, pack_for_small_batches, packed_matmul,
+                                                packed_matmul_tiles)
 from tests.conftest import random_weights
 
 # Built for AVX-512 BF16 or AVX2 CPUs, and only where a C++ toolchain is at hand (as the paged-attention kernel).
@@ -51,6 +52,41 @@ def test_products_match_fp32_matmul(dtype, out_features, in_features, rows):
     out = packed_matmul(pack_for_small_batches(weight), x, out_features)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+
+
+needs_tiles = pytest.mark.skipif(not load_tiles_matmul(), reason="no AMX tiles on this CPU (or the kernel did not build)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("out_features,in_features", [(3072, 576), (37, 64), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 70, 130])
+def test_tile_products_match_fp32_matmul(out_features, in_features, rows):
+    """Every row regime of the tile kernel (one x tile, two, passes of four), the last column block
+    part-filled where out_features is no multiple of 16."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    out = packed_matmul_tiles(pack_for_small_batches(weight), x, out_features)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+
+
+def test_can_tile_takes_bf16_weights_with_whole_tiles_of_inputs():
+    assert can_tile(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not can_tile(torch.zeros(8, 48, dtype=torch.bfloat16))  # 48 inputs: one and a half tiles
+    assert not can_tile(torch.zeros(8, 64))  # fp32: the tiles multiply bf16 only
+
+
+@needs_tiles
+def test_tile_kernel_refuses_what_it_cannot_multiply():
+    packed = pack_for_small_batches(torch.ones(32, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        packed_matmul_tiles(packed, torch.ones(2, 48, dtype=torch.bfloat16), 32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        packed_matmul_tiles(pack_for_small_batches(torch.ones(32, 64)), torch.ones(2, 64), 32)
+    with pytest.raises(RuntimeError, match="does not match"):
+        packed_matmul_tiles(pack_for_small_batches(torch.ones(32, 64, dtype=torch.bfloat16)),
+                            torch.ones(2, 64, dtype=torch.bfloat16), 64)
 
 
 @needs_kernel

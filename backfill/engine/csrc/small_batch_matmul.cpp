@@ -16,10 +16,19 @@
 // AVX2): with AVX-512 BF16 a column block is one zmm register; with AVX2 and FMA it is two ymm
 // halves, bf16 weights are widened to fp32 in registers (a shift or a mask per pair: they still
 // cross the memory bus at two bytes), and, with half the registers, a pass serves four rows.
+//
+// On a CPU with AMX tiles (Intel Xeon from Sapphire Rapids), packed_matmul_tiles multiplies the same
+// packed weight on them: sixteen pair-steps of a column block are one 1 KB tile of the pair layout
+// TDPBF16PS takes, so the weight is read once, straight from the packing, for up to 64 rows of x at a
+// time. From a handful of rows up, the vector kernel is bound by its multiply-adds; the tiles do 16
+// rows' products in one instruction and keep reading at the speed memory gives, where oneDNN's
+// kernels (built for large products) stream a decode step's weights at about half of it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -270,6 +279,156 @@ void all_rows(const typename K::Weight* weight, const X* x, float* out, int64_t 
   kRowsFns[rows - 1](weight, x, out, out_features, steps);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BACKFILL_TILES 1
+
+// Linux hands out the AMX tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); without it the first tile instruction faults. Asked once per process.
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes: tiles 0-3 accumulate (16 rows x 16 fp32 outputs), 4-5 hold x
+// (16 rows x 32 bf16 inputs), 6-7 the weight (16 pair-steps x 16 outputs x 2).
+inline void configure_tiles() {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+constexpr int64_t kTileSteps = 16;                         // pair-steps per weight tile
+constexpr int64_t kTileElems = kTileSteps * 2 * kLanes;    // bf16 per weight tile (1 KB)
+constexpr int64_t kTileInputs = 2 * kTileSteps;            // input features per tile
+// Weight tiles ahead of the ones multiplied that are asked into cache: the tile loads wait on
+// memory where the hardware prefetcher has not run ahead of four streams at once.
+constexpr int64_t kPrefetchTiles = 4;
+
+inline void prefetch_tile(const c10::BFloat16* tile) {
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  for (int line = 0; line < 16; ++line) _mm_prefetch(bytes + line * 64, _MM_HINT_T0);
+}
+
+// Rows [row0, row0 + 16) of an accumulator tile stored at `tile`, those below `rows`, into out.
+inline void write_tile(const float* tile, float* out, int64_t row0, int64_t rows, int64_t col, int64_t out_features) {
+  const int64_t valid = std::min<int64_t>(kLanes, out_features - col);
+  const __mmask16 mask = valid == kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
+  for (int64_t r = 0; r < 16 && row0 + r < rows; ++r)
+    _mm512_mask_storeu_ps(out + (row0 + r) * out_features + col, mask, _mm512_loadu_ps(tile + r * kLanes));
+}
+
+// Up to 16 rows: four column blocks a pass, one x tile against each block's weight tile.
+void tiles_one_row_tile(const c10::BFloat16* weight, const c10::BFloat16* x, float* out, int64_t rows,
+                        int64_t out_features, int64_t in_features, int64_t first, int64_t last) {
+  alignas(64) float acc[4][16 * kLanes];
+  const int64_t block_elems = in_features * kLanes, chunks = in_features / kTileInputs, x_stride = in_features * 2;
+  int64_t b = first;
+  for (; b + 4 <= last; b += 4) {
+    const c10::BFloat16* w = weight + b * block_elems;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < chunks; ++k) {
+      for (int c = 0; c < 4; ++c) prefetch_tile(w + c * block_elems + (k + kPrefetchTiles) * kTileElems);
+      _tile_loadd(4, x + k * kTileInputs, x_stride);
+      _tile_loadd(6, w + k * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, w + block_elems + k * kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, w + 2 * block_elems + k * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, w + 3 * block_elems + k * kTileElems, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64); _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+    for (int c = 0; c < 4; ++c) write_tile(acc[c], out, 0, rows, (b + c) * kLanes, out_features);
+  }
+  for (; b < last; ++b) {
+    const c10::BFloat16* w = weight + b * block_elems;
+    _tile_zero(0);
+    for (int64_t k = 0; k < chunks; ++k) {
+      _tile_loadd(4, x + k * kTileInputs, x_stride);
+      _tile_loadd(6, w + k * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, acc[0], 64);
+    write_tile(acc[0], out, 0, rows, b * kLanes, out_features);
+  }
+}
+
+// 17 to 32 rows: column blocks in pairs against two x tiles.
+void tiles_two_row_tiles(const c10::BFloat16* weight, const c10::BFloat16* x, float* out, int64_t rows,
+                         int64_t out_features, int64_t in_features, int64_t first, int64_t last) {
+  alignas(64) float acc[4][16 * kLanes];
+  const int64_t block_elems = in_features * kLanes, chunks = in_features / kTileInputs, x_stride = in_features * 2;
+  const c10::BFloat16* x_low = x + 16 * in_features;
+  for (int64_t b = first; b < last; b += 2) {
+    const bool pair = b + 1 < last;
+    const c10::BFloat16* w0 = weight + b * block_elems;
+    const c10::BFloat16* w1 = pair ? w0 + block_elems : w0;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < chunks; ++k) {
+      prefetch_tile(w0 + (k + kPrefetchTiles) * kTileElems);
+      prefetch_tile(w1 + (k + kPrefetchTiles) * kTileElems);
+      _tile_loadd(4, x + k * kTileInputs, x_stride);
+      _tile_loadd(6, w0 + k * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, w1 + k * kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x_low + k * kTileInputs, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64); _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+    write_tile(acc[0], out, 0, rows, b * kLanes, out_features);
+    write_tile(acc[2], out, 16, rows, b * kLanes, out_features);
+    if (pair) {
+      write_tile(acc[1], out, 0, rows, (b + 1) * kLanes, out_features);
+      write_tile(acc[3], out, 16, rows, (b + 1) * kLanes, out_features);
+    }
+  }
+}
+
+// More rows: one column block at a time against up to four x tiles (64 rows) a pass; the block's
+// weight stays in cache for the passes after the first.
+void tiles_four_row_tiles(const c10::BFloat16* weight, const c10::BFloat16* x, float* out, int64_t rows,
+                          int64_t padded_rows, int64_t out_features, int64_t in_features, int64_t first, int64_t last) {
+  alignas(64) float acc[4][16 * kLanes];
+  const int64_t block_elems = in_features * kLanes, chunks = in_features / kTileInputs, x_stride = in_features * 2;
+  for (int64_t b = first; b < last; ++b) {
+    const c10::BFloat16* w = weight + b * block_elems;
+    for (int64_t r = 0; r < padded_rows; r += 64) {
+      const c10::BFloat16* xr = x + r * in_features;
+      const int64_t tiles = std::min<int64_t>(4, (padded_rows - r) / 16);
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t k = 0; k < chunks; ++k) {
+        if (r == 0) prefetch_tile(w + (k + 2 * kPrefetchTiles) * kTileElems);
+        _tile_loadd(6, w + k * kTileElems, 64);
+        _tile_loadd(4, xr + k * kTileInputs, x_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (tiles > 1) { _tile_loadd(5, xr + 16 * in_features + k * kTileInputs, x_stride); _tile_dpbf16ps(1, 5, 6); }
+        if (tiles > 2) { _tile_loadd(4, xr + 32 * in_features + k * kTileInputs, x_stride); _tile_dpbf16ps(2, 4, 6); }
+        if (tiles > 3) { _tile_loadd(5, xr + 48 * in_features + k * kTileInputs, x_stride); _tile_dpbf16ps(3, 5, 6); }
+      }
+      _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64); _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+      for (int t = 0; t < tiles; ++t) write_tile(acc[t], out, r + 16 * t, rows, b * kLanes, out_features);
+    }
+  }
+}
+#endif  // AMX tiles
+
 // x [M, K] and a weight packed by pack_for_small_batches (small_batch_matmul.py): [ceil(N/16), K * 16],
 // both bf16 or both fp32. Returns x @ W.T in fp32, [M, N].
 at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, int64_t out_features) {
@@ -309,12 +468,65 @@ at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, i
   return out;
 }
 
+// packed_matmul on AMX tiles: bf16 x [M, K] (K a multiple of 32) and a bf16 weight packed by
+// pack_for_small_batches. Returns x @ W.T in fp32, [M, N].
+at::Tensor packed_matmul_tiles(const at::Tensor& packed_weight, const at::Tensor& x, int64_t out_features) {
+#if defined(BACKFILL_TILES)
+  TORCH_CHECK(x.device().is_cpu() && packed_weight.device().is_cpu(), "packed_matmul_tiles runs on CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed_weight.scalar_type() == at::kBFloat16,
+              "packed_matmul_tiles takes a bf16 x and weight, got ", x.scalar_type(), " and ",
+              packed_weight.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && packed_weight.dim() == 2, "packed_matmul_tiles takes 2-D x and a packed weight");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  TORCH_CHECK(in_features % kTileInputs == 0, "packed_matmul_tiles needs in_features a multiple of ", kTileInputs,
+              ", got ", in_features);
+  TORCH_CHECK(packed_weight.size(0) == (out_features + kLanes - 1) / kLanes &&
+                  packed_weight.size(1) == in_features * kLanes,
+              "packed weight of shape ", packed_weight.sizes(), " does not match ", out_features, " x ", in_features);
+  TORCH_CHECK(tiles_permitted(), "the kernel did not grant this process the AMX tile state (arch_prctl)");
+  at::Tensor out = at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+  if (rows == 0) return out;
+  // x in whole 16-row tiles, the rows past `rows` zero.
+  const int64_t padded_rows = (rows + 15) / 16 * 16;
+  at::Tensor xp = x.contiguous();
+  if (padded_rows != rows) {
+    xp = at::zeros({padded_rows, in_features}, x.options());
+    xp.narrow(0, 0, rows).copy_(x);
+  }
+  const at::Tensor wc = packed_weight.contiguous();
+  const c10::BFloat16* w = wc.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* xb = xp.data_ptr<c10::BFloat16>();
+  float* o = out.data_ptr<float>();
+  const int64_t blocks = (out_features + kLanes - 1) / kLanes;
+  const int64_t per_group = padded_rows <= 16 ? 4 : (padded_rows <= 32 ? 2 : 1);
+  const int64_t groups = (blocks + per_group - 1) / per_group;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();  // the tile configuration is each thread's own
+    const int64_t first = begin * per_group, last = std::min(blocks, end * per_group);
+    if (padded_rows <= 16) {
+      tiles_one_row_tile(w, xb, o, rows, out_features, in_features, first, last);
+    } else if (padded_rows <= 32) {
+      tiles_two_row_tiles(w, xb, o, rows, out_features, in_features, first, last);
+    } else {
+      tiles_four_row_tiles(w, xb, o, rows, padded_rows, out_features, in_features, first, last);
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "packed_matmul_tiles: built for a CPU without AMX tiles");
+  return at::Tensor();
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(backfill, m) {
   m.def("packed_matmul(Tensor packed_weight, Tensor x, int out_features) -> Tensor");
+  m.def("packed_matmul_tiles(Tensor packed_weight, Tensor x, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(backfill, CPU, m) {
   m.impl("packed_matmul", packed_matmul);
+  m.impl("packed_matmul_tiles", packed_matmul_tiles);
 }
