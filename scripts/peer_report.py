@@ -4,7 +4,8 @@
 
 Bursts: backfill serve against vLLM on every core and vLLM with its default (one core kept for its
 API process), compared with the better of the two at each level (target >= 1.2x tok/s, mean TTFT
-at concurrency 1 no higher); backfill serve with AVX2 forced beside its AVX-512 figures; llama.cpp's
+at concurrency 1 no higher); backfill serve with AVX2 forced beside its AVX-512 figures and beside
+vLLM held to AVX2 too (bf16 and fp32, the better per level); llama.cpp's
 llama-server on the same GGUF where the llamacpp part ran. The server's own overhead: paired, interleaved bursts of the server
 and the engine in-process (OUTDIR/overhead/paired.json, scripts/serve_overhead.py
 --interleave; target <= 5% on tok/s and P50 TPOT). Co-serving over HTTP: each server against
@@ -44,7 +45,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build(out: Path) -> dict:
-    names = ("backfill", "backfill-avx2", "vllm", "vllm-1core", "llamacpp")
+    names = ("backfill", "backfill-avx2", "vllm", "vllm-1core", "vllm-avx2", "vllm-avx2-fp32", "llamacpp")
     bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in names}
     burst_rows = []
     for c in sorted(set().union(*bursts.values())):
@@ -63,6 +64,12 @@ def build(out: Path) -> dict:
         row["best_vllm_mean_ttft_ms"] = best and row[f"{best}_mean_ttft_ms"]
         row["backfill_over_vllm_tok_s"] = _ratio(row["backfill_tok_s"], row["best_vllm_tok_s"])
         row["backfill_avx2_over_backfill_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["backfill_tok_s"])
+        # AVX2 forced on both: vLLM in whichever dtype served this level faster.
+        peers_avx2 = [name for name in ("vllm_avx2", "vllm_avx2_fp32") if row[f"{name}_tok_s"]]
+        best_avx2 = max(peers_avx2, key=lambda name: row[f"{name}_tok_s"]) if peers_avx2 else None
+        row["best_vllm_avx2"] = best_avx2 and best_avx2.replace("_", "-")
+        row["best_vllm_avx2_tok_s"] = best_avx2 and row[f"{best_avx2}_tok_s"]
+        row["backfill_avx2_over_vllm_avx2_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["best_vllm_avx2_tok_s"])
         row["backfill_over_llamacpp_tok_s"] = _ratio(row["backfill_tok_s"], row["llamacpp_tok_s"])
         burst_rows.append(row)
     paired = _load(out / "overhead" / "paired.json")
@@ -108,6 +115,15 @@ def markdown(doc: dict) -> str:
                      f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {cell(r, 'backfill_avx2')} | "
                      f"{_f(r['backfill_avx2_over_backfill_tok_s'], '.2f')} | "
                      f"{_f(r.get(best + '_p50_tpot_ms') if best else None)} / {_f(r['backfill_p50_tpot_ms'])} |")
+    if any(r.get("best_vllm_avx2_tok_s") for r in doc["bursts"]):
+        lines += ["", "## AVX2 forced on both (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2)", "",
+                  "tok/s, mean TTFT ms in brackets. vLLM also told by torch.cpu's probes that the CPU has no "
+                  "AVX-512 or AMX (it loads its _C_AVX2 kernels), in bf16 and in fp32; backfill / vLLM takes the "
+                  "better of the two.", "",
+                  "| concurrency | vLLM bf16 | vLLM fp32 | backfill serve | backfill / vLLM |", "|---:|---:|---:|---:|---:|"]
+        for r in doc["bursts"]:
+            lines.append(f"| {r['concurrency']} | {cell(r, 'vllm_avx2')} | {cell(r, 'vllm_avx2_fp32')} | "
+                         f"{cell(r, 'backfill_avx2')} | {_f(r['backfill_avx2_over_vllm_avx2_tok_s'], '.2f')} |")
     if any(r.get("llamacpp_tok_s") for r in doc["bursts"]):
         lines += ["", "## llama.cpp's llama-server on the same GGUF (its Q4_1 weights, run natively)", "",
                   "tok/s, mean TTFT ms in brackets; llama-server with a thread per core and a slot per stream.", "",

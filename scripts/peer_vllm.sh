@@ -20,7 +20,9 @@
 #      on and -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF (docs/peers.md).
 #   5. with AVX2 forced (part backfill-avx2): backfill serve's bursts again with PyTorch, oneDNN and
 #      backfill's own kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), how a CPU
-#      without AVX-512 runs, beside the AVX-512 figures.
+#      without AVX-512 runs, beside the AVX-512 figures; part vllm-avx2 holds vLLM to AVX2 the same
+#      way, and answers no to torch.cpu's AVX-512 and AMX probes (a sitecustomize on PYTHONPATH), as
+#      on such a CPU, where vLLM loads its _C_AVX2 kernels: in bf16 and in fp32, the better per level.
 # vLLM gets every core (VLLM_CPU_NUM_OF_RESERVED_CPU=0), as a user comparing the two on a small
 # machine sets it; its default, which keeps one core for its API process, runs the bursts again
 # beside it (part vllm-1core). The report compares backfill with the better of the two per level.
@@ -36,7 +38,8 @@
 # vLLM (prefix caching on, its default) over HTTP, then backfill in-process with the cache on and off
 # (PREFIX_INPROCESS=0 leaves the in-process runs out: the HTTP pair again in a few minutes).
 #
-# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 llamacpp report prefix),
+# Knobs (environment): PARTS (backfill vllm vllm-1core inprocess overhead backfill-avx2 vllm-avx2 llamacpp report
+# prefix),
 # LLAMA_SERVER (llama-server's path, for part llamacpp), ENGINE_FLAGS (backfill's engine flags; empty:
 # `backfill serve` as a user starts it), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
@@ -189,17 +192,17 @@ vllm_preload() {
     (IFS=:; echo "${libs[*]}")
 }
 
-run_vllm() {  # LABEL RESERVED_CORES(empty: vLLM's default) COSERVE(0/1)
+run_vllm() {  # LABEL RESERVED_CORES(empty: vLLM's default) COSERVE(0/1) [DTYPE, bfloat16] [ENV=VALUE...]
     PORT=$(free_port)
     URL=http://127.0.0.1:$PORT
-    local log=$OUT/$1-serve.log reserve=()
+    local log=$OUT/$1-serve.log reserve=() dtype=${4:-bfloat16}
     [[ -n $2 ]] && reserve=(VLLM_CPU_NUM_OF_RESERVED_CPU="$2")
-    echo "== $1: vLLM, reserved cores ${2:-default}, LD_PRELOAD=$(vllm_preload)"
+    echo "== $1: vLLM, reserved cores ${2:-default}, $dtype, LD_PRELOAD=$(vllm_preload) ${*:5}"
     # The module entry point: vllm-cpu's console script looks up a distribution named "vllm".
-    env "${reserve[@]}" LD_PRELOAD="$(vllm_preload)" VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB \
+    env "${reserve[@]}" "${@:5}" LD_PRELOAD="$(vllm_preload)" VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB \
         setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
-        --dtype bfloat16 --max-model-len 2048 --scheduling-policy priority > "$log" 2>&1 &
+        --dtype "$dtype" --max-model-len 2048 --scheduling-policy priority > "$log" 2>&1 &
     SERVER_PID=$!
     # vLLM keeps its one server: both phases in one invocation (it has no SLO to set).
     wait_healthy "$URL" "$log" 900 && bursts "$1" "$URL" vllm-model && [[ $COSERVE == 1 && $3 == 1 ]] \
@@ -238,6 +241,30 @@ if [[ " $PARTS " == *" backfill-avx2 "* ]]; then
     fi
     stop_server
     unset ONEDNN_MAX_CPU_ISA ATEN_CPU_CAPABILITY
+fi
+
+if [[ " $PARTS " == *" vllm-avx2 "* ]] && install_vllm; then
+    # vLLM as a CPU without AVX-512 runs it: PyTorch and oneDNN held to AVX2 as for backfill-avx2, and
+    # torch.cpu's AVX-512 and AMX probes answering no, which is how vLLM picks its _C_AVX2 kernels and
+    # its AMX-only paths. bf16 (its default) and fp32 (what backfill's auto dtype is there) both run.
+    AVX2_SITE=$OUT/vllm-avx2-site
+    mkdir -p "$AVX2_SITE"
+    cat > "$AVX2_SITE/sitecustomize.py" <<'PYEOF'
+import torch.cpu
+
+for _probe in ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
+               "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _probe):
+        setattr(torch.cpu, _probe, lambda: False)
+PYEOF
+    for dtype in bfloat16 float32; do
+        label=vllm-avx2
+        [[ $dtype == float32 ]] && label=vllm-avx2-fp32
+        run_vllm "$label" 0 0 "$dtype" ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PYTHONPATH="$AVX2_SITE"
+    done
+    # What vLLM saw: the probes it picks its kernels by, and the ISA PyTorch ran at.
+    { echo -n "vllm-avx2: "; env ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PYTHONPATH="$AVX2_SITE" \
+        "$VLLM_VENV/bin/python" -c "import torch; print('avx512:', torch.cpu._is_avx512_supported(), 'amx:', torch.cpu._is_amx_tile_supported(), 'capability:', torch.backends.cpu.get_cpu_capability())"; } >> "$OUT/machine.txt"
 fi
 
 if [[ " $PARTS " == *" llamacpp "* ]]; then

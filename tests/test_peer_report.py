@@ -51,3 +51,17 @@ def test_llama_server_gets_its_own_table_beside_backfill(tmp_path):
     assert "llama-server on the same GGUF" in table and "| 64 | 80.0 (6400) | 320.0 (6400) | 4.00 |" in table
     doc = _report_module().build(tmp_path / "none") if (tmp_path / "none").mkdir() is None else None
     assert "llama-server" not in _report_module().markdown(doc)
+
+
+def test_avx2_forced_backfill_is_compared_with_the_faster_avx2_vllm(tmp_path):
+    _bursts(tmp_path / "burst-backfill-avx2.json", {1: 36.0, 64: 160.0})
+    _bursts(tmp_path / "burst-vllm-avx2.json", {1: 12.0, 64: 40.0})        # bf16
+    _bursts(tmp_path / "burst-vllm-avx2-fp32.json", {1: 18.0, 64: 200.0})  # fp32
+    doc = _report_module().build(tmp_path)
+    one, many = doc["bursts"]
+    assert (one["best_vllm_avx2"], one["backfill_avx2_over_vllm_avx2_tok_s"]) == ("vllm-avx2-fp32", 2.0)
+    assert (many["best_vllm_avx2_tok_s"], many["backfill_avx2_over_vllm_avx2_tok_s"]) == (200.0, 0.8)
+    table = _report_module().markdown(doc)
+    assert "AVX2 forced on both" in table and "| 64 | 40.0 (6400) | 200.0 (6400) | 160.0 (6400) | 0.80 |" in table
+    (tmp_path / "none").mkdir()
+    assert "AVX2 forced on both" not in _report_module().markdown(_report_module().build(tmp_path / "none"))
