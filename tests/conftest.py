@@ -60,3 +60,20 @@ def tiny_runner(tiny_config):
     from backfill.engine.runner import ModelRunner
     return ModelRunner(LlamaModel(tiny_config, random_weights(tiny_config), device=TEST_DEVICE),
                        KVBlockPool(tiny_config, 64, 8, device=TEST_DEVICE))
+
+
+def prefill_then_decode(runner, prompts: list[list[int]], blocks_each: int, steps: int = 3) -> torch.Tensor:
+    """Prefill each prompt alone, then `steps` decode steps of all together, fed fixed tokens (the
+    same on every runner, so rounding cannot flip a greedy choice): logits [steps, len(prompts), vocab].
+    The blocks are freed again."""
+    from backfill.engine.step import SeqChunk
+    tables = [runner.kv.allocate(blocks_each) for _ in prompts]
+    try:
+        for i, (ids, table) in enumerate(zip(prompts, tables)):
+            runner.execute([SeqChunk(i, ids, 0, table)])
+        return torch.stack([runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
+                                            for i, (ids, table) in enumerate(zip(prompts, tables))]).logits
+                            for s in range(steps)])
+    finally:
+        for table in tables:
+            runner.kv.free(table)

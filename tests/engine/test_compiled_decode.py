@@ -13,7 +13,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.engine.step import SeqChunk
-from tests.conftest import random_weights
+from tests.conftest import prefill_then_decode, random_weights
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="x86/Arm CPU build only")
 
@@ -85,17 +85,7 @@ def test_tile_kernel_decodes_as_the_small_batch_kernel(tiny_config, weights):
     assert fast.buckets[16].lm_head_logits is not None  # a bucket's LM head on the tiles too
     for batch in (5, 9, 33):
         prompts = [_prompt(4 + i % 5, 50 + i) for i in range(batch)]
-        results = []
-        for runner in runners.values():
-            tables = [runner.kv.allocate(2) for _ in prompts]
-            for i, (ids, table) in enumerate(zip(prompts, tables)):
-                runner.execute([SeqChunk(i, ids, 0, table)])
-            steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
-                                     for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
-            results.append(torch.stack(steps))
-            for table in tables:
-                runner.kv.free(table)
-        vector, tiles = results
+        vector, tiles = (prefill_then_decode(runner, prompts, 2) for runner in runners.values())
         assert tiles.shape == (3, batch, tiny_config.vocab_size)
         scale = vector.abs().max()
         assert (tiles - vector).abs().max() <= 0.05 * scale, (batch, (tiles - vector).abs().max(), scale)

@@ -12,7 +12,7 @@ from backfill.engine.step import SeqChunk
 from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, can_tile, load_small_batch_matmul,
                                                 load_tiles_matmul, pack_for_small_batches, packed_matmul,
                                                 packed_matmul_tiles)
-from tests.conftest import random_weights
+from tests.conftest import prefill_then_decode, random_weights
 
 # Built for AVX-512 BF16 or AVX2 CPUs, and only where a C++ toolchain is at hand (as the paged-attention kernel).
 needs_kernel = pytest.mark.skipif(not load_small_batch_matmul(),
@@ -116,15 +116,7 @@ def test_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config, d
     # Prompts of 7 to 14 tokens: the shorter ones are prefilled through the compiled pieces too.
     prompts = [torch.randint(3, 256, (7 + i,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
-    results = []
-    for runner in runners:
-        tables = [runner.kv.allocate(3) for _ in prompts]
-        for i, (ids, table) in enumerate(zip(prompts, tables)):
-            runner.execute([SeqChunk(i, ids, 0, table)])
-        # The same tokens fed to every runner: rounding may flip a greedy choice between near-equal logits.
-        steps = [runner.execute([SeqChunk(i, [40 + s + i], len(ids) + s, table)
-                                 for i, (ids, table) in enumerate(zip(prompts, tables))]).logits for s in range(3)]
-        results.append(torch.stack(steps))
+    results = [prefill_then_decode(runner, prompts, 3) for runner in runners]
     if dtype == torch.float32:
         torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
     else:
