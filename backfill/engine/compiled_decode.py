@@ -127,14 +127,11 @@ def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, x [B, in]) -> fp32 [B, out]
 
 
-def _packed_matmul(out_features: int) -> Matmul:
-    """x @ W.T through the small-batch kernel, for a weight packed by pack_for_small_batches."""
-    return lambda packed_weight, x: torch.ops.backfill.packed_matmul(packed_weight, x, out_features)
-
-
-def _packed_matmul_tiles(out_features: int) -> Matmul:
-    """x @ W.T on AMX tiles, for the same packed weight."""
-    return lambda packed_weight, x: torch.ops.backfill.packed_matmul_tiles(packed_weight, x, out_features)
+def _packed_matmul(out_features: int, tiles: bool = False) -> Matmul:
+    """x @ W.T through the small-batch kernel (or, with tiles, its AMX version), for a weight packed
+    by pack_for_small_batches."""
+    op = torch.ops.backfill.packed_matmul_tiles if tiles else torch.ops.backfill.packed_matmul
+    return lambda packed_weight, x: op(packed_weight, x, out_features)
 
 
 def _norm(h, norm_weight, eps: float):
@@ -484,10 +481,9 @@ class CompiledDecode:
         lm_head): the kernel the choice took for it at that size."""
         if not self.packed:
             return _gemv
-        if name in self.tiled and self.kernel_choice is not None \
-                and self.kernel_choice.path(name, batch) == kernel_choice.TILES:
-            return _packed_matmul_tiles(self.out_features[name])
-        return _packed_matmul(self.out_features[name])
+        tiles = name in self.tiled and self.kernel_choice is not None \
+            and self.kernel_choice.path(name, batch) == kernel_choice.TILES
+        return _packed_matmul(self.out_features[name], tiles)
 
     def _compile_pieces(self, batch: int, lm_head: bool = True, outside: frozenset[str] | None = None,
                         dynamic_rows: bool = False) -> DecodePieces:
@@ -505,6 +501,7 @@ class CompiledDecode:
 
         def mm(name: str) -> Matmul:
             return self.matmul(name, batch)
+
         layer = self.layers[0]
         act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)
         outside = self.outside(batch) if outside is None else outside

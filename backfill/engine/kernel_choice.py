@@ -13,9 +13,7 @@ source, and `backfill bench engine` and `backfill profile` print it.
 
 Each path is timed as a step runs it: a pass over every layer's matmuls in order, then the LM
 head, so each weight comes from memory as it does in a step. Timed on one weight again and again,
-the weight sits in the core's cache, and the ranking is not the step's: on an Intel Xeon, oneDNN
-multiplied layer 0's cached weights at eight rows in half the small-batch kernel's time, while in a
-pass over all thirty layers it took longer than the kernel.
+the weight sits in the core's cache, and the ranking is not a step's (docs/models.md).
 """
 
 from __future__ import annotations
@@ -151,32 +149,12 @@ class KernelChoice:
                    {int(rows): float(t) for rows, t in data.get("large_rows_us", {}).items()})
 
 
-def _best_times_us(calls: dict[str, Callable[[], object]], max_rounds: int = 40, settled_rounds: int = 4,
-                   budget_s: float = 1.5) -> dict[str, float]:
-    """Each call's fastest time over rounds that alternate between them (µs).
-
-    The minimum, not the median: on a shared machine a run is only ever slowed (an intra-op thread
-    descheduled stalls the whole call), so the fastest run is the kernel's own time. Rounds go on
-    until no minimum has improved for `settled_rounds` rounds, or the budget is spent.
-    """
-    best = {name: float("inf") for name in calls}
-    for call in calls.values():  # warm-up: first-touch of the weight and the kernel's buffers
-        call()
-    deadline = time.perf_counter() + budget_s
-    unchanged = 0
-    for _ in range(max_rounds):
-        improved = False
-        for name, call in calls.items():
-            started = time.perf_counter_ns()
-            call()
-            elapsed = (time.perf_counter_ns() - started) / 1e3
-            if elapsed < best[name]:
-                improved = improved or best[name] != float("inf")
-                best[name] = elapsed
-        unchanged = 0 if improved else unchanged + 1
-        if unchanged >= settled_rounds or time.perf_counter() > deadline:
-            break
-    return best
+def _best_times_us(calls: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
+    """Each call's fastest time over rounds that alternate between them (µs): _best_passes_us
+    with a pass of one call."""
+    best = _best_passes_us({name: [(name, call)] for name, call in calls.items()}, budget_s,
+                           max_rounds=40, settled_rounds=4)
+    return {name: times[name] for name, times in best.items()}
 
 
 StepCalls = Callable[[str, int], list[tuple[str, Callable[[], object]]]]
@@ -215,9 +193,9 @@ def _best_passes_us(passes: dict[str, list[tuple[str, Callable[[], object]]]], b
     """Per path, each weight's mean time over its calls in one pass, from the fastest of the passes
     that alternate between the paths (µs).
 
-    The fastest, not the median: on a shared machine a pass is only ever slowed, so the fastest
-    is the kernels' own time. Rounds go on until no path's pass has got faster for
-    `settled_rounds` rounds, or the budget is spent.
+    The fastest, not the median: on a shared machine a pass is only ever slowed (an intra-op thread
+    descheduled stalls the whole call), so the fastest is the kernels' own time. Rounds go on until
+    no path's pass has got faster for `settled_rounds` rounds, or the budget is spent.
     """
     def one_pass(calls) -> dict[str, float]:
         sums: dict[str, float] = {}
