@@ -34,6 +34,7 @@ from backfill.bench.prompts import PromptSource
 from backfill.bench.target import Target
 from backfill.bench.workload import Workload, make_requests
 from backfill.errors import WorkloadError
+from backfill.progress import PROGRESS_EVERY_S, Heartbeat
 
 DEFAULT_LEVELS = (1, 8, 32, 64)
 
@@ -115,18 +116,22 @@ def level_result(concurrency: int, bursts: list[list[RequestRecord]], cpu_s: flo
 
 
 async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAULT_LEVELS,
-                     shape: BurstShape = BurstShape(), log=print, server_pid: int | None = None) -> list[LevelResult]:
+                     shape: BurstShape = BurstShape(), log=print, server_pid: int | None = None,
+                     progress_every_s: float = PROGRESS_EVERY_S) -> list[LevelResult]:
     """Every level in turn against one target (after one unmeasured warm-up burst); server_pid:
-    also the CPU time of that process per level."""
+    also the CPU time of that process per level. A level or warm-up running longer than
+    progress_every_s logs a line that often."""
     if not levels or any(c < 1 for c in levels):
         raise WorkloadError(f"concurrency levels must be positive, got {levels!r}")
     prompts = PromptSource(tokenizer, seed=0)
     index = 0
     warmup = max(levels) if shape.warmup_requests is None else shape.warmup_requests
     if warmup:
-        await run_workload(target, burst_workload(prompts, replace(shape, output_tokens=shape.warmup_tokens), warmup,
-                                                  index),
-                           progress=False, sample_interval_s=None, start_delay_s=0.0)
+        # A slow server takes minutes over a burst: a line every few seconds says it is still running.
+        with Heartbeat(log, f"warm-up burst of {warmup}", every_s=progress_every_s):
+            await run_workload(target, burst_workload(prompts, replace(shape, output_tokens=shape.warmup_tokens),
+                                                      warmup, index),
+                               progress=False, sample_interval_s=None, start_delay_s=0.0)
     results = []
     for concurrency in levels:
         bursts = []
@@ -134,11 +139,13 @@ async def run_bursts(target: Target, tokenizer, levels: tuple[int, ...] = DEFAUL
         loop0 = process_cpu_s(os.getpid(), threading.get_native_id())
         server0 = process_cpu_s(server_pid) if server_pid is not None else None
         server_loop0 = process_cpu_s(server_pid, server_pid) if server_pid is not None else None
-        for _ in range(shape.bursts):
-            index += 1
-            run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
-                                     sample_interval_s=None, start_delay_s=0.0)
-            bursts.append(run.records)
+        with Heartbeat(log, f"concurrency {concurrency}", lambda: f"{len(bursts)}/{shape.bursts} bursts done",
+                       every_s=progress_every_s):
+            for _ in range(shape.bursts):
+                index += 1
+                run = await run_workload(target, burst_workload(prompts, shape, concurrency, index), progress=False,
+                                         sample_interval_s=None, start_delay_s=0.0)
+                bursts.append(run.records)
         result = level_result(concurrency, bursts, time.process_time() - cpu0,
                               process_cpu_s(server_pid) - server0 if server0 is not None else None,
                               process_cpu_s(os.getpid(), threading.get_native_id()) - loop0,

@@ -41,6 +41,19 @@ def test_bursts_reach_the_server_all_at_once():
     assert 0 < results[1].tokens_per_s <= 400 and results[1].p50_tpot_ms >= 9
 
 
+def test_a_long_level_says_it_is_still_running():
+    lines = []
+    with FakeOpenAIServer(pace_s=0.03) as server:
+        async def go():
+            async with HttpTarget(server.base_url, "m", prompt_as="token_ids") as target:
+                return await run_bursts(target, BPETokenizer(), (2,), BurstShape(16, 10, bursts=2, warmup_requests=0),
+                                        log=lines.append, progress_every_s=0.1)
+        asyncio.run(go())
+    beats = [line for line in lines if line.startswith("   ... concurrency 2:")]
+    assert beats and "bursts done" in beats[-1]
+    assert lines[-1].startswith("concurrency   2:")  # the level's result closes it
+
+
 def test_bad_shapes_and_levels():
     with pytest.raises(WorkloadError):
         BurstShape(prompt_tokens=0)
