@@ -53,6 +53,18 @@ def entry(name: str) -> PolicyEntry:
         raise InvalidRequestError(f"unknown policy {name!r}; choose among {', '.join(NAMES)}") from None
 
 
+def default_limits(name: str) -> BatchLimits:
+    """The batch limits the policy called name runs with unless told: vLLM V1's server budget for
+    the baselines ConServe §6.1 compares with (fcfs, priority) and for cfs; 512 tokens a step for the
+    co-serving policy (which raises it to its offline batch in co-serving steps) and online-only."""
+    entry(name)
+    if name in ("fcfs", "priority", "cfs"):
+        from backfill.policy.baselines import VLLM_DEFAULT_LIMITS
+        return VLLM_DEFAULT_LIMITS
+    from backfill.policy.planner import BatchLimits
+    return BatchLimits()
+
+
 def make_policy(name: str, *, limits: BatchLimits | None, latency: LatencyModel | None, layout: SafepointLayout,
                 coserve: CoServeConfig) -> SchedulingPolicy:
     """The policy called name; limits None: the policy's own default batch limits."""

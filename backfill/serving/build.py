@@ -142,7 +142,7 @@ def build_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor], cf
 
 
 def make_policy(cfg: ServingConfig, latency: LatencyModel | None, layout: SafepointLayout) -> SchedulingPolicy:
-    return registry.make_policy(cfg.policy, limits=cfg.limits, latency=latency, layout=layout,
+    return registry.make_policy(cfg.policy, limits=cfg.batch_limits, latency=latency, layout=layout,
                                 coserve=cfg.coserve)
 
 

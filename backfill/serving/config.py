@@ -13,6 +13,7 @@ from backfill.options import knob
 from backfill.policy.checkpoint import CheckpointConfig
 from backfill.policy.config import CoServeConfig
 from backfill.policy.planner import BatchLimits
+from backfill.policy import registry
 from backfill.policy.registry import NAMES
 from backfill.validation import check_non_negative
 
@@ -85,6 +86,13 @@ class ServingConfig:
                                     "step: it starts once none has arrived for 1 ms, at most this long after the "
                                     "first; 0: at once", group="serving")
     max_model_len: int = knob(2048, "longest prompt + output, tokens", group="serving")
+    # vLLM's max_num_batched_tokens: larger steps run the matmuls at more rows, so a burst's
+    # prompts cost less, and make each decode in the step wait longer.
+    max_batch_tokens: int | None = knob(None, "most tokens one step computes, decodes and prompt chunks together "
+                                        "(vLLM's max_num_batched_tokens; a longer prompt is chunked); unset: "
+                                        "the policy's own (coserve and online-only 512, coserve's co-serving "
+                                        "steps up to its offline batch; fcfs, priority and cfs 2048)",
+                                        group="serving")
     block_size: int = 16
     limits: BatchLimits | None = None  # every policy's batch limits; None: each policy's own default
     coserve: CoServeConfig = field(default_factory=CoServeConfig)
@@ -108,6 +116,8 @@ class ServingConfig:
             raise InvalidRequestError("kv_cache_gb must be positive")
         if self.block_size < 1 or self.max_model_len < 2:
             raise InvalidRequestError("block_size must be >= 1 and max_model_len >= 2")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise InvalidRequestError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError("threads must be >= 1")
         for name in ("decode_attention", "prompt_attention"):
@@ -160,6 +170,9 @@ class ServingConfig:
 
     @property
     def batch_limits(self) -> BatchLimits:
-        """The co-serving policy's batch limits: limits where set, else its default (the server's
-        admission plans with them)."""
-        return BatchLimits() if self.limits is None else self.limits
+        """The policy's batch limits (the server's admission plans with them too): limits where set,
+        else the policy's default; max_batch_tokens, where set, caps a step and a prompt chunk."""
+        limits = registry.default_limits(self.policy) if self.limits is None else self.limits
+        if self.max_batch_tokens is None:
+            return limits
+        return replace(limits, max_batch_tokens=self.max_batch_tokens, prefill_chunk_tokens=self.max_batch_tokens)

@@ -49,3 +49,38 @@ def test_the_default_abilities_of_a_policy_without_a_latency_model():
     assert policy.latency is None and policy.model_error is None and policy.slo is None
     assert policy.correction_for(64) == 1.0
     assert policy.observe_swap(None) is None
+
+
+def test_each_policy_runs_its_own_batch_limits_unless_max_batch_tokens_is_given():
+    assert registry.default_limits("coserve").max_batch_tokens == 512
+    assert registry.default_limits("priority").max_batch_tokens == 2048
+    assert ServingConfig().batch_limits == registry.default_limits("coserve")
+    assert ServingConfig(policy="fcfs").batch_limits == registry.default_limits("fcfs")
+    for name in ("coserve", "priority"):
+        limits = ServingConfig(policy=name, max_batch_tokens=2048).batch_limits
+        # The step cap and the longest prompt chunk both move; the policy keeps its sequence cap.
+        assert (limits.max_batch_tokens, limits.prefill_chunk_tokens) == (2048, 2048)
+        assert limits.max_batch_seqs == registry.default_limits(name).max_batch_seqs
+        policy = registry.make_policy(name, limits=limits, latency=LATENCY, layout=LAYOUT, coserve=CoServeConfig())
+        assert policy.limits == limits
+
+
+def test_a_step_of_the_configured_size_takes_a_whole_prompt_that_the_default_chunks():
+    from backfill.policy.interface import SchedulerState, SeqView
+    from backfill.types import RequestClass
+
+    prompts = [SeqView(f"s{i}", RequestClass.ONLINE, float(i), 700, 700, 0, 0, False) for i in range(3)]
+    state = SchedulerState(10.0, tuple(prompts), 1000, 1000, 16, 2048)
+
+    def step_tokens(cfg: ServingConfig) -> list[int]:
+        policy = registry.make_policy(cfg.policy, limits=cfg.batch_limits, latency=LATENCY, layout=LAYOUT,
+                                      coserve=CoServeConfig())
+        return [s.num_tokens for s in policy.schedule(state).scheduled]
+
+    assert step_tokens(ServingConfig(policy="online-only")) == [512]
+    assert step_tokens(ServingConfig(policy="online-only", max_batch_tokens=2048)) == [700, 700, 648]
+
+
+def test_max_batch_tokens_below_one_is_a_typed_error():
+    with pytest.raises(InvalidRequestError, match="max_batch_tokens must be >= 1"):
+        ServingConfig(max_batch_tokens=0)
