@@ -57,7 +57,8 @@ def build(out: Path) -> dict:
             row[f"{key}_mean_ttft_ms"] = lv and lv["mean_ttft_ms"]
             row[f"{key}_p50_tpot_ms"] = lv and lv["p50_tpot_ms"]
         # The peer at its best: whichever vLLM configuration served this level faster.
-        peers = [name for name in ("vllm", "vllm_1core") if row[f"{name}_tok_s"]]
+        # On a CPU without AVX-512 the vllm-avx2 runs are vLLM native, fp32 its faster dtype there.
+        peers = [name for name in ("vllm", "vllm_1core", "vllm_avx2", "vllm_avx2_fp32") if row[f"{name}_tok_s"]]
         best = max(peers, key=lambda name: row[f"{name}_tok_s"]) if peers else None
         row["best_vllm"] = best and best.replace("_", "-")
         row["best_vllm_tok_s"] = best and row[f"{best}_tok_s"]

@@ -135,8 +135,8 @@ MODEL_DIR=$OUT/model
 
 # coserve plans with a step-latency profile, measured for minutes on first use; where none is
 # cached for these flags, the one docs/results holds for this machine kind seeds the cache.
-seed_profile() {  # SEED_FILE: copied to the cached profile's path of the commands' defaults, if absent
-    SEED_PROFILE="$1" "$PY" - <<'PYEOF'
+seed_profile() {  # BF16_SEED FP32_SEED: the one of the auto dtype's, copied to the cached profile's path
+    SEED_BF16="$1" SEED_FP32="$2" "$PY" - <<'PYEOF'
 import os
 import shutil
 from backfill.engine.weights import load_model
@@ -145,13 +145,16 @@ from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 
 cfg = ServingConfig(**COMMAND_DEFAULTS)   # ENGINE_FLAGS empty: the commands' defaults
 path = default_profile_path(load_model(cfg.model).config.name, cfg)
+seed = os.environ["SEED_BF16" if cfg.resolved_dtype == "bfloat16" else "SEED_FP32"]
 if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(os.environ["SEED_PROFILE"], path)
-    print(f"seeded {path} from {os.environ['SEED_PROFILE']}")
+    shutil.copy(seed, path)
+    print(f"seeded {path} from {seed}")
 PYEOF
 }
-seed_profile "$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" || exit 1
+# auto dtype is float32 where the CPU lacks bf16 matmul kernels (AVX2 only, or AVX2 forced).
+FP32_PROFILE=$ROOT/docs/results/profile-cpu-zen5-avx2-fp32-cd.json
+seed_profile "$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" "$FP32_PROFILE" || exit 1
 
 if [[ " $PARTS " == *" backfill "* ]]; then
     if start_backfill "" && MODEL=$(served_model "$URL") && bursts backfill "$URL" "$MODEL" && [[ $COSERVE == 1 ]] \
@@ -235,7 +238,7 @@ if [[ " $PARTS " == *" backfill-avx2 "* ]]; then
     # PyTorch, oneDNN and backfill's kernels (native_build.py) held to AVX2: bursts only.
     echo "== backfill serve with AVX2 forced"
     export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
-    seed_profile "$ROOT/docs/results/profile-cpu-zen5-avx2-fp32-cd.json"   # auto dtype is float32 here
+    seed_profile "$FP32_PROFILE" "$FP32_PROFILE"
     if start_backfill -avx2 && MODEL=$(served_model "$URL"); then
         bursts backfill-avx2 "$URL" "$MODEL"
     fi
