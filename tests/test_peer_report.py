@@ -31,7 +31,7 @@ def test_each_level_is_compared_with_the_faster_vllm(tmp_path):
     assert (many["best_vllm"], many["best_vllm_tok_s"], many["backfill_over_vllm_tok_s"]) == ("vllm", 400.0, 0.75)
     assert many["backfill_avx2_over_backfill_tok_s"] == 0.5
     table = _report_module().markdown(doc)
-    assert "| 64 | 400.0 (6400) | 200.0 (6400) | 300.0 (6400) | 0.75 | 150.0 (6400) | 0.50 |" in table
+    assert "| 64 | 400.0 (6400) | 200.0 (6400) | 400.0 (6400) vllm | 300.0 (6400) | 0.75 | 150.0 (6400) | 0.50 |" in table
 
 
 def test_a_missing_part_is_left_out(tmp_path):
@@ -39,7 +39,7 @@ def test_a_missing_part_is_left_out(tmp_path):
     doc = _report_module().build(tmp_path)
     (row,) = doc["bursts"]
     assert row["best_vllm"] is None and row["backfill_over_vllm_tok_s"] is None
-    assert "| 8 | - | - | 250.0 (800) | - | - | - |" in _report_module().markdown(doc)
+    assert "| 8 | - | - | - | 250.0 (800) | - | - | - |" in _report_module().markdown(doc)
 
 
 def test_llama_server_gets_its_own_table_beside_backfill(tmp_path):
@@ -65,3 +65,14 @@ def test_avx2_forced_backfill_is_compared_with_the_faster_avx2_vllm(tmp_path):
     assert "AVX2 forced on both" in table and "| 64 | 40.0 (6400) | 200.0 (6400) | 160.0 (6400) | 0.80 |" in table
     (tmp_path / "none").mkdir()
     assert "AVX2 forced on both" not in _report_module().markdown(_report_module().build(tmp_path / "none"))
+
+
+def test_on_a_cpu_without_avx512_vllms_fp32_run_is_the_peer_when_it_is_its_fastest(tmp_path):
+    _bursts(tmp_path / "burst-backfill.json", {1: 47.0, 64: 160.0})
+    _bursts(tmp_path / "burst-vllm-avx2-fp32.json", {1: 29.0, 64: 200.0})  # native there: no bf16 run
+    _bursts(tmp_path / "burst-vllm.json", {1: 14.0, 64: 28.0})             # its bf16 default, slower
+    one, many = _report_module().build(tmp_path)["bursts"]
+    assert (one["best_vllm"], one["best_vllm_tok_s"]) == ("vllm-avx2-fp32", 29.0)
+    assert (many["best_vllm"], many["backfill_over_vllm_tok_s"]) == ("vllm-avx2-fp32", 0.8)
+    assert "| 200.0 (6400) vllm-avx2-fp32 | 160.0 (6400) | 0.80 |" in _report_module().markdown(
+        _report_module().build(tmp_path))
