@@ -44,6 +44,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def _fastest(row: dict, names: tuple[str, ...]) -> str | None:
+    """The run of `names` with the highest tok/s at this level; None where none ran."""
+    ran = [name for name in names if row[f"{name}_tok_s"]]
+    return max(ran, key=lambda name: row[f"{name}_tok_s"]) if ran else None
+
+
 def build(out: Path) -> dict:
     names = ("backfill", "backfill-avx2", "vllm", "vllm-1core", "vllm-avx2", "vllm-avx2-fp32", "llamacpp")
     bursts = {name: _levels(_load(out / f"burst-{name}.json")) for name in names}
@@ -58,16 +64,14 @@ def build(out: Path) -> dict:
             row[f"{key}_p50_tpot_ms"] = lv and lv["p50_tpot_ms"]
         # The peer at its best: whichever vLLM configuration served this level faster.
         # On a CPU without AVX-512 the vllm-avx2 runs are vLLM native, fp32 its faster dtype there.
-        peers = [name for name in ("vllm", "vllm_1core", "vllm_avx2", "vllm_avx2_fp32") if row[f"{name}_tok_s"]]
-        best = max(peers, key=lambda name: row[f"{name}_tok_s"]) if peers else None
+        best = _fastest(row, ("vllm", "vllm_1core", "vllm_avx2", "vllm_avx2_fp32"))
         row["best_vllm"] = best and best.replace("_", "-")
         row["best_vllm_tok_s"] = best and row[f"{best}_tok_s"]
         row["best_vllm_mean_ttft_ms"] = best and row[f"{best}_mean_ttft_ms"]
         row["backfill_over_vllm_tok_s"] = _ratio(row["backfill_tok_s"], row["best_vllm_tok_s"])
         row["backfill_avx2_over_backfill_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["backfill_tok_s"])
         # AVX2 forced on both: vLLM in whichever dtype served this level faster.
-        peers_avx2 = [name for name in ("vllm_avx2", "vllm_avx2_fp32") if row[f"{name}_tok_s"]]
-        best_avx2 = max(peers_avx2, key=lambda name: row[f"{name}_tok_s"]) if peers_avx2 else None
+        best_avx2 = _fastest(row, ("vllm_avx2", "vllm_avx2_fp32"))
         row["best_vllm_avx2"] = best_avx2 and best_avx2.replace("_", "-")
         row["best_vllm_avx2_tok_s"] = best_avx2 and row[f"{best_avx2}_tok_s"]
         row["backfill_avx2_over_vllm_avx2_tok_s"] = _ratio(row["backfill_avx2_tok_s"], row["best_vllm_avx2_tok_s"])
