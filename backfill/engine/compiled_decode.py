@@ -91,8 +91,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from backfill.engine import kernel_choice
 from backfill.engine.kernel_choice import KernelChoice
 from backfill.engine.rope import apply_rope
-from backfill.engine.small_batch_matmul import (TILE_INPUTS, can_pack, load_small_batch_matmul, load_tiles_matmul,
-                                                pack_for_small_batches, packed_matmul, packed_matmul_tiles)
+from backfill.engine.small_batch_matmul import (can_pack, load_small_batch_matmul, load_tiles_matmul,
+                                                pack_for_small_batches, packed_matmul, packed_matmul_tiles, tiles_take)
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_kernel_digest
 
 log = logging.getLogger(__name__)
@@ -304,8 +304,8 @@ class CompiledDecode:
         self.in_features = {"qkv": self.hidden_size, "o": num_heads * head_dim, "gate_up": self.hidden_size,
                             "down": self.intermediate_size, "lm_head": self.hidden_size}
         # The weights the tile kernel also takes (bf16, inputs in whole tiles), on a CPU with AMX.
-        self.tiled = frozenset(name for name, n in self.in_features.items() if n % TILE_INPUTS == 0) \
-            if self.packed and lm_head.dtype == torch.bfloat16 and load_tiles_matmul() else frozenset()
+        self.tiled = frozenset(name for name, n in self.in_features.items() if tiles_take(lm_head.dtype, n)) \
+            if self.packed and load_tiles_matmul() else frozenset()
         self.linears = linears or []
         self.lm_head_linear = lm_head_linear
         # Which weights run through the model's Linear at which batch size; none without linears.

@@ -139,9 +139,14 @@ def pack_for_small_batches(weight: torch.Tensor) -> torch.Tensor:
 TILE_INPUTS = 32
 
 
+def tiles_take(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether packed_matmul_tiles takes a weight of this dtype and input width: bf16, whole tiles of inputs."""
+    return dtype == torch.bfloat16 and in_features % TILE_INPUTS == 0
+
+
 def can_tile(weight: torch.Tensor) -> bool:
     """Whether packed_matmul_tiles takes this (unpacked) weight: bf16, [out, in] with `in` a multiple of 32."""
-    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % TILE_INPUTS == 0
+    return weight.dim() == 2 and tiles_take(weight.dtype, weight.shape[1])
 
 
 def packed_matmul_tiles(packed_weight: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
