@@ -43,8 +43,14 @@ constexpr int64_t kKeyTile = 64;
 constexpr int64_t kQueryTile = 16;  // query tokens per task
 constexpr int64_t kScoreVecs = kKeyTile / kLanes;
 static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
-// Query rows scored at once: their accumulators (rows x kScoreVecs) fill half the vector registers.
-constexpr int kScoreRows = kScoreVecs >= 16 ? 1 : static_cast<int>(16 / kScoreVecs);
+// Register blocks: AVX-512 has 32 vector registers, AVX2 16. Query rows are scored kScoreRows at a
+// time against kBlockVecs vectors of keys (a whole tile on AVX-512, half of one on AVX2), and values
+// weighed a few rows at a time over kBlockVecs vectors of head dims, so that the accumulators and the
+// operands they share stay in registers: 16 accumulators of 32 registers, or 8 of 16 (on AVX2 the
+// whole-tile blocks spilled them: 1.15-1.25x slower).
+constexpr bool kWideRegisters = kLanes >= 16;
+constexpr int64_t kBlockVecs = kWideRegisters ? kScoreVecs : std::min<int64_t>(4, kScoreVecs);
+constexpr int kScoreRows = kWideRegisters ? std::max<int>(1, static_cast<int>(16 / kScoreVecs)) : 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One row of head_dim elements as fp32.
@@ -103,43 +109,50 @@ inline const T* pool_row(const Shape& s, const T* pool, const int64_t* table, in
   return pool + ((block * s.block_size + pos % s.block_size) * s.n_kv + head) * s.head_dim;
 }
 
-// Scores of `rows` query rows against the key tile: scores[r][j] = q[r] . k[j]. R rows at a time,
-// so that R * kScoreVecs independent chains of fused multiply-adds are in flight.
+// Scores of `rows` query rows against the key tile: scores[r][j] = q[r] . k[j]. R rows by kBlockVecs
+// key vectors at a time, so that that many independent chains of fused multiply-adds are in flight.
 template <int64_t kHeadDim, int R>
 inline void score_rows(const float* query, const float* keys_t, int64_t key_stride, float* scores, int64_t hd) {
-  Vec acc[R][kScoreVecs];
-  for (int r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = Vec(0.0f);
   const int64_t n = kHeadDim > 0 ? kHeadDim : hd;
-  for (int64_t d = 0; d < n; ++d) {
-    Vec k[kScoreVecs];
-    for (int64_t v = 0; v < kScoreVecs; ++v) k[v] = Vec::loadu(keys_t + d * key_stride + v * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec q(query[r * n + d]);
-      for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v] = at::vec::fmadd(q, k[v], acc[r][v]);
+  for (int64_t v0 = 0; v0 < kScoreVecs; v0 += kBlockVecs) {
+    Vec acc[R][kBlockVecs];
+    for (int r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kBlockVecs; ++v) acc[r][v] = Vec(0.0f);
+    for (int64_t d = 0; d < n; ++d) {
+      Vec k[kBlockVecs];
+      for (int64_t v = 0; v < kBlockVecs; ++v) k[v] = Vec::loadu(keys_t + d * key_stride + (v0 + v) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec q(query[r * n + d]);
+        for (int64_t v = 0; v < kBlockVecs; ++v) acc[r][v] = at::vec::fmadd(q, k[v], acc[r][v]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int64_t v = 0; v < kBlockVecs; ++v) acc[r][v].store(scores + r * kKeyTile + (v0 + v) * kLanes);
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kScoreVecs; ++v) acc[r][v].store(scores + r * kKeyTile + v * kLanes);
 }
 
-// acc[r] += sum over the tile's keys j of p[r][j] * value[j], for R rows with acc in registers.
+// acc[r] += sum over the tile's keys j of p[r][j] * value[j], for R rows with acc in registers, a
+// block of kBlockVecs vectors of head dims at a time.
 template <int64_t kHeadDim, int R>
 inline void weigh_values(const float* probs, const float* values, float* acc, int64_t keys) {
   constexpr int64_t kChunks = kHeadDim / kLanes;
-  Vec sums[R][kChunks];
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = Vec::loadu(acc + r * kHeadDim + c * kLanes);
-  for (int64_t j = 0; j < keys; ++j) {
-    Vec v[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) v[c] = Vec::loadu(values + j * kHeadDim + c * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const Vec p(probs[r * kKeyTile + j]);
-      for (int64_t c = 0; c < kChunks; ++c) sums[r][c] = at::vec::fmadd(p, v[c], sums[r][c]);
+  constexpr int64_t C = std::min<int64_t>(kChunks, kBlockVecs);
+  static_assert(kChunks % C == 0, "head dims in whole register blocks");
+  for (int64_t c0 = 0; c0 < kChunks; c0 += C) {
+    Vec sums[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) sums[r][c] = Vec::loadu(acc + r * kHeadDim + (c0 + c) * kLanes);
+    for (int64_t j = 0; j < keys; ++j) {
+      Vec v[C];
+      for (int64_t c = 0; c < C; ++c) v[c] = Vec::loadu(values + j * kHeadDim + (c0 + c) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const Vec p(probs[r * kKeyTile + j]);
+        for (int64_t c = 0; c < C; ++c) sums[r][c] = at::vec::fmadd(p, v[c], sums[r][c]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) sums[r][c].store(acc + r * kHeadDim + (c0 + c) * kLanes);
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kChunks; ++c) sums[r][c].store(acc + r * kHeadDim + c * kLanes);
 }
 
 // The same for a head size not fixed at compile time, one row at a time.
@@ -242,7 +255,8 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
     }
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
       // Rows weighed at once: their accumulators (rows x head_dim / lanes) fill half the registers.
-      constexpr int kRows = std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes))));
+      constexpr int kRows =
+          kWideRegisters ? std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes)))) : 2;
       for (r = 0; r + kRows <= rows; r += kRows)
         weigh_values<kHeadDim, kRows>(scores + r * kKeyTile, values, acc + r * hd, keys);
       for (; r < rows; ++r) weigh_values<kHeadDim, 1>(scores + r * kKeyTile, values, acc + r * hd, keys);
