@@ -6,6 +6,7 @@ alone (min_shared_blocks=0), reading the shared blocks once on vectors (tiles=Fa
 tiles where the CPU has them. Prompt: chunks of new tokens after that prefix (a Batch file's
 questions), through the prompt kernel with and without tiles. The paths run in turns, rounds after
 rounds; each figure is the median of a path's calls over all rounds, per layer (one call).
+--dtype float32 runs the fp32 KV cache of a CPU without bf16 kernels (vectors only).
 
     python scripts/shared_prefix_attention.py --json shared-prefix.json
 """
@@ -28,7 +29,7 @@ def prefixed_tables(args, g, count: int, own_tokens: int):
     """Pools, and count block tables that start with one prefix of args.prefix_tokens and then each
     hold own_tokens of their own."""
     shape = (args.pool_blocks, 16, args.kv_heads, args.head_dim)
-    k_pool, v_pool = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    k_pool, v_pool = (torch.randn(shape, generator=g).to(args.torch_dtype) for _ in range(2))
     free = torch.randperm(args.pool_blocks, generator=g).tolist()
     prefix = [free.pop() for _ in range(args.prefix_tokens // 16)]
     tables = [prefix + [free.pop() for _ in range(-(-own_tokens // 16))] for _ in range(count)]
@@ -38,14 +39,14 @@ def prefixed_tables(args, g, count: int, own_tokens: int):
 def decode_case(args, g):
     k_pool, v_pool, tables = prefixed_tables(args, g, args.sequences, args.own_tokens)
     lens = torch.full((args.sequences,), args.prefix_tokens + args.own_tokens)
-    q = torch.randn(args.sequences, args.heads, args.head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(args.sequences, args.heads, args.head_dim, generator=g).to(args.torch_dtype)
     return q, k_pool, v_pool, tables, lens
 
 
 def prompt_case(args, g):
     k_pool, v_pool, tables = prefixed_tables(args, g, args.chunks, args.chunk_tokens)
     spans = torch.tensor([(i * args.chunk_tokens, args.chunk_tokens, args.prefix_tokens) for i in range(args.chunks)])
-    q = torch.randn(args.chunks * args.chunk_tokens, args.heads, args.head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(args.chunks * args.chunk_tokens, args.heads, args.head_dim, generator=g).to(args.torch_dtype)
     return q, k_pool, v_pool, spans, tables
 
 
@@ -62,8 +63,11 @@ def main() -> int:
     p.add_argument("--pool-blocks", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=10, help="calls per path per round")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the KV cache's dtype (float32: a CPU without bf16 kernels, where tiles do not apply)")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args()
+    args.torch_dtype = getattr(torch, args.dtype)
     decode, prompt = load_paged_decode_attention(), load_paged_prompt_attention()
     if decode is None or prompt is None:
         raise SystemExit("the C++ kernels cannot be built here")
@@ -77,6 +81,8 @@ def main() -> int:
         "prompt, vectors": lambda: prompt(*p_args, out, tiles=False),
         "prompt, prefix on tiles": lambda: prompt(*p_args, out, tiles=True),
     }
+    if args.dtype != "bfloat16":  # tiles take bf16 only: those paths would run the vectors again
+        paths = {name: call for name, call in paths.items() if "tiles" not in name}
     times: dict[str, list[float]] = {name: [] for name in paths}
     # A round is about 1.5 s on a 2-core Xeon with AMX (the vector prompt path is most of it), a few
     # times that without tiles: each round says when it is done.
@@ -98,7 +104,8 @@ def main() -> int:
         print(f"  {name:32s} {ms:8.3f} ms per layer (median of {len(times[name])} calls)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "threads": torch.get_num_threads(), "tiles_available": tiles,
+            config = {k: v for k, v in vars(args).items() if k != "torch_dtype"}
+            json.dump({"config": config, "threads": torch.get_num_threads(), "tiles_available": tiles,
                        "median_ms_per_layer": medians, "calls_per_path": len(next(iter(times.values())))},
                       f, indent=1)
     return 0
