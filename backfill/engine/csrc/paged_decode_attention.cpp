@@ -76,6 +76,10 @@ inline void sum_lanes4(const Vec* v, float* out) {
   }
   const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // The same from 8 lanes: three horizontal adds and one across the halves for the four sums.
+  const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
 #else
   for (int u = 0; u < 4; ++u) out[u] = sum_lanes(v[u]);
 #endif
@@ -130,25 +134,33 @@ inline void prefetch_row(const T* row, int64_t hd) {
 }
 
 // acc[g] += sum over the block's tokens of probs[g][t] * values[t], for kGroup query heads whose
-// whole outputs (kChunks vectors each) stay in registers beside one value row: each row is
-// converted once and added to all of them. The next block's value rows are asked for on the way.
+// outputs stay in registers beside one value row, kBlock vectors of head dims at a time (the whole
+// head where it fits, as head_dim 64 on AVX-512; else in blocks of at most 12-16 accumulators): each
+// row's block is converted once and added to every head. The next block's value rows are asked for
+// on the way.
 template <typename T, int64_t kGroup, int64_t kChunks>
 inline void add_values(const T* values, int64_t token_stride, int64_t tokens, const float* probs, int64_t padded,
                        const T* next_values, float* acc) {
-  Vec sums[kGroup][kChunks];
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = Vec::loadu(acc + (g * kChunks + c) * kLanes);
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (next_values != nullptr) prefetch_row(next_values + t * token_stride, kChunks * kLanes);
-    Vec row[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) row[c] = load_float(values + t * token_stride + c * kLanes, kLanes);
-    for (int64_t g = 0; g < kGroup; ++g) {
-      const Vec p(probs[g * padded + t]);
-      for (int64_t c = 0; c < kChunks; ++c) sums[g][c] = at::vec::fmadd(p, row[c], sums[g][c]);
+  constexpr int64_t kMaxSums = kLanes >= 16 ? 16 : 12;
+  constexpr int64_t kBlock = kGroup * kChunks <= kMaxSums ? kChunks
+                             : (kChunks % 4 == 0 && kGroup * 4 <= kMaxSums) ? 4
+                             : (kChunks % 2 == 0 && kGroup * 2 <= kMaxSums) ? 2 : 1;
+  for (int64_t c0 = 0; c0 < kChunks; c0 += kBlock) {
+    Vec sums[kGroup][kBlock];
+    for (int64_t g = 0; g < kGroup; ++g)
+      for (int64_t c = 0; c < kBlock; ++c) sums[g][c] = Vec::loadu(acc + (g * kChunks + c0 + c) * kLanes);
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (c0 == 0 && next_values != nullptr) prefetch_row(next_values + t * token_stride, kChunks * kLanes);
+      Vec row[kBlock];
+      for (int64_t c = 0; c < kBlock; ++c) row[c] = load_float(values + t * token_stride + (c0 + c) * kLanes, kLanes);
+      for (int64_t g = 0; g < kGroup; ++g) {
+        const Vec p(probs[g * padded + t]);
+        for (int64_t c = 0; c < kBlock; ++c) sums[g][c] = at::vec::fmadd(p, row[c], sums[g][c]);
+      }
     }
+    for (int64_t g = 0; g < kGroup; ++g)
+      for (int64_t c = 0; c < kBlock; ++c) sums[g][c].store(acc + (g * kChunks + c0 + c) * kLanes);
   }
-  for (int64_t g = 0; g < kGroup; ++g)
-    for (int64_t c = 0; c < kChunks; ++c) sums[g][c].store(acc + (g * kChunks + c) * kLanes);
 }
 
 // Blocks [first, last) of one sequence's table, for one KV head, folded into `part`. kHeadDim > 0
@@ -186,6 +198,24 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       // Four tokens at a time: their rows stay in registers across the group, and their four dot
       // products are summed across lanes together (the sums cost as much as the products).
       constexpr int64_t kChunks = kHeadDim / kLanes;
+      if constexpr (kChunks > 4) {
+        // Four rows of more than four vectors each do not fit in registers beside the dot products
+        // (AVX2's 16, or head_dim 128 on AVX-512's 32): each query chunk is loaded once and dotted
+        // with the four rows' chunks where they lie.
+        for (; t + 4 <= tokens; t += 4) {
+          if (next_keys != nullptr)
+            for (int64_t u = 0; u < 4; ++u) prefetch_row(next_keys + (t + u) * token_stride, hd);
+          for (int64_t g = 0; g < group; ++g) {
+            Vec dots[4] = {Vec(0.0f), Vec(0.0f), Vec(0.0f), Vec(0.0f)};
+            for (int64_t c = 0; c < kChunks; ++c) {
+              const Vec qc = Vec::loadu(query + g * hd + c * kLanes);
+              for (int64_t u = 0; u < 4; ++u)
+                dots[u] = at::vec::fmadd(qc, load_float(keys + (t + u) * token_stride + c * kLanes, kLanes), dots[u]);
+            }
+            sum_lanes4(dots, scores + g * padded + t);
+          }
+        }
+      }
       for (; t + 4 <= tokens; t += 4) {
         Vec rows4[4][kChunks];
         if (next_keys != nullptr)
@@ -241,10 +271,10 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
       }
       part.sum[g] += sum_lanes(total);
     }
-    // Values weighted by the probabilities. Where every query head's whole output fits in registers
-    // beside one value row (head_dim 64 on AVX-512, up to 4 query heads per KV head), each row is
-    // converted once and added to all of them: the sums never leave the registers in the block.
-    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0 && kHeadDim / kLanes <= 4) {
+    // Values weighted by the probabilities. With the head size and the group fixed at compile time
+    // (up to 4 query heads per KV head), each row is converted once and added to all of them, the
+    // sums in registers for the whole block (add_values).
+    if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
       constexpr int64_t kChunks = kHeadDim / kLanes;
       const T* next = next_values;
       bool done = true;
