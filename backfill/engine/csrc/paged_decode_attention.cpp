@@ -195,8 +195,8 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
     // Scores of the block: each key row is converted once and dotted with every query of the group.
     int64_t t = 0;
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      // Four tokens at a time: their rows stay in registers across the group, and their four dot
-      // products are summed across lanes together (the sums cost as much as the products).
+      // Four tokens at a time, their four dot products summed across lanes together (the sums cost
+      // as much as the products); their rows stay in registers across the group where they fit.
       constexpr int64_t kChunks = kHeadDim / kLanes;
       if constexpr (kChunks > 4) {
         // Four rows of more than four vectors each do not fit in registers beside the dot products
@@ -216,7 +216,7 @@ void attend_blocks(const Shape& s, const T* q, const T* k_pool, const T* v_pool,
           }
         }
       }
-      for (; t + 4 <= tokens; t += 4) {
+      for (; t + 4 <= tokens; t += 4) {  // rows of at most four vectors (head_dim 64 on AVX-512)
         Vec rows4[4][kChunks];
         if (next_keys != nullptr)
           for (int64_t u = 0; u < 4; ++u) prefetch_row(next_keys + (t + u) * token_stride, hd);

@@ -254,7 +254,7 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
       scratch.sum[r] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
     }
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      // Rows weighed at once: their accumulators (rows x head_dim / lanes) fill half the registers.
+      // Rows weighed at once: their accumulators (rows x kBlockVecs) fill half the registers.
       constexpr int kRows =
           kWideRegisters ? std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes)))) : 2;
       for (r = 0; r + kRows <= rows; r += kRows)
