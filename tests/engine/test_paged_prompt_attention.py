@@ -77,18 +77,23 @@ def test_keys_before_a_chunk_on_tiles_match_causal_sdpa(head_dim, tiles):
     torch.testing.assert_close(out.float(), _reference(q * 2, k_pool, v_pool, spans, tables), atol=2e-2, rtol=2e-2)
 
 
-def test_chunks_after_one_cached_prefix_match_causal_sdpa():
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_chunks_after_one_cached_prefix_match_causal_sdpa(dtype, tol, tiles):
     """Chunks whose tables start with the same blocks (one cached prompt, then each its own
-    question), beside one with a different prefix: those sharing the blocks go through the tiles
-    together (on an AMX machine), each still seeing only its own tokens after them."""
-    q, k_pool, v_pool, spans, padded, tables = _case(torch.bfloat16, 9, 3, 64, [(30, 1024), (17, 1030), (90, 1024),
-                                                                              (40, 1024)], seed=7, num_blocks=300)
-    for i in (1, 2):  # the first 64 blocks of spans 1 and 2 are span 0's
+    question), beside one with a different prefix and one that differs only in the prefix's last
+    block: those sharing the blocks share one conversion of them (on tiles, on an AMX machine, one
+    pass for all their rows), each still seeing only its own tokens after them."""
+    chunks = [(30, 1024), (17, 1030), (90, 1024), (40, 1024), (5, 1060), (20, 1024)]
+    q, k_pool, v_pool, spans, padded, tables = _case(dtype, 9, 3, 64, chunks, seed=7, num_blocks=500)
+    for i in (1, 2, 4):  # the first 64 blocks of spans 1, 2 and 4 are span 0's
         padded[i, :64] = padded[0, :64]
         tables[i][:64] = tables[0][:64]
-    out = torch.empty(q.shape, dtype=torch.bfloat16)
-    kernel(q, k_pool, v_pool, spans, padded, out)
-    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, spans, tables), atol=2e-2, rtol=2e-2)
+    padded[5, :63] = padded[0, :63]  # span 5 shares all but the prefix's last block
+    tables[5][:63] = tables[0][:63]
+    out = torch.empty(q.shape, dtype=dtype)
+    kernel(q, k_pool, v_pool, spans, padded, out, tiles=tiles)
+    torch.testing.assert_close(out.float(), _reference(q, k_pool, v_pool, spans, tables), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("head_dim", [8, 24, 128])

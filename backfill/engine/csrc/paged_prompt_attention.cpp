@@ -7,7 +7,8 @@
 // 0.4 ms a layer for 19 MFLOP of causal products. Here one call per layer takes every chunk of
 // the step. Each (chunk, KV head)'s keys and values are first read from the pool where they lie and
 // converted to fp32 once, the keys transposed so that a query's scores against consecutive keys are
-// vectors of fused multiply-adds (no sums across lanes). A task is then one (chunk, KV head, tile
+// vectors of fused multiply-adds (no sums across lanes); chunks whose block tables start with the
+// same blocks (questions after one cached system prompt) share one conversion of those. A task is then one (chunk, KV head, tile
 // of 16 query tokens): it walks the keys the tile may see, 64 at a time, and keeps a running softmax
 // (FlashAttention's) for the tile's queries of every query head sharing that KV head, weighing the
 // values a few query rows at a time with the accumulators in registers. Tasks are dealt out longest
@@ -44,14 +45,24 @@ constexpr int64_t kQueryTile = 16;  // query tokens per task
 constexpr int64_t kScoreVecs = kKeyTile / kLanes;
 static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 // Register blocks: AVX-512 has 32 vector registers, AVX2 16. Query rows are scored kScoreRows at a
-// time against kBlockVecs vectors of keys (a whole tile on AVX-512, half of one on AVX2), and values
-// weighed a few rows at a time over kBlockVecs vectors of head dims, so that the accumulators and the
-// operands they share stay in registers: 16 accumulators of 32 registers, or 8 of 16 (on AVX2 the
-// whole-tile blocks spilled them: 1.15-1.25x slower).
+// time against kBlockVecs vectors of keys (a whole tile on AVX-512), and values weighed a few rows at
+// a time over kBlockVecs vectors of head dims, so that the accumulators and the operands they share
+// stay in registers: 16 accumulators of 32 registers. On AVX2, 6 rows by 2 vectors: 12 accumulators,
+// and 8 loads (2 vectors, 6 broadcasts) feed 12 fused multiply-adds; 2 rows by 4 vectors (8 loads
+// for 8) ran 1.1-1.2x slower, and whole-tile blocks spilled.
 constexpr bool kWideRegisters = kLanes >= 16;
-constexpr int64_t kBlockVecs = kWideRegisters ? kScoreVecs : std::min<int64_t>(4, kScoreVecs);
-constexpr int kScoreRows = kWideRegisters ? std::max<int>(1, static_cast<int>(16 / kScoreVecs)) : 2;
+constexpr int64_t kBlockVecs = kWideRegisters ? kScoreVecs : std::min<int64_t>(2, kScoreVecs);
+constexpr int kScoreRows = kWideRegisters ? std::max<int>(1, static_cast<int>(16 / kScoreVecs)) : 6;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Calls block(std::integral_constant<int, R>, r) for rows [r, r + R) of [0, rows): blocks of kRows,
+// then the remainder (fewer than kRows) in one block of its own size.
+template <int kRows, typename Block>
+inline void in_row_blocks(int64_t rows, Block&& block, int64_t r = 0) {
+  for (; r + kRows <= rows; r += kRows) block(std::integral_constant<int, kRows>(), r);
+  if constexpr (kRows > 1)
+    if (r < rows) in_row_blocks<kRows - 1>(rows, block, r);
+}
 
 // One row of head_dim elements as fp32.
 template <typename T>
@@ -94,12 +105,23 @@ struct PrefixState {
 };
 
 // One (span, KV head)'s keys and values up to its last token, in fp32: the keys transposed within
-// each key tile, [padded / kKeyTile][head_dim][kKeyTile] (zero past the context), the values
-// [padded][head_dim]. Converted once, read by every query tile of the span.
+// each key tile, [tiles][head_dim][kKeyTile] (zero past the context), the values [tokens][head_dim].
+// Keys before own_begin are the span's prefix, converted once for every span of its PrefixGroup (or
+// folded in on tiles); the rest are its own. Read by every query tile of the span.
 struct Context {
-  float* keys_t;
-  float* values;
+  const float* prefix_keys_t;  // positions [0, own_begin)
+  const float* prefix_values;
+  const float* keys_t;  // positions [own_begin, padded)
+  const float* values;
+  int64_t own_begin;
   int64_t padded;  // the context rounded up to whole key tiles
+
+  const float* tile_keys(int64_t k0, int64_t hd) const {
+    return k0 < own_begin ? prefix_keys_t + k0 * hd : keys_t + (k0 - own_begin) * hd;
+  }
+  const float* tile_values(int64_t k0, int64_t hd) const {
+    return k0 < own_begin ? prefix_values + k0 * hd : values + (k0 - own_begin) * hd;
+  }
 };
 
 // The pool's row of one token (absolute position) for one KV head.
@@ -163,24 +185,33 @@ inline void weigh_values_any(const float* probs, const float* values, float* acc
   }
 }
 
-// Converts one (span, KV head)'s keys and values from position key_begin on into `ctx` (the keys
-// before it went through the tiles).
+// A stretch of one KV head's keys and values to convert into fp32 buffers whose first position is
+// `base` (whole key tiles): positions [begin, end) of a block table, zero from `context` on.
+struct Conversion {
+  const int64_t* table;
+  int64_t head;
+  float* keys_t;
+  float* values;
+  int64_t base, begin, end, context;
+};
+
 template <typename T>
-void convert_context(const Shape& s, const Span& span, const int64_t* table, const T* k_pool, const T* v_pool,
-                     int64_t head, const Context& ctx, int64_t key_begin) {
-  const int64_t hd = s.head_dim, context = span.start_pos + span.num_tokens;
+void convert(const Shape& s, const Conversion& c, const T* k_pool, const T* v_pool) {
+  const int64_t hd = s.head_dim;
   std::vector<float> key_row(hd);
-  for (int64_t pos = key_begin; pos < context; ++pos) {
-    row_to_float(pool_row(s, k_pool, table, pos, head), key_row.data(), hd);
-    float* tile = ctx.keys_t + pos / kKeyTile * hd * kKeyTile + pos % kKeyTile;
-    for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = key_row[d];
-    row_to_float(pool_row(s, v_pool, table, pos, head), ctx.values + pos * hd, hd);
+  for (int64_t pos = c.begin; pos < c.end; ++pos) {
+    const int64_t at = pos - c.base;
+    float* tile = c.keys_t + at / kKeyTile * hd * kKeyTile + at % kKeyTile;
+    float* value = c.values + at * hd;
+    if (pos < c.context) {
+      row_to_float(pool_row(s, k_pool, c.table, pos, c.head), key_row.data(), hd);
+      for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = key_row[d];
+      row_to_float(pool_row(s, v_pool, c.table, pos, c.head), value, hd);
+    } else {
+      for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = 0.0f;
+      std::fill(value, value + hd, 0.0f);
+    }
   }
-  for (int64_t pos = context; pos < ctx.padded; ++pos) {
-    float* tile = ctx.keys_t + pos / kKeyTile * hd * kKeyTile + pos % kKeyTile;
-    for (int64_t d = 0; d < hd; ++d) tile[d * kKeyTile] = 0.0f;
-  }
-  std::fill(ctx.values + context * hd, ctx.values + ctx.padded * hd, 0.0f);
 }
 
 // One task: query tokens [first, last) of a span (relative to it), every query head of KV head `head`.
@@ -213,15 +244,14 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
   const int64_t key_end = span.start_pos + last;        // keys [0, key_end) are visible to its last
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeyTile) {
     const int64_t keys = std::min(kKeyTile, key_end - k0);
-    const float* keys_t = ctx.keys_t + k0 * hd;  // tile k0 / kKeyTile
-    const float* values = ctx.values + k0 * hd;
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows)
-      score_rows<kHeadDim, kScoreRows>(query + r * hd, keys_t, kKeyTile, scores + r * kKeyTile, hd);
-    for (; r < rows; ++r) score_rows<kHeadDim, 1>(query + r * hd, keys_t, kKeyTile, scores + r * kKeyTile, hd);
+    const float* keys_t = ctx.tile_keys(k0, hd);
+    const float* values = ctx.tile_values(k0, hd);
+    in_row_blocks<kScoreRows>(rows, [&](auto block_rows, int64_t r) {
+      score_rows<kHeadDim, decltype(block_rows)::value>(query + r * hd, keys_t, kKeyTile, scores + r * kKeyTile, hd);
+    });
     // Causal mask and the running softmax, row by row.
     const bool masked = k0 + kKeyTile - 1 > first_pos;  // some key of the tile lies past some query
-    for (r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       float* sr = scores + r * kKeyTile;
       const int64_t pos = first_pos + r / group;
       const int64_t visible = masked ? std::min(keys, std::max<int64_t>(0, pos - k0 + 1)) : keys;
@@ -254,14 +284,15 @@ void attend_tile(const Shape& s, const Span& span, const Context& ctx, const T* 
       scratch.sum[r] += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
     }
     if constexpr (kHeadDim > 0 && kHeadDim % kLanes == 0) {
-      // Rows weighed at once: their accumulators (rows x kBlockVecs) fill half the registers.
+      // Rows weighed at once: their accumulators (rows x kBlockVecs) take 16 of AVX-512's 32 registers,
+      // 12 of AVX2's 16.
       constexpr int kRows =
-          kWideRegisters ? std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes)))) : 2;
-      for (r = 0; r + kRows <= rows; r += kRows)
-        weigh_values<kHeadDim, kRows>(scores + r * kKeyTile, values, acc + r * hd, keys);
-      for (; r < rows; ++r) weigh_values<kHeadDim, 1>(scores + r * kKeyTile, values, acc + r * hd, keys);
+          kWideRegisters ? std::max<int>(1, std::min<int>(4, static_cast<int>(16 / (kHeadDim / kLanes)))) : 6;
+      in_row_blocks<kRows>(rows, [&](auto block_rows, int64_t r) {
+        weigh_values<kHeadDim, decltype(block_rows)::value>(scores + r * kKeyTile, values, acc + r * hd, keys);
+      });
     } else {
-      for (r = 0; r < rows; ++r) weigh_values_any(scores + r * kKeyTile, values, acc + r * hd, keys, hd);
+      for (int64_t r = 0; r < rows; ++r) weigh_values_any(scores + r * kKeyTile, values, acc + r * hd, keys, hd);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -278,8 +309,8 @@ struct Task {
 // Query rows of one prefix task on tiles: enough for the packed values of a block to serve many.
 constexpr int64_t kPrefixRows = 256;
 
-// Spans whose keys before the chunk go through the tiles together: the same key_begin and the same
-// blocks up to it (prompts that start with one cached prefix), their rows numbered span after span.
+// Spans that share their prefix: the same prefix_end and the same blocks up to it (prompts that start
+// with one cached prefix), their rows numbered span after span.
 struct PrefixGroup {
   std::vector<int64_t> spans;
   std::vector<int64_t> first_row;  // each span's first row in the group
@@ -287,13 +318,14 @@ struct PrefixGroup {
 };
 
 std::vector<PrefixGroup> group_prefixes(const Shape& s, const std::vector<Span>& spans, const int64_t* tables,
-                                        const std::vector<int64_t>& key_begin) {
+                                        const std::vector<int64_t>& prefix_end) {
   std::vector<int64_t> order;
   for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i)
-    if (key_begin[i] > 0) order.push_back(i);
+    if (prefix_end[i] > 0) order.push_back(i);
   const auto same_prefix = [&](int64_t a, int64_t b) {
-    if (key_begin[a] != key_begin[b]) return false;
-    return std::equal(tables + a * s.width, tables + a * s.width + key_begin[a] / s.block_size, tables + b * s.width);
+    if (prefix_end[a] != prefix_end[b]) return false;
+    const int64_t blocks = (prefix_end[a] + s.block_size - 1) / s.block_size;
+    return std::equal(tables + a * s.width, tables + a * s.width + blocks, tables + b * s.width);
   };
   std::vector<PrefixGroup> groups;
   std::vector<bool> taken(spans.size(), false);
@@ -319,11 +351,11 @@ std::vector<PrefixGroup> group_prefixes(const Shape& s, const std::vector<Span>&
 // softmax state. Writes the state of span i's rows for head h at states[i * n_kv + h].
 template <typename T>
 void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q,
-                              const T* k_pool, const T* v_pool, const std::vector<int64_t>& key_begin,
+                              const T* k_pool, const T* v_pool, const std::vector<int64_t>& prefix_end,
                               std::vector<PrefixState>& states, std::vector<float>& state_store) {
 #if defined(BACKFILL_TILES)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const std::vector<PrefixGroup> groups = group_prefixes(s, spans, tables, key_begin);
+    const std::vector<PrefixGroup> groups = group_prefixes(s, spans, tables, prefix_end);
     // Per (group, head) one contiguous state for the group's rows, each span's rows a stretch of it.
     std::vector<int64_t> group_offset(groups.size() + 1, 0);
     for (size_t g = 0; g < groups.size(); ++g)
@@ -368,7 +400,7 @@ void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, co
         const PrefixState& state = group_states[task.group * s.n_kv + task.head];
         const int64_t span = group.spans[0];
         tile_attention::attend_full_blocks_on_tiles(
-            s.n_kv, s.head_dim, k_pool, v_pool, tables + span * s.width, 0, key_begin[span] / s.block_size,
+            s.n_kv, s.head_dim, k_pool, v_pool, tables + span * s.width, 0, prefix_end[span] / s.block_size,
             task.head, query_row,
             tile_attention::TileRows{task.rows, state.max + task.first_row, state.sum + task.first_row,
                                      state.acc + task.first_row * s.head_dim});
@@ -377,50 +409,75 @@ void attend_prefixes_on_tiles(const Shape& s, const std::vector<Span>& spans, co
     return;
   }
 #endif
-  (void)s, (void)spans, (void)tables, (void)q, (void)k_pool, (void)v_pool, (void)key_begin, (void)states,
+  (void)s, (void)spans, (void)tables, (void)q, (void)k_pool, (void)v_pool, (void)prefix_end, (void)states,
       (void)state_store;
 }
 
 template <typename T, int64_t kHeadDim>
 void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* tables, const T* q, const T* k_pool,
             const T* v_pool, T* out, bool tiles) {
-  const int64_t span_count = static_cast<int64_t>(spans.size());
-  // Keys [0, key_begin[i]) of span i go through the tiles: whole key tiles of attend_tile, all before
-  // the span's first token (so visible to every one of its queries).
-  std::vector<int64_t> key_begin(span_count, 0);
-  if (tiles)
-    for (int64_t i = 0; i < span_count; ++i) key_begin[i] = spans[i].start_pos / kKeyTile * kKeyTile;
+  const int64_t span_count = static_cast<int64_t>(spans.size()), hd = s.head_dim;
+  // Each span's prefix: its keys before the last whole key tile ahead of its first token, visible to
+  // every one of its queries. Spans that share its blocks (prompts after one cached prefix) share it:
+  // on tiles, all their rows at once; on vectors, converted once and read by all their tasks.
+  std::vector<int64_t> prefix_end(span_count);
+  for (int64_t i = 0; i < span_count; ++i) prefix_end[i] = spans[i].start_pos / kKeyTile * kKeyTile;
   std::vector<PrefixState> states(span_count * s.n_kv, PrefixState{nullptr, nullptr, nullptr});
   std::vector<float> state_store;
-  if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, key_begin, states, state_store);
-  std::vector<int64_t> offsets(span_count + 1, 0);  // floats of each span's contexts (all its KV heads)
-  for (int64_t i = 0; i < span_count; ++i) {
-    const int64_t context = spans[i].start_pos + spans[i].num_tokens;
-    offsets[i + 1] = offsets[i] + 2 * s.n_kv * s.head_dim * ((context + kKeyTile - 1) / kKeyTile * kKeyTile);
-  }
-  // Not zeroed: convert_context writes every float, the padding included.
-  const at::Tensor converted_buffer = at::empty({offsets[span_count]}, at::kFloat);
-  float* converted = converted_buffer.data_ptr<float>();
-  const auto context_of = [&](int64_t span, int64_t head) {
-    const int64_t context = spans[span].start_pos + spans[span].num_tokens;
-    const int64_t padded = (context + kKeyTile - 1) / kKeyTile * kKeyTile;
-    float* base = converted + offsets[span] + 2 * head * s.head_dim * padded;
-    return Context{base, base + s.head_dim * padded, padded};
+  if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, prefix_end, states, state_store);
+  const std::vector<PrefixGroup> groups = tiles ? std::vector<PrefixGroup>() : group_prefixes(s, spans, tables, prefix_end);
+  // fp32 buffers: each group's prefix, then each span's own keys (all KV heads, keys then values).
+  std::vector<int64_t> group_offset(groups.size() + 1, 0), span_offset(span_count + 1, 0);
+  for (size_t g = 0; g < groups.size(); ++g)
+    group_offset[g + 1] = group_offset[g] + 2 * s.n_kv * hd * prefix_end[groups[g].spans[0]];
+  span_offset[0] = group_offset.back();
+  const auto padded_of = [&](int64_t i) {
+    return (spans[i].start_pos + spans[i].num_tokens + kKeyTile - 1) / kKeyTile * kKeyTile;
   };
-  at::parallel_for(0, span_count * s.n_kv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t span = pair / s.n_kv, head = pair % s.n_kv;
-      convert_context(s, spans[span], tables + span * s.width, k_pool, v_pool, head, context_of(span, head),
-                      key_begin[span]);
+  for (int64_t i = 0; i < span_count; ++i)
+    span_offset[i + 1] = span_offset[i] + 2 * s.n_kv * hd * (padded_of(i) - prefix_end[i]);
+  // Not zeroed: the conversions write every float, the padding included.
+  const at::Tensor converted_buffer = at::empty({span_offset[span_count]}, at::kFloat);
+  float* converted = converted_buffer.data_ptr<float>();
+  std::vector<const float*> prefix_of(span_count, nullptr);  // the span's group's prefix, KV head 0
+  std::vector<Conversion> conversions;
+  const auto add_conversions = [&](const int64_t* table, float* base, int64_t begin, int64_t end, int64_t context) {
+    const int64_t tokens = end - begin;
+    for (int64_t head = 0; head < s.n_kv; ++head) {
+      float* keys_t = base + 2 * head * hd * tokens;
+      // A few key tiles each, so that one long prefix is converted on every thread.
+      for (int64_t p = begin; p < end; p += 4 * kKeyTile)
+        conversions.push_back({table, head, keys_t, keys_t + hd * tokens, begin, p, std::min(end, p + 4 * kKeyTile),
+                               context});
     }
+  };
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int64_t first = groups[g].spans[0];
+    add_conversions(tables + first * s.width, converted + group_offset[g], 0, prefix_end[first], prefix_end[first]);
+    for (int64_t i : groups[g].spans) prefix_of[i] = converted + group_offset[g];
+  }
+  for (int64_t i = 0; i < span_count; ++i)
+    add_conversions(tables + i * s.width, converted + span_offset[i], prefix_end[i], padded_of(i),
+                    spans[i].start_pos + spans[i].num_tokens);
+  at::parallel_for(0, static_cast<int64_t>(conversions.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) convert(s, conversions[c], k_pool, v_pool);
   });
+  const auto context_of = [&](int64_t span, int64_t head) {
+    const int64_t own = padded_of(span) - prefix_end[span], prefix = prefix_end[span];
+    const float* keys_t = converted + span_offset[span] + 2 * head * hd * own;
+    const float* prefix_keys_t = prefix_of[span] ? prefix_of[span] + 2 * head * hd * prefix : nullptr;
+    return Context{prefix_keys_t, prefix_keys_t ? prefix_keys_t + hd * prefix : nullptr, keys_t, keys_t + hd * own,
+                   prefix, padded_of(span)};
+  };
   std::vector<Task> tasks;
-  for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i)
+  for (int64_t i = 0; i < span_count; ++i) {
+    const int64_t key_begin = tiles ? prefix_end[i] : 0;
     for (int64_t first = 0; first < spans[i].num_tokens; first += kQueryTile) {
       const int64_t last = std::min(spans[i].num_tokens, first + kQueryTile);
       for (int64_t head = 0; head < s.n_kv; ++head)
-        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last - key_begin[i])});
+        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last - key_begin)});
     }
+  }
   // Longest and shortest in turn: parallel_for hands each thread a contiguous range of tasks.
   std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::vector<Task> dealt;
@@ -434,7 +491,8 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = dealt[i];
       attend_tile<T, kHeadDim>(s, spans[task.span], context_of(task.span, task.head), q, out, task.head, task.first,
-                               task.last, key_begin[task.span], states[task.span * s.n_kv + task.head], scratch);
+                               task.last, tiles ? prefix_end[task.span] : 0, states[task.span * s.n_kv + task.head],
+                               scratch);
     }
   });
 }
