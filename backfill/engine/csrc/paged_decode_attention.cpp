@@ -42,6 +42,24 @@ constexpr int64_t kMinSharedBlocks = 2;
 constexpr int64_t kSharedRowVecs = kLanes >= 16 ? 2 : 3;
 constexpr int64_t kSharedTokens = kLanes >= 16 ? 8 : 4;
 
+// v, held in a register: the empty asm hides its value from the compiler, which can then no longer
+// fold the load into each fused multiply-add that reads it. Where a loop reads one operand vector
+// from several of them, GCC folds it on AVX2 to spare a register, and the loop then issues a load
+// per multiply-add (16 loads for 12 FMAs in shared_block_rows: load-bound, not FMA-bound).
+inline Vec in_register(const Vec& v) {
+#if defined(__GNUC__) && defined(CPU_CAPABILITY_AVX512)
+  __m512 raw = v;
+  asm("" : "+v"(raw));
+  return raw;
+#elif defined(__GNUC__) && defined(CPU_CAPABILITY_AVX2)
+  __m256 raw = v;
+  asm("" : "+x"(raw));
+  return raw;
+#else
+  return v;
+#endif
+}
+
 // n <= kLanes elements of a row, as fp32 lanes (the rest zero).
 inline Vec load_float(const float* src, int64_t n) { return n == kLanes ? Vec::loadu(src) : Vec::loadu(src, n); }
 
@@ -442,7 +460,8 @@ inline void shared_block_rows(int64_t r0, int64_t bs, int64_t padded_rows, bool 
       for (int64_t u = 0; u < U; ++u) dots[r][u] = Vec(0.0f);
     for (int64_t d = 0; d < hd; ++d) {
       Vec qd[kRowVecs];
-      for (int64_t r = 0; r < kRowVecs; ++r) qd[r] = Vec::loadu(query_t + d * padded_rows + r0 + r * kLanes);
+      for (int64_t r = 0; r < kRowVecs; ++r)
+        qd[r] = in_register(Vec::loadu(query_t + d * padded_rows + r0 + r * kLanes));
       for (int64_t u = 0; u < U; ++u) {
         const Vec key(keys[(t0 + u) * hd + d]);
         for (int64_t r = 0; r < kRowVecs; ++r) dots[r][u] = at::vec::fmadd(qd[r], key, dots[r][u]);
@@ -481,7 +500,7 @@ inline void shared_block_rows(int64_t r0, int64_t bs, int64_t padded_rows, bool 
         acc[r][u] = first_block ? Vec(0.0f) : Vec::loadu(acc_t + (d0 + u) * padded_rows + r0 + r * kLanes) * rescale[r];
     for (int64_t t = 0; t < bs; ++t) {
       Vec pt[kRowVecs];
-      for (int64_t r = 0; r < kRowVecs; ++r) pt[r] = Vec::loadu(probs + (r * bs + t) * kLanes);
+      for (int64_t r = 0; r < kRowVecs; ++r) pt[r] = in_register(Vec::loadu(probs + (r * bs + t) * kLanes));
       for (int64_t u = 0; u < U; ++u) {
         const Vec value(values[t * hd + d0 + u]);
         for (int64_t r = 0; r < kRowVecs; ++r) acc[r][u] = at::vec::fmadd(pt[r], value, acc[r][u]);

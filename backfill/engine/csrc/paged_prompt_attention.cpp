@@ -3,17 +3,17 @@
 //
 // A step's prompt chunks (whole prompts or the later chunks of long ones) attend to their own
 // tokens and everything before them. SDPA takes one chunk at a time from a gathered copy of its
-// keys and values, and for a 128-token prompt spends most of its time on fixed costs: about
-// 0.4 ms a layer for 19 MFLOP of causal products. Here one call per layer takes every chunk of
-// the step. Each (chunk, KV head)'s keys and values are first read from the pool where they lie and
-// converted to fp32 once, the keys transposed so that a query's scores against consecutive keys are
-// vectors of fused multiply-adds (no sums across lanes); chunks whose block tables start with the
-// same blocks (questions after one cached system prompt) share one conversion of those. A task is then one (chunk, KV head, tile
-// of 16 query tokens): it walks the keys the tile may see, 64 at a time, and keeps a running softmax
-// (FlashAttention's) for the tile's queries of every query head sharing that KV head, weighing the
-// values a few query rows at a time with the accumulators in registers. Tasks are dealt out longest
-// and shortest in turn, so the threads of PyTorch's intra-op pool get equal shares of the causal
-// triangle.
+// keys and values, and for a 128-token prompt spends most of its time on fixed costs: about 0.4 ms
+// a layer for 19 MFLOP of causal products. Here one call per layer takes every chunk of the step.
+// Each (chunk, KV head)'s keys and values are first read from the pool where they lie and converted
+// to fp32 once, the keys transposed so that a query's scores against consecutive keys are vectors
+// of fused multiply-adds (no sums across lanes); chunks whose block tables start with the same
+// blocks (questions after one cached system prompt) share one conversion of those. A task is then
+// one (chunk, KV head, tile of 16 query tokens): it walks the keys the tile may see, 64 at a time,
+// and keeps a running softmax (FlashAttention's) for the tile's queries of every query head sharing
+// that KV head, weighing the values a few query rows at a time with the accumulators in registers.
+// Tasks are dealt out longest and shortest in turn, so the threads of PyTorch's intra-op pool get
+// equal shares of the causal triangle.
 //
 // The arithmetic is ATen's Vectorized<float> (AVX-512 / AVX2 / scalar, chosen at build time by the
 // CPU_CAPABILITY macros the loader passes), as in paged_decode_attention.cpp. On an AMX machine, a
@@ -425,7 +425,8 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
   std::vector<PrefixState> states(span_count * s.n_kv, PrefixState{nullptr, nullptr, nullptr});
   std::vector<float> state_store;
   if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, prefix_end, states, state_store);
-  const std::vector<PrefixGroup> groups = tiles ? std::vector<PrefixGroup>() : group_prefixes(s, spans, tables, prefix_end);
+  const std::vector<PrefixGroup> groups =
+      tiles ? std::vector<PrefixGroup>() : group_prefixes(s, spans, tables, prefix_end);
   // fp32 buffers: each group's prefix, then each span's own keys (all KV heads, keys then values).
   std::vector<int64_t> group_offset(groups.size() + 1, 0), span_offset(span_count + 1, 0);
   for (size_t g = 0; g < groups.size(); ++g)
