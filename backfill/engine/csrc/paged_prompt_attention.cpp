@@ -111,10 +111,9 @@ struct PrefixState {
 struct Context {
   const float* prefix_keys_t;  // positions [0, own_begin)
   const float* prefix_values;
-  const float* keys_t;  // positions [own_begin, padded)
+  const float* keys_t;  // positions [own_begin, the context rounded up to whole key tiles)
   const float* values;
   int64_t own_begin;
-  int64_t padded;  // the context rounded up to whole key tiles
 
   const float* tile_keys(int64_t k0, int64_t hd) const {
     return k0 < own_begin ? prefix_keys_t + k0 * hd : keys_t + (k0 - own_begin) * hd;
@@ -420,8 +419,11 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
   // Each span's prefix: its keys before the last whole key tile ahead of its first token, visible to
   // every one of its queries. Spans that share its blocks (prompts after one cached prefix) share it:
   // on tiles, all their rows at once; on vectors, converted once and read by all their tasks.
-  std::vector<int64_t> prefix_end(span_count);
-  for (int64_t i = 0; i < span_count; ++i) prefix_end[i] = spans[i].start_pos / kKeyTile * kKeyTile;
+  std::vector<int64_t> prefix_end(span_count), key_begin(span_count, 0);  // attend_tile's keys start at key_begin
+  for (int64_t i = 0; i < span_count; ++i) {
+    prefix_end[i] = spans[i].start_pos / kKeyTile * kKeyTile;
+    if (tiles) key_begin[i] = prefix_end[i];
+  }
   std::vector<PrefixState> states(span_count * s.n_kv, PrefixState{nullptr, nullptr, nullptr});
   std::vector<float> state_store;
   if (tiles) attend_prefixes_on_tiles(s, spans, tables, q, k_pool, v_pool, prefix_end, states, state_store);
@@ -468,17 +470,15 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     const float* keys_t = converted + span_offset[span] + 2 * head * hd * own;
     const float* prefix_keys_t = prefix_of[span] ? prefix_of[span] + 2 * head * hd * prefix : nullptr;
     return Context{prefix_keys_t, prefix_keys_t ? prefix_keys_t + hd * prefix : nullptr, keys_t, keys_t + hd * own,
-                   prefix, padded_of(span)};
+                   prefix};
   };
   std::vector<Task> tasks;
-  for (int64_t i = 0; i < span_count; ++i) {
-    const int64_t key_begin = tiles ? prefix_end[i] : 0;
+  for (int64_t i = 0; i < span_count; ++i)
     for (int64_t first = 0; first < spans[i].num_tokens; first += kQueryTile) {
       const int64_t last = std::min(spans[i].num_tokens, first + kQueryTile);
       for (int64_t head = 0; head < s.n_kv; ++head)
-        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last - key_begin)});
+        tasks.push_back({i, head, first, last, (last - first) * (spans[i].start_pos + last - key_begin[i])});
     }
-  }
   // Longest and shortest in turn: parallel_for hands each thread a contiguous range of tasks.
   std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::vector<Task> dealt;
@@ -492,8 +492,7 @@ void attend(const Shape& s, const std::vector<Span>& spans, const int64_t* table
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = dealt[i];
       attend_tile<T, kHeadDim>(s, spans[task.span], context_of(task.span, task.head), q, out, task.head, task.first,
-                               task.last, tiles ? prefix_end[task.span] : 0, states[task.span * s.n_kv + task.head],
-                               scratch);
+                               task.last, key_begin[task.span], states[task.span * s.n_kv + task.head], scratch);
     }
   });
 }
