@@ -37,8 +37,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMinSharedBlocks = 2;
 // Shared blocks go kSharedRowVecs vectors of query rows by kSharedTokens keys (or head dims) at a
 // time in registers (shared_block_rows): on AVX-512's 32 registers 2 x 8 accumulators, on AVX2's 16
-// 3 x 4, with the operands they share beside them (3 x 4 measured fastest on AVX2: 1.8x the
-// per-block loop whose runtime counts kept the accumulators in memory).
+// 3 x 4, with the operands they share beside them (3 x 4 measured fastest on AVX2; a loop with its
+// counts fixed at run time kept the accumulators in memory).
 constexpr int64_t kSharedRowVecs = kLanes >= 16 ? 2 : 3;
 constexpr int64_t kSharedTokens = kLanes >= 16 ? 8 : 4;
 

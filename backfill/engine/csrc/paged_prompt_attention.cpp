@@ -49,7 +49,7 @@ static_assert(kKeyTile % kLanes == 0, "a key tile is whole vectors");
 // a time over kBlockVecs vectors of head dims, so that the accumulators and the operands they share
 // stay in registers: 16 accumulators of 32 registers. On AVX2, 6 rows by 2 vectors: 12 accumulators,
 // and 8 loads (2 vectors, 6 broadcasts) feed 12 fused multiply-adds; 2 rows by 4 vectors (8 loads
-// for 8) ran 1.1-1.2x slower, and whole-tile blocks spilled.
+// for 8) ran slower, and whole-tile blocks spilled.
 constexpr bool kWideRegisters = kLanes >= 16;
 constexpr int64_t kBlockVecs = kWideRegisters ? kScoreVecs : std::min<int64_t>(2, kScoreVecs);
 constexpr int kScoreRows = kWideRegisters ? std::max<int>(1, static_cast<int>(16 / kScoreVecs)) : 6;
