@@ -7,8 +7,10 @@ copies blocks; which sequence deserves blocks is decided elsewhere.
 Prefix caching (as vLLM v1's automatic prefix caching): a full block may be registered under its
 content address (engine/prefix_cache.py); blocks carry reference counts, so several block tables
 map one cached block. A freed block that holds a cached prefix stays findable, counted free, until
-an allocation needs its memory. Eviction knows the request classes (Echo): blocks only offline
-requests used go first, least recently used first; blocks an online request used go last.
+an allocation needs its memory. Eviction knows the request classes and reuse (Echo): blocks only
+offline requests used go first, then blocks an online request computed, and last blocks an online
+request found cached (a prefix online traffic shares, such as its system prompt); each class least
+recently used first.
 """
 
 from __future__ import annotations
@@ -73,12 +75,13 @@ class KVBlockPool:
         # LIFO free list of blocks holding no cached prefix: reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
-        # Free blocks that hold a cached prefix, least recently used first, in two classes (Echo):
-        # [0] used by offline requests only, evicted first; [1] used by an online request.
-        self._evictable: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+        # Free blocks that hold a cached prefix, least recently used first, in three classes evicted in
+        # order (Echo): [0] used by offline requests only; [1] computed by an online request; [2] found
+        # cached by an online request.
+        self._evictable: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
-        self._online_used = bytearray(num_blocks)
+        self._class_of = bytearray(num_blocks)   # each block's eviction class, as above
         self.evictions = 0
         # Blocks taken away by a node runtime (Valve §4.3 reclamation) are neither free nor usable.
         self._retired: set[int] = set()
@@ -104,12 +107,18 @@ class KVBlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: never-cached free blocks and free cached ones (evictable)."""
-        return len(self._free) + len(self._evictable[0]) + len(self._evictable[1])
+        return len(self._free) + self.num_cached_free
 
     @property
     def num_cached_free(self) -> int:
         """Free blocks still holding a cached prefix (reclaimable: evicted when memory is needed)."""
-        return len(self._evictable[0]) + len(self._evictable[1])
+        return sum(len(lru) for lru in self._evictable)
+
+    @property
+    def num_online_reused_free(self) -> int:
+        """Free cached blocks an online request found cached (Echo: evicted last; the policies' plans
+        keep offline allocations off them)."""
+        return len(self._evictable[2])
 
     @property
     def num_cached(self) -> int:
@@ -132,8 +141,8 @@ class KVBlockPool:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        """n blocks for new KV: never-cached free blocks first, then evicted cached ones (offline
-        class before online, each least recently used first)."""
+        """n blocks for new KV: never-cached free blocks first, then evicted cached ones (by class,
+        each least recently used first)."""
         if n > self.num_free:
             raise OutOfBlocksError(f"asked for {n} KV blocks, {self.num_free} free of {self.num_blocks}")
         ids = []
@@ -141,7 +150,7 @@ class KVBlockPool:
             if self._free:
                 block = self._free.pop()
             else:
-                lru = self._evictable[0] if self._evictable[0] else self._evictable[1]
+                lru = next(lru for lru in self._evictable if lru)
                 block, _ = lru.popitem(last=False)
                 self._uncache(block)
                 self.evictions += 1
@@ -162,7 +171,7 @@ class KVBlockPool:
             if self._refs[i]:
                 continue
             if i in self._hash_of:
-                self._evictable[self._online_used[i]][i] = None
+                self._evictable[self._class_of[i]][i] = None
             else:
                 self._free.append(i)
 
@@ -197,14 +206,14 @@ class KVBlockPool:
 
     def take_cached(self, hashes: list[BlockHash], online: bool) -> list[int]:
         """Map the longest cached run of these addresses: one more reference to each of its blocks
-        (a free one leaves the eviction queue); online marks them as an online request's."""
+        (a free one leaves the eviction queue); online puts them in the class evicted last."""
         found = self.cached_blocks(hashes)
         for block in found:
             if not self._refs[block]:
-                self._evictable[self._online_used[block]].pop(block)
+                self._evictable[self._class_of[block]].pop(block)
             self._refs[block] += 1
             if online:
-                self._online_used[block] = 1
+                self._class_of[block] = 2
         return found
 
     def register(self, block_id: int, block_hash: BlockHash, online: bool) -> bool:
@@ -214,7 +223,7 @@ class KVBlockPool:
         if not self._refs[block_id]:
             raise ValueError(f"block {block_id} is not allocated")
         if online:
-            self._online_used[block_id] = 1
+            self._class_of[block_id] = max(self._class_of[block_id], 1)
         if not self.prefix_caching or block_id in self._hash_of or block_hash in self._block_of:
             return False
         self._hash_of[block_id] = block_hash
@@ -236,7 +245,7 @@ class KVBlockPool:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-        self._online_used[block] = 0
+        self._class_of[block] = 0
 
     # --- reclamation ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ def _serve_in_order(state: SchedulerState, order: list[SeqView], limits: BatchLi
         if plan.tokens_left <= 0:
             break
         want = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
-        if may_evict(seq) and state.blocks_for(seq, want) > plan.free_blocks:
+        if may_evict(seq) and state.blocks_for(seq, want) > plan.free_blocks_for(seq):
             # A sequence that cannot grow takes blocks from lower-ranked ones (vLLM-style).
             plan.make_room(seq, want, victims_for(seq))
         plan.add(seq)

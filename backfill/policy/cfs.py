@@ -110,7 +110,7 @@ class CFSPolicy(SchedulingPolicy):
         for seq in sorted((s for s in state.seqs if s.seq_id not in resident and not s.running and is_prefill(s)),
                           key=lambda s: (s.num_computed_tokens, s.arrival_s)):
             chunk = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
-            if chunk <= 0 or state.blocks_for(seq, chunk + self.config.slice_iterations) > plan.free_blocks:
+            if chunk <= 0 or state.blocks_for(seq, chunk + self.config.slice_iterations) > plan.free_blocks_for(seq):
                 break
             if plan.add(seq):
                 self._resident.append(seq.seq_id)

@@ -219,7 +219,7 @@ class CoServePolicy(SchedulingPolicy):
                            limits.max_batch_seqs, limits.prefill_chunk_tokens)
         for seq in online:
             want = min(seq.num_pending_tokens, limits.prefill_chunk_tokens, plan.tokens_left)
-            if state.blocks_for(seq, want) > plan.free_blocks:
+            if state.blocks_for(seq, want) > plan.free_blocks_for(seq):
                 if victims is None:
                     victims = recompute_cost_order([s for s in offline if s.running])
                 plan.make_room(seq, want, victims)
@@ -270,9 +270,9 @@ class CoServePolicy(SchedulingPolicy):
         for seq in offline:
             if plan.tokens_left <= 0:
                 break
-            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
+            if not seq.running and plan.free_blocks_for(seq) - state.blocks_for(seq, 1) < reserve:
                 continue
-            if seq.running and state.blocks_for(seq, 1) > plan.free_blocks:
+            if seq.running and state.blocks_for(seq, 1) > plan.free_blocks_for(seq):
                 # A running offline request cannot grow: preempt the youngest other offline work.
                 others = [s for s in reversed(offline) if s.running and s.seq_id != seq.seq_id
                           and s.arrival_s > seq.arrival_s]

@@ -87,6 +87,9 @@ class SchedulerState:
     # Forward time the suspended step (an offline batch an arrival aborted) has run: lost if a plan
     # reschedules any of its requests instead of continuing it.
     suspended_ms: float = 0.0
+    # Of free_blocks, those holding a prefix an online request found cached (Echo: an offline burst
+    # must not flush the online system prompt; policy/planner.py keeps offline allocations off them).
+    online_reused_free_blocks: int = 0
 
     def by_class(self, cls: RequestClass) -> list[SeqView]:
         return [s for s in self.seqs if s.request_class is cls]

@@ -25,6 +25,12 @@ class BatchLimits:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+# Echo: offline allocations leave alone the free blocks holding prefixes online requests found cached,
+# up to this share of the pool (beyond it, the least recently used of them are fair game, so online
+# chats of many distinct histories cannot hold offline work off the whole pool).
+ONLINE_CACHE_PROTECTED_SHARE = 0.5
+
+
 class PlanBuilder:
     def __init__(self, state: SchedulerState, max_tokens: int, max_seqs: int, chunk_tokens: int) -> None:
         self.state = state
@@ -32,17 +38,37 @@ class PlanBuilder:
         self.max_seqs = max_seqs
         self.chunk_tokens = chunk_tokens
         self.free_blocks = state.free_blocks
+        # Of free_blocks, those offline allocations may not take (the pool evicts them last: an online
+        # allocation takes every other free block first).
+        self.protected_blocks = min(state.online_reused_free_blocks, state.free_blocks,
+                                    int(ONLINE_CACHE_PROTECTED_SHARE * state.total_blocks))
+        # A lone running offline request may take them: with no other offline request to preempt for
+        # its blocks, it could otherwise wait for ever.
+        running_offline = [s.seq_id for s in state.seqs if s.running and not s.is_online]
+        self._offline_progress_id = running_offline[0] if len(running_offline) == 1 else None
         self.scheduled: list[Scheduled] = []
         self.scheduled_ids: set[str] = set()
         self.preempted: list[str] = []
         self.tokens = 0
         self.shape = BatchShape()
-        self._undo: list[tuple[int, BatchShape]] = []  # per scheduled entry: its blocks, the shape before it
-        self._computing: dict[bytes, str] = {}   # next prompt blocks the plan computes, by address
+        # Per scheduled entry: its blocks, the protected blocks among them, the shape before it.
+        self._undo: list[tuple[int, int, BatchShape]] = []
+        # Next prompt blocks being computed, by address: by the plan, or by a prompt already on the
+        # device (a suspended step's, or one the budget leaves out of this step).
+        self._on_device = {s.seq_id for s in state.seqs if s.next_block_key is not None and s.running}
+        self._computing: dict[bytes, str] = {s.next_block_key: s.seq_id for s in state.seqs
+                                             if s.seq_id in self._on_device}
 
     @property
     def tokens_left(self) -> int:
         return self.max_tokens - self.tokens
+
+    def free_blocks_for(self, seq: SeqView) -> int:
+        """The free blocks seq's allocations may take: all for an online request (and a lone running
+        offline one), none of the protected online prefix blocks for other offline requests."""
+        if seq.is_online or seq.seq_id == self._offline_progress_id:
+            return self.free_blocks
+        return max(0, self.free_blocks - self.protected_blocks)
 
     def add(self, seq: SeqView, token_cap: int | None = None) -> int:
         """Schedule as many of seq's pending tokens as limits and free blocks allow; return the count."""
@@ -50,22 +76,25 @@ class PlanBuilder:
             return 0
         key = seq.next_block_key
         if key is not None and not seq.running and key in self._computing:
-            # HyGen: a prompt whose next blocks another prompt of this step computes waits a step
-            # and maps them from the prefix cache instead of computing them twice.
+            # HyGen: a prompt whose next blocks another prompt computes (in this step, or one on the
+            # device) waits and maps them from the prefix cache instead of computing them twice.
             return 0
         n = min(seq.num_pending_tokens, self.chunk_tokens, self.tokens_left)
         if token_cap is not None:
             n = min(n, token_cap)
         # Never schedule past the context: the mechanism finishes such sequences.
         n = min(n, self.state.max_model_len - seq.num_context_tokens)
-        fits = (seq.num_blocks + self.free_blocks) * self.state.block_size - seq.num_context_tokens
+        fits = (seq.num_blocks + self.free_blocks_for(seq)) * self.state.block_size - seq.num_context_tokens
         n = min(n, fits)
         if n <= 0:
             return 0
         blocks = self.state.blocks_for(seq, n)
+        # The pool hands out unprotected blocks first: only what goes beyond them eats the protected.
+        protected_taken = max(0, blocks - (self.free_blocks - self.protected_blocks))
         self.free_blocks -= blocks
+        self.protected_blocks -= protected_taken
         self.scheduled.append(Scheduled(seq.seq_id, n))
-        self._undo.append((blocks, self.shape))
+        self._undo.append((blocks, protected_taken, self.shape))
         self.scheduled_ids.add(seq.seq_id)
         self.tokens += n
         self.shape = self.shape.plus(n, seq.num_context_tokens)
@@ -81,12 +110,14 @@ class PlanBuilder:
         """Unschedule every sequence added since mark (preemptions stay)."""
         if mark >= len(self.scheduled):
             return
-        for item, (blocks, _) in zip(self.scheduled[mark:], self._undo[mark:]):
+        for item, (blocks, protected_taken, _) in zip(self.scheduled[mark:], self._undo[mark:]):
             self.free_blocks += blocks
+            self.protected_blocks += protected_taken
             self.scheduled_ids.discard(item.seq_id)
             self.tokens -= item.num_tokens
-        self._computing = {k: v for k, v in self._computing.items() if v in self.scheduled_ids}
-        self.shape = self._undo[mark][1]
+        self._computing = {k: v for k, v in self._computing.items()
+                           if v in self.scheduled_ids or (v in self._on_device and v not in self.preempted)}
+        self.shape = self._undo[mark][2]
         del self.scheduled[mark:], self._undo[mark:]
 
     def preempt(self, seq: SeqView) -> None:
@@ -95,11 +126,12 @@ class PlanBuilder:
             return
         self.preempted.append(seq.seq_id)
         self.free_blocks += seq.num_blocks
+        self._computing = {k: v for k, v in self._computing.items() if v != seq.seq_id}
 
     def make_room(self, seq: SeqView, n: int, victims: list[SeqView]) -> None:
         """Preempt victims (in order) until seq's next n tokens fit in free blocks."""
         for victim in victims:
-            if self.state.blocks_for(seq, min(n, seq.num_pending_tokens)) <= self.free_blocks:
+            if self.state.blocks_for(seq, min(n, seq.num_pending_tokens)) <= self.free_blocks_for(seq):
                 return
             self.preempt(victim)
 

@@ -78,7 +78,7 @@ class Riders:
         from_mark, start = plan.mark(), plan.shape
         best_saving_ms, best_mark = 0.0, from_mark
         for seq in sorted(candidates, key=lambda s: (not s.running, s.num_computed_tokens)):
-            if not seq.running and plan.free_blocks - state.blocks_for(seq, 1) < reserve:
+            if not seq.running and plan.free_blocks_for(seq) - state.blocks_for(seq, 1) < reserve:
                 continue  # do not admit new offline work into the online headroom
             if correction * self.latency.estimate_ms(plan.shape.plus(1, seq.num_computed_tokens)) > budget_ms:
                 continue
@@ -102,7 +102,7 @@ class Riders:
         for seq in candidates:
             if plan.tokens_left <= 0:
                 break
-            if not seq.running and plan.free_blocks - plan.state.blocks_for(seq, 1) < reserve:
+            if not seq.running and plan.free_blocks_for(seq) - plan.state.blocks_for(seq, 1) < reserve:
                 continue
             limit = min(seq.num_pending_tokens, plan.chunk_tokens, plan.tokens_left)
             n = largest_chunk(lambda shape: correction * self.latency.estimate_ms(shape), plan.shape, budget_ms,

@@ -129,7 +129,7 @@ class Scheduler:
                               len(r.prompt_token_ids), 0, 0, False, max_tokens=r.sampling.max_tokens)
                       for r in arrivals)
         return SchedulerState(now, views, self.kv.num_free, self.kv.num_usable, self.kv.block_size,
-                              self.max_model_len)
+                              self.max_model_len, online_reused_free_blocks=self.kv.num_online_reused_free)
 
     # --- the scheduler thread -----------------------------------------------------------------
 
@@ -139,7 +139,8 @@ class Scheduler:
         views = tuple(s.view(seq_id in suspended, *self._prefix_state(s)) for seq_id, s in self.seqs.items())
         return SchedulerState(self.clock(), views, self.kv.num_free, self.kv.num_usable,
                               self.kv.block_size, self.max_model_len,
-                              suspension.ran_s * 1e3 if suspension is not None else 0.0)
+                              suspension.ran_s * 1e3 if suspension is not None else 0.0,
+                              self.kv.num_online_reused_free)
 
     def step(self) -> list[TokenEvent]:
         events = self._take_inbox()

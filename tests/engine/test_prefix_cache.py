@@ -91,7 +91,20 @@ def test_a_hit_refreshes_recency_and_an_online_hit_promotes_the_block(tiny_confi
         pool.free(table)
     pool.free(pool.take_cached(_hashes(pool, [1] * 4), online=False))   # a: most recently used now
     pool.free(pool.take_cached(_hashes(pool, [2] * 4), online=True))    # b: online class
+    assert pool.num_online_reused_free == 1
     assert pool.allocate(1) == c and pool.allocate(1) == a and pool.allocate(1) == b
+
+
+def test_blocks_online_requests_found_cached_outlast_those_one_computed(tiny_config):
+    pool = KVBlockPool(tiny_config, num_blocks=3, block_size=BS)
+    shared = _cached_sequence(pool, [1] * 4, online=True)
+    pool.free(shared)
+    pool.free(pool.take_cached(_hashes(pool, [1] * 4), online=True))    # a second chat found it
+    own = _cached_sequence(pool, [2] * 4, online=True)                  # one chat's own tail, newer
+    pool.free(own)
+    assert (pool.num_cached_free, pool.num_online_reused_free) == (2, 1)
+    plain = pool.allocate(1)
+    assert pool.allocate(1) == own and pool.allocate(1) == shared and plain not in (own, shared)
 
 
 def test_blocks_never_match_across_adapters(tiny_config):

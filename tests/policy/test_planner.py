@@ -51,4 +51,47 @@ def test_a_prompt_whose_next_block_another_computes_waits_a_step():
     assert plan.add(first) == 68
     assert plan.add(twin) == 0 and plan.add(other) == 90
     plan.rollback(0)
+    assert plan.add(twin) == 0    # first, on the device, computes it when next scheduled
+    plan.preempt(first)
     assert plan.add(twin) == 58   # nothing computes its block now: it goes
+
+
+def test_a_prompt_waits_for_the_block_a_suspended_step_computes():
+    """An aborted offline step holds a prompt's next block: a waiting line with the same prefix
+    does not compute it again beside it (in a co-serving step, where the suspended one cannot ride)."""
+    suspended = SeqView("sus", OFFLINE, 0.0, 1000, 1000, 512, 32, True, suspended=True, next_block_key=b"k32")
+    twin = SeqView("twin", OFFLINE, 1.0, 1000, 1000, 0, 0, False, num_cached_tokens=512, next_block_key=b"k32")
+    plan = PlanBuilder(_state(suspended, twin), 512, 8, 512)
+    assert plan.add(twin) == 0
+
+
+def test_offline_allocations_leave_online_cached_blocks_alone():
+    """Echo: free blocks an online request's prefix left cached are not offline's to take."""
+    oldest = SeqView("oldest", OFFLINE, 0.0, 200, 200, 100, 7, True)
+    younger = SeqView("younger", OFFLINE, 1.0, 200, 200, 112, 7, True)   # its blocks are full
+    new = _waiting("new", 2.0, prompt=160)
+    online = SeqView("on", RequestClass.ONLINE, 3.0, 96, 96, 0, 0, False)
+    state = SchedulerState(100.0, (oldest, younger, new, online), 20, 100, 16, 2048, online_reused_free_blocks=14)
+    plan = PlanBuilder(state, 512, 8, 512)
+    assert plan.free_blocks_for(new) == 6 and plan.free_blocks_for(younger) == 6
+    # Online requests take every block; so does a lone running offline request (nothing to preempt).
+    assert plan.free_blocks_for(oldest) == 6 and plan.free_blocks_for(online) == 20
+    lone = PlanBuilder(SchedulerState(100.0, (oldest, new), 20, 100, 16, 2048, online_reused_free_blocks=14),
+                       512, 8, 512)
+    assert lone.free_blocks_for(oldest) == 20 and lone.free_blocks_for(new) == 6
+    assert plan.add(new) == 96                 # six blocks hold 96 tokens of its 160
+    assert plan.free_blocks == 14 and plan.free_blocks_for(younger) == 0
+    assert plan.add(younger) == 0
+    # An online prompt takes the unprotected blocks first, then the protected ones.
+    plan.rollback(0)
+    assert plan.add(online) == 96 and (plan.free_blocks, plan.protected_blocks) == (14, 14)
+    assert plan.free_blocks_for(new) == 0
+    plan.rollback(0)
+    assert (plan.free_blocks, plan.protected_blocks) == (20, 14)
+
+
+def test_online_cached_protection_is_capped_at_a_share_of_the_pool():
+    new = _waiting("new", 2.0, prompt=160)
+    state = SchedulerState(100.0, (new,), 90, 100, 16, 2048, online_reused_free_blocks=80)
+    plan = PlanBuilder(state, 512, 8, 512)
+    assert plan.protected_blocks == 50 and plan.free_blocks_for(new) == 40

@@ -226,6 +226,29 @@ def test_with_caching_off_nothing_is_found(tiny_runner):
     assert scheduler.stats.prefix_cache_queries == {"online": 0, "offline": 0}
 
 
+@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
+def test_an_offline_stream_does_not_flush_the_online_system_prompt(tiny_runner, policy):
+    """Echo: offline lines with distinct prompts that need more blocks than are free take none of the
+    blocks of the system prompt online requests share; the next online request finds it."""
+    scheduler = Scheduler(_pool(tiny_runner, 24, True), policy())
+    chats = _lines(3, ONLINE, max_tokens=4, prefix="chat")
+    for chat in chats[:2]:   # the second finds the system prompt the first computed
+        scheduler.add(chat)
+        _drain(scheduler)
+    assert scheduler.kv.num_online_reused_free == 3
+    params = SamplingParams.greedy_params(max_tokens=10)
+    stream = [GenerationRequest([200 + i] + [(17 * i + 5 * j) % 240 + 3 for j in range(59)], params, OFFLINE,
+                                request_id=f"distinct{i}") for i in range(6)]
+    for r in stream:
+        scheduler.add(r)
+    out, _ = _drain(scheduler)
+    assert out == {r.request_id: _solo(tiny_runner, r) for r in stream}
+    assert scheduler.kv.num_online_reused_free == 3
+    scheduler.add(chats[2])
+    _, cached = _drain(scheduler)
+    assert cached == {"chat2": 24}
+
+
 pytest.importorskip("peft")
 
 
