@@ -6,9 +6,11 @@
   --url the same requests go to an OpenAI-compatible server (/v1/chat/completions, N in flight at
   the same concurrency), e.g. vLLM's, for a side-by-side figure.
 - coserve: online chat sharing one system prompt (Poisson arrivals) beside a backlog of offline
-  lines sharing another: online P99 TTFT and TPOT against the SLOs, offline tok/s over the window.
+  lines sharing another: online P99 TTFT and TPOT against the SLOs, offline tok/s streamed in the
+  window. One online chat outside the trace runs first, alone, and computes the system prompt.
 - stream: the same online chat beside offline lines that each bring a distinct long prefix, on a
-  small KV cache: the online system prompt's hit rate (Echo: offline-only blocks are evicted first).
+  small KV cache: the online system prompt's hit rate (Echo: the blocks online requests find cached
+  are evicted last, and offline allocations leave them alone).
 
 In-process requests go through the server's request path (CompletionService: chat template,
 validation, the usage object), so cached_tokens is read as a client reads it.
@@ -147,6 +149,8 @@ async def _batch_inprocess(engine: AsyncEngine, bodies: list[dict], concurrency:
     service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     await engine.start()
     try:
+        # As a server reports ready only then: the background compile would take a core from the run.
+        await asyncio.to_thread(engine.wait_until_warm)
         # First-use costs (kernels, the template) outside the figures, on a prompt sharing nothing.
         await _one(service, chat_body("warm up", "hello", 4), RequestClass.OFFLINE, None, time.monotonic())
         semaphore = asyncio.Semaphore(concurrency)
@@ -218,17 +222,22 @@ def run_batch_scenario(cfg: ServingConfig, lines: int, system_tokens: int, max_t
 # --- the co-serving scenarios -------------------------------------------------------------------
 
 async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: float, offline_bodies,
-                   duration_s: float, seed: int) -> dict:
+                   duration_s: float, seed: int, warm_up_body: dict | None = None) -> dict:
     """Online requests at Poisson arrivals for duration_s beside an offline backlog kept at the Batch
-    worker's concurrency; offline throughput counts the tokens of lines finished in the window."""
+    worker's concurrency; offline throughput counts the output tokens streamed in the window (as
+    bench coserve), and the lines finished in it are counted apart. warm_up_body: the request served
+    alone before the window (default: one sharing nothing with the trace)."""
     service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     await engine.start()
     rng = random.Random(seed)
     try:
-        await _one(service, chat_body("warm up", "hello", 4), RequestClass.ONLINE, None, time.monotonic())
+        await asyncio.to_thread(engine.wait_until_warm)   # as a server reports ready only then
+        warm_up = await _one(service, warm_up_body or chat_body("warm up", "hello", 4), RequestClass.ONLINE, None,
+                             time.monotonic())
         origin = time.monotonic()
         stats = engine.stats
         queries0, hits0 = dict(stats.prefix_cache_queries), dict(stats.prefix_cache_hits)
+        offline_tokens0 = stats.output_tokens["offline"]
         offline_done: list[Result] = []
         stop = asyncio.Event()
 
@@ -250,6 +259,7 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
                                                    RequestClass.ONLINE, None, origin)))
             i += 1
         await asyncio.sleep(max(0.0, origin + duration_s - time.monotonic()))
+        offline_tokens = stats.output_tokens["offline"] - offline_tokens0
         online_results = await asyncio.gather(*online)
         stop.set()
         for worker in workers:
@@ -259,8 +269,12 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
         hits = {k: v - hits0[k] for k, v in stats.prefix_cache_hits.items()}
     finally:
         await engine.stop()
-    return {"online": _class_summary(list(online_results), "online", duration_s),
-            "offline": _class_summary(offline_done, "offline", duration_s),
+    offline = _class_summary(offline_done, "offline", duration_s)
+    offline["lines_finished"] = offline.pop("requests")
+    offline["output_tokens"], offline["output_tok_s"] = offline_tokens, offline_tokens / duration_s
+    return {"warm_up": {"ttft_ms": warm_up.ttft_ms, "prompt_tokens": warm_up.prompt_tokens,
+                        "cached_tokens": warm_up.cached_tokens},
+            "online": _class_summary(list(online_results), "online", duration_s), "offline": offline,
             "online_results": list(online_results), "prefix_cache_queries": queries, "prefix_cache_hits": hits}
 
 
@@ -278,6 +292,9 @@ def run_coserve_scenario(cfg: ServingConfig, kind: str, duration_s: float, onlin
         tokenizer = engine.tokenizer
         online_system = system_prompt(tokenizer, online_system_tokens, seed=3)
         online_bodies = [chat_body(online_system, q, online_max_tokens) for q in questions(tokenizer, 400, seed=4)]
+        # The window measures steady co-serving: an online chat outside the trace computes the system
+        # prompt first, as the traffic a server has been taking would have (its TTFT is reported).
+        warm_up = chat_body(online_system, next(iter_questions(tokenizer, seed=8)), online_max_tokens)
         block = engine.kv_block_size
         shared_full = len(tokenizer.encode_chat([{"role": "system", "content": online_system}])) // block * block
 
@@ -291,12 +308,12 @@ def run_coserve_scenario(cfg: ServingConfig, kind: str, duration_s: float, onlin
         print(f"{kind}, cache {'on' if on else 'off'}: {duration_s:g} s of online chat beside offline lines",
               flush=True)
         with Heartbeat(print, f"{kind}, cache {'on' if on else 'off'}", expected_s=duration_s):
-            result = asyncio.run(_coserve(engine, online_bodies, online_rate, offline_lines(), duration_s, seed=7))
+            result = asyncio.run(_coserve(engine, online_bodies, online_rate, offline_lines(), duration_s, seed=7,
+                                          warm_up_body=warm_up))
         online_results = result.pop("online_results")
-        later = online_results[1:]
-        # The online system prompt's hit rate: requests after the first that found its full blocks cached.
-        result["online_prefix_hit_rate"] = (sum(1 for r in later if r.cached_tokens >= shared_full) / len(later)
-                                            if later else None)
+        # The online system prompt's hit rate: the window's requests that found its full blocks cached.
+        result["online_prefix_hit_rate"] = (sum(1 for r in online_results if r.cached_tokens >= shared_full)
+                                            / len(online_results) if online_results else None)
         slo = cfg.coserve.slo
         online = result["online"]
         result["online_within_slo"] = (online["ttft_ms_p99"] is not None and online["ttft_ms_p99"] <= slo.ttft_ms
@@ -320,7 +337,8 @@ def print_summary(name: str, result: dict) -> None:
             on, off = r["online"], r["offline"]
             print(f"{name} {mode}: online {on['requests']} req, P99 TTFT {on['ttft_ms_p99']} ms, P99 TPOT "
                   f"{on['tpot_ms_p99']} ms (within SLO: {r['online_within_slo']}), prefix hit rate "
-                  f"{r['online_prefix_hit_rate']}; offline {off['requests']} lines, {off['output_tok_s']:.1f} tok/s")
+                  f"{r['online_prefix_hit_rate']}; offline {off['output_tok_s']:.1f} tok/s, {off['lines_finished']} "
+                  f"lines finished")
     for key in ("speedup_tok_s", "offline_speedup_tok_s"):
         if key in result:
             print(f"{name}: cache on / off offline tok/s = {result[key]:.2f}x")

@@ -10,7 +10,8 @@ import time
 import pytest
 import uvicorn
 
-from backfill.bench.prefix_bench import _batch_http, _batch_inprocess, chat_body, questions, system_prompt
+from backfill.bench.prefix_bench import (_batch_http, _batch_inprocess, _coserve, chat_body, iter_questions, questions,
+                                        system_prompt)
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.server.app import create_app
 from backfill.server.config import ServerConfig
@@ -43,6 +44,20 @@ def test_in_process_lines_after_the_first_find_the_system_prompt_cached():
     block = engine.scheduler.kv.block_size
     # The first line computes the system prompt's full blocks; the other three map them.
     assert result["cached_tokens"] >= 3 * (120 // block) * block
+
+
+def test_coserving_counts_offline_tokens_streamed_in_the_window():
+    """Offline throughput is what streamed inside the window, whether or not a line finished in it."""
+    engine = build_tiny_engine(SERVING)
+    tokenizer = engine.tokenizer
+    online = [chat_body(system_prompt(tokenizer, 60, seed=3), q, 4) for q in questions(tokenizer, 20, seed=4)]
+    offline_system = system_prompt(tokenizer, 120, seed=5)
+    offline = (chat_body(offline_system, q, 300) for q in iter_questions(tokenizer, seed=6))
+    result = asyncio.run(_coserve(engine, online, 4.0, offline, 2.0, seed=7))
+    assert result["online"]["requests"] >= 1 and result["online"]["ttft_ms_p99"] is not None
+    # 64 lines in flight stream tokens whether or not they finish in the window.
+    assert result["offline"]["output_tokens"] > 300 * result["offline"]["lines_finished"]
+    assert result["offline"]["output_tok_s"] == pytest.approx(result["offline"]["output_tokens"] / 2.0)
 
 
 @pytest.fixture()
