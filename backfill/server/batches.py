@@ -12,6 +12,7 @@ scheduler's queue or KV pool ahead of online arrivals.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import sqlite3
@@ -36,6 +37,11 @@ MAX_LISTED_ERRORS = 1000  # validation errors listed in a failed batch's errors
 MAX_LINE_ATTEMPTS = 3      # runs of one line that end without an answer before it is marked failed
 MAX_BACKOFF_S = 30.0       # the longest pause between tries after store errors
 _KIND = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
+# A line's prefix key: a short hash of each successive stretch of its prompt, so lines sharing a prompt
+# prefix share the key's leading hashes and sort together (HyGen's prefix-sharing order, as a walk of
+# the prefix tree at this granularity); a bounded number of stretches keeps the key short.
+PREFIX_KEY_STRETCH_CHARS = 256
+PREFIX_KEY_MAX_STRETCHES = 64
 
 
 def error_record(custom_id: str | None, code: str, message: str, line: int | None = None) -> str:
@@ -53,8 +59,20 @@ def response_record(custom_id: str, status_code: int, request_id: str, body: dic
                        "error": None}, ensure_ascii=False)
 
 
+def prefix_order_key(endpoint: str, body: dict) -> str:
+    """What decides a line's prompt prefix (model, tools, then the messages or the prompt), in a
+    canonical text, cut into stretches, each named by a 32-bit hash: lines whose prompts start the
+    same share the key's start, so ordering by key runs them together."""
+    prompt = body.get("messages") if _KIND.get(endpoint) == "chat" else body.get("prompt")
+    text = json.dumps([body.get("model"), body.get("tools"), prompt], ensure_ascii=False, sort_keys=True,
+                      separators=(",", ":"))
+    stretch = PREFIX_KEY_STRETCH_CHARS
+    return "".join(hashlib.blake2b(text[i:i + stretch].encode(), digest_size=4).hexdigest()
+                   for i in range(0, min(len(text), stretch * PREFIX_KEY_MAX_STRETCHES), stretch))
+
+
 def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict], None]
-                      ) -> tuple[list[tuple[int, str, str]], list[LineFailure], list[dict]]:
+                      ) -> tuple[list[tuple[int, str, str, str]], list[LineFailure], list[dict]]:
     """(runnable lines, failed lines, validation errors), as OpenAI validates a batch's input file.
 
     A file with any malformed line (not JSON, not a request object, a url other than the batch's
@@ -70,7 +88,7 @@ def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict]
     if len(numbered) > MAX_BATCH_LINES:
         return [], [], [validation_entry("too_many_requests", f"the input file has {len(numbered)} requests; "
                                          f"at most {MAX_BATCH_LINES} are allowed")]
-    runnable: list[tuple[int, str, str]] = []
+    runnable: list[tuple[int, str, str, str]] = []
     failures: list[LineFailure] = []
     errors: list[dict] = []
     seen: set[str] = set()
@@ -106,7 +124,8 @@ def parse_batch_input(content: bytes, endpoint: str, check_body: Callable[[dict]
             failures.append(LineFailure(index, line.custom_id, response_record(
                 line.custom_id, api.status_code, f"req_{uuid.uuid4().hex}", api.body())))
             continue
-        runnable.append((index, line.custom_id, json.dumps(line.body, ensure_ascii=False)))
+        runnable.append((index, line.custom_id, json.dumps(line.body, ensure_ascii=False),
+                         prefix_order_key(endpoint, line.body)))
     if len(errors) > MAX_LISTED_ERRORS:
         more = len(errors) - MAX_LISTED_ERRORS
         errors = errors[:MAX_LISTED_ERRORS] + [validation_entry("too_many_errors", f"and {more} more invalid lines")]

@@ -88,6 +88,7 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     custom_id TEXT NOT NULL,
     body TEXT NOT NULL,
     done INTEGER NOT NULL DEFAULT 0,
+    prefix_key TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (batch_id, line)
 );
 CREATE INDEX IF NOT EXISTS batch_lines_pending ON batch_lines (batch_id, done, line);
@@ -167,6 +168,7 @@ class Store:
             conn.executescript(SCHEMA)
             store_integrity.add_checksum_columns(conn)
             _add_cached_tokens_column(conn)
+            _add_prefix_key_column(conn)
             unchecked = store_integrity.unchecked_rows(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreIntegrityError(store_integrity.damaged_message(self.path, str(exc))) from None
@@ -349,14 +351,16 @@ class Store:
                 return "cancelling"
             return row["status"]
 
-    def start_batch(self, batch_id: str, lines: list[tuple[int, str, str]], failures: list[LineFailure]) -> bool:
-        """validating -> in_progress with all lines stored, in one transaction (False if no longer validating)."""
+    def start_batch(self, batch_id: str, lines: list[tuple[int, str, str, str]], failures: list[LineFailure]) -> bool:
+        """validating -> in_progress with all lines stored, in one transaction (False if no longer validating).
+        Each line: (line number, custom_id, body, prefix key: lines run in its order, see pending_lines)."""
         with self._write() as conn:
             row = conn.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None or row["status"] != "validating":
                 return False
-            conn.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, body) VALUES (?, ?, ?, ?)",
-                             [(batch_id, line, custom_id, body) for line, custom_id, body in lines])
+            conn.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, body, prefix_key) "
+                             "VALUES (?, ?, ?, ?, ?)",
+                             [(batch_id, line, custom_id, body, key) for line, custom_id, body, key in lines])
             conn.executemany("INSERT INTO batch_results (batch_id, line, custom_id, ok, record, sha256) "
                              "VALUES (?, ?, ?, 0, ?, ?)",
                              [(batch_id, f.line, f.custom_id, f.record, sha256_hex(f.record.encode()))
@@ -372,11 +376,14 @@ class Store:
                          (int(time.time()), json.dumps({"object": "list", "data": errors}), batch_id))
 
     def pending_lines(self, limit: int, skip: set[tuple[str, int]]) -> list[PendingLine]:
-        """Unfinished lines of in-progress batches, oldest batch first, leaving out those in skip."""
+        """Unfinished lines of in-progress batches, oldest batch first, leaving out those in skip; within
+        a batch by prefix key, then line (HyGen: lines sharing a prompt prefix run together, while the
+        engine holds it cached)."""
         rows = self._conn().execute(
             "SELECT l.batch_id, l.line, l.custom_id, l.body, b.endpoint FROM batches b "
             "JOIN batch_lines l ON l.batch_id = b.id AND l.done = 0 "
-            "WHERE b.status = 'in_progress' ORDER BY b.seq, l.line LIMIT ?", (limit + len(skip),)).fetchall()
+            "WHERE b.status = 'in_progress' ORDER BY b.seq, l.prefix_key, l.line LIMIT ?",
+            (limit + len(skip),)).fetchall()
         lines = [PendingLine(r["batch_id"], r["line"], r["custom_id"], r["body"], r["endpoint"]) for r in rows
                  if (r["batch_id"], r["line"]) not in skip]
         return lines[:limit]
@@ -454,6 +461,13 @@ def _add_cached_tokens_column(conn: sqlite3.Connection) -> None:
     """A database made before batches counted their cached prompt tokens gains the column (0 so far)."""
     if "cached_tokens" not in {row[1] for row in conn.execute("PRAGMA table_info(batches)")}:
         conn.execute("ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
+
+
+def _add_prefix_key_column(conn: sqlite3.Connection) -> None:
+    """A database made before lines ran in prefix order gains the column ('' : its lines keep file order)."""
+    if "prefix_key" not in {row[1] for row in conn.execute("PRAGMA table_info(batch_lines)")}:
+        conn.execute("ALTER TABLE batch_lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''")
+    conn.execute("CREATE INDEX IF NOT EXISTS batch_lines_prefix_order ON batch_lines (batch_id, done, prefix_key, line)")
 
 
 def _file_object(row: sqlite3.Row) -> dict:

@@ -11,8 +11,15 @@ import time
 import httpx
 import pytest
 
-from backfill.server.batches import MAX_LISTED_ERRORS, BatchWorker, parse_batch_input
-from server_helpers import sample_value, chat_line, live_server, make_app, openai_client, upload, wait_final
+from backfill.server.batches import (MAX_LISTED_ERRORS, PREFIX_KEY_MAX_STRETCHES, BatchWorker, parse_batch_input,
+                                     prefix_order_key)
+from backfill.server.app import create_app
+from backfill.server.config import ServerConfig
+from backfill.server.store import Store
+from backfill.serving.build import build_tiny_engine
+from backfill.serving.config import ServingConfig
+from server_helpers import (LiveServer, sample_value, chat_line, live_server, make_app, openai_client, upload,
+                            wait_final)
 
 
 def jsonl(client, file_id: str) -> list[dict]:
@@ -146,8 +153,49 @@ def test_files_list_and_delete(client):
 def test_parse_batch_input_lists_every_malformed_line():
     content = "\n".join([chat_line("a"), "[1, 2]", "", chat_line("b"), '{"custom_id": 5}']).encode()
     runnable, failures, errors = parse_batch_input(content, "/v1/chat/completions", lambda body: None)
-    assert [(line, cid) for line, cid, _ in runnable] == [(0, "a"), (3, "b")] and failures == []
+    assert [(line, cid) for line, cid, _, _ in runnable] == [(0, "a"), (3, "b")] and failures == []
     assert [(e["code"], e["line"]) for e in errors] == [("invalid_request", 2), ("invalid_request", 5)]
+
+
+def test_lines_sharing_a_prompt_prefix_get_keys_that_sort_together():
+    system_a, system_b = "rules of A " * 60, "rules of B " * 60     # each longer than a key stretch
+    def chat(system: str, question: str, model: str = "m") -> dict:
+        return {"model": model, "messages": [{"role": "system", "content": system},
+                                             {"role": "user", "content": question}]}
+    bodies = [chat(system_a, "q1"), chat(system_b, "q2"), chat(system_a, "q3"), chat(system_b, "q4"),
+              chat(system_a, "q5", model="other")]
+    keys = [prefix_order_key("/v1/chat/completions", body) for body in bodies]
+    assert keys[0][:8] == keys[2][:8] and keys[0][:8] != keys[1][:8] and keys[0] != keys[2]
+    assert keys[4][:8] != keys[0][:8]    # another model (or adapter) shares no KV
+    grouped = [i for i in sorted(range(5), key=lambda i: (keys[i], i)) if i != 4]
+    assert {frozenset(grouped[:2]), frozenset(grouped[2:])} == {frozenset({0, 2}), frozenset({1, 3})}
+    text = prefix_order_key("/v1/completions", {"model": "m", "prompt": "x" * 100_000})
+    assert len(text) == 8 * PREFIX_KEY_MAX_STRETCHES   # bounded however long the prompt
+
+
+def test_a_file_mixing_two_system_prompts_runs_each_one_s_lines_together(tmp_path):
+    """One line in flight and a KV pool that holds one prompt's blocks: in file order (A, B, A, B) each
+    line would evict the other prompt before its second line came; grouped, the second of each finds
+    its whole system prompt cached."""
+    serving = ServingConfig(kv_cache_gb=24 * 16 * 1024 / 2**30, max_model_len=512)   # 24 tiny-model blocks
+    db = tmp_path / "mixed.db"
+    app = create_app(build_tiny_engine(serving), ServerConfig(serving=serving, db=str(db), max_offline_in_flight=1,
+                                                              drain_timeout_s=2.0), Store(db))
+    systems = {"A": "Always answer as a lighthouse keeper would. " * 5, "B": "Reply in the voice of a ship's cook. " * 6}
+    lines = [json.dumps({"custom_id": f"{name}{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "system", "content": systems[name]},
+                                               {"role": "user", "content": f"q{i}"}], "max_tokens": 2}})
+             for i, name in enumerate("ABAB")]
+    with LiveServer(app) as server:
+        client = openai_client(server.url)
+        batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        batch = wait_final(client, batch.id)
+        assert batch.status == "completed"
+        cached = {r["custom_id"]: r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  for r in jsonl(client, batch.output_file_id)}
+    assert len(systems["A"]) >= 200 and len(systems["B"]) >= 200     # byte tokens: 12 or more full blocks
+    assert cached["A2"] >= 12 * 16 and cached["B3"] >= 12 * 16, cached
 
 
 def test_parse_batch_input_caps_the_listed_errors():

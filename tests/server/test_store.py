@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from backfill.errors import ServerConfigError
-from backfill.server.store import LineFailure, Store
+from backfill.server.store import SCHEMA, LineFailure, Store
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def store(tmp_path):
 def started_batch(store: Store, n: int = 3) -> str:
     file = store.create_file("batch", "in.jsonl", b"{}")
     batch = store.create_batch(file["id"], "/v1/completions", "24h", {"k": "v"})
-    lines = [(i, f"c{i}", json.dumps({"prompt": str(i)})) for i in range(n)]
+    lines = [(i, f"c{i}", json.dumps({"prompt": str(i)}), "") for i in range(n)]
     assert store.start_batch(batch["id"], lines, [LineFailure(n, "bad", '{"error": 1}')])
     return batch["id"]
 
@@ -42,6 +42,33 @@ def test_start_batch_counts_failures_and_moves_to_in_progress(store):
     assert [line.line for line in store.pending_lines(10, set())] == [0, 1, 2]
     assert [line.line for line in store.pending_lines(10, {(batch_id, 1)})] == [0, 2]
     assert len(store.pending_lines(1, set())) == 1
+
+
+def test_lines_run_by_prefix_key_within_a_batch_and_batches_in_order(store):
+    file = store.create_file("batch", "in.jsonl", b"{}")
+    first = store.create_batch(file["id"], "/v1/completions", "24h", None)["id"]
+    second = store.create_batch(file["id"], "/v1/completions", "24h", None)["id"]
+    assert store.start_batch(second, [(0, "x", "{}", "aa")], [])
+    keys = ["bb", "aa", "bb", "aa", ""]
+    assert store.start_batch(first, [(i, f"c{i}", "{}", key) for i, key in enumerate(keys)], [])
+    order = [(line.batch_id, line.line) for line in store.pending_lines(10, set())]
+    assert order == [(first, 4), (first, 1), (first, 3), (first, 0), (first, 2), (second, 0)]
+
+
+def test_a_database_from_before_prefix_keys_gains_the_column(tmp_path):
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as raw:
+        raw.executescript(SCHEMA.replace("    prefix_key TEXT NOT NULL DEFAULT '',\n", ""))
+        raw.execute("INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, created_at) "
+                    "VALUES ('b', 1, '/v1/completions', 'f', '24h', 'in_progress', 0)")
+        raw.executemany("INSERT INTO batch_lines (batch_id, line, custom_id, body) VALUES ('b', ?, ?, '{}')",
+                        [(1, "one"), (0, "zero")])
+        assert "prefix_key" not in {row[1] for row in raw.execute("PRAGMA table_info(batch_lines)")}
+    reopened = Store(db)
+    try:
+        assert [line.line for line in reopened.pending_lines(10, set())] == [0, 1]   # file order, as before
+    finally:
+        reopened.close()
 
 
 def test_record_result_is_exactly_once(store):

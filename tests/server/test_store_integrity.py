@@ -194,7 +194,7 @@ def test_damaged_batch_result_goes_to_the_error_file_not_the_output(tmp_path):
     store = Store(db)
     file_id = store.create_file("batch", "in.jsonl", (chat_line("a") + "\n" + chat_line("b")).encode())["id"]
     batch_id = store.create_batch(file_id, "/v1/chat/completions", "24h", None)["id"]
-    assert store.start_batch(batch_id, [(0, "a", "{}"), (1, "b", "{}")], [])
+    assert store.start_batch(batch_id, [(0, "a", "{}", ""), (1, "b", "{}", "")], [])
     store.record_result(batch_id, 0, "a", True, '{"custom_id": "a", "response": {"status_code": 200}}')
     store.record_result(batch_id, 1, "b", True, '{"custom_id": "b", "response": {"status_code": 200}}')
     with sqlite3.connect(db) as raw:   # the bytes of one stored result change on disk
