@@ -8,6 +8,9 @@
 - coserve: online chat sharing one system prompt (Poisson arrivals) beside a backlog of offline
   lines sharing another: online P99 TTFT and TPOT against the SLOs, offline tok/s streamed in the
   window. One online chat outside the trace runs first, alone, and computes the system prompt.
+- mixed: a Batch file whose lines cycle through several system prompts, run through the Batch API
+  in-process (the server's worker and SQLite store) twice: in the order the server runs a file's
+  lines (grouped by prompt prefix) and in file order; completion time, output tok/s, cached share.
 - stream: the same online chat beside offline lines that each bring a distinct long prefix, on a
   small KV cache: the online system prompt's hit rate (Echo: the blocks online requests find cached
   are evicted last, and offline allocations leave them alone).
@@ -219,6 +222,86 @@ def run_batch_scenario(cfg: ServingConfig, lines: int, system_tokens: int, max_t
     return out
 
 
+# --- the mixed-prefix Batch file ----------------------------------------------------------------
+
+MIXED_ORDERS = ("prefix_order", "file_order")
+
+
+async def _batch_api(engine: AsyncEngine, content: bytes, concurrency: int, db_path: Path, prefix_order: bool,
+                     label: str) -> dict:
+    """One Batch file through the server's Batch worker and store; prefix_order False gives every line
+    an empty prefix key, so the worker takes them in file order."""
+    from backfill.errors import WorkloadError
+    from backfill.server.batches import BatchWorker, parse_batch_input
+    from backfill.server.store import Store
+
+    endpoint = "/v1/chat/completions"
+    service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
+    store = Store(db_path)
+    await engine.start()
+    try:
+        await asyncio.to_thread(engine.wait_until_warm)   # as a server reports ready only then
+        await _one(service, chat_body("warm up", "hello", 4), RequestClass.OFFLINE, None, time.monotonic())
+        lines, failures, errors = parse_batch_input(content, endpoint, lambda body: service.validate("chat", body))
+        if errors or failures:
+            raise WorkloadError(f"the mixed batch file does not validate: {(errors or failures)[0]}")
+        if not prefix_order:
+            lines = [(number, custom_id, body, "") for number, custom_id, body, _ in lines]
+        batch_id = store.create_batch(store.create_file("batch", "mixed.jsonl", content)["id"], endpoint, "24h",
+                                      None)["id"]
+        store.start_batch(batch_id, lines, [])
+        worker = BatchWorker(store, service, max_in_flight=concurrency, poll_interval_s=0.05)
+        origin = time.monotonic()
+        worker.start()
+        try:
+            with Heartbeat(print, label, lambda: f"{store.get_batch(batch_id)['request_counts']['completed']}/"
+                                                 f"{len(lines)} lines done"):
+                while store.get_batch(batch_id)["status"] not in ("completed", "failed", "expired", "cancelled"):
+                    await asyncio.sleep(0.1)
+            wall_s = time.monotonic() - origin
+        finally:
+            await worker.stop(time.monotonic() + 5)
+        batch = store.get_batch(batch_id)
+    finally:
+        await engine.stop()
+        store.close()
+    usage = batch["usage"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    return {"status": batch["status"], "completion_s": wall_s, "requests": batch["request_counts"]["completed"],
+            "output_tokens": usage["output_tokens"], "output_tok_s": usage["output_tokens"] / wall_s,
+            "prompt_tokens": usage["input_tokens"], "cached_tokens": cached,
+            "cached_share": cached / usage["input_tokens"] if usage["input_tokens"] else 0.0}
+
+
+def mixed_batch_file(tokenizer, lines: int, prompts: int, system_tokens: int, max_tokens: int) -> bytes:
+    """A Batch input file whose line i asks question i under system prompt i % prompts."""
+    systems = [system_prompt(tokenizer, system_tokens, seed=100 + k) for k in range(prompts)]
+    return "\n".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": chat_body(systems[i % prompts], q, max_tokens)})
+                      for i, q in enumerate(questions(tokenizer, lines, seed=2))).encode()
+
+
+def run_mixed_batch_scenario(cfg: ServingConfig, lines: int, prompts: int, system_tokens: int, max_tokens: int,
+                             concurrency: int) -> dict:
+    import tempfile
+
+    from backfill.engine.weights import load_model
+    from backfill.serving.build import build_engine
+
+    content = mixed_batch_file(load_model(cfg.model).tokenizer, lines, prompts, system_tokens, max_tokens)
+    out: dict = {"lines": lines, "prompts": prompts, "system_tokens": system_tokens, "max_tokens": max_tokens,
+                 "concurrency": concurrency, "kv_cache_gb": cfg.kv_cache_gb}
+    for order in MIXED_ORDERS:
+        label = f"mixed batch, {order.replace('_', ' ')}"
+        print(f"{label}: {lines} lines cycling through {prompts} system prompts, {concurrency} in flight",
+              flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out[order] = asyncio.run(_batch_api(build_engine(cfg), content, concurrency, Path(tmp) / "batch.db",
+                                                order == "prefix_order", label))
+    out["speedup_tok_s"] = out["prefix_order"]["output_tok_s"] / out["file_order"]["output_tok_s"]
+    return out
+
+
 # --- the co-serving scenarios -------------------------------------------------------------------
 
 async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: float, offline_bodies,
@@ -326,6 +409,13 @@ def run_coserve_scenario(cfg: ServingConfig, kind: str, duration_s: float, onlin
 
 
 def print_summary(name: str, result: dict) -> None:
+    if name == "mixed":
+        for order in MIXED_ORDERS:
+            r = result[order]
+            print(f"mixed {order}: {r['requests']} lines in {r['completion_s']:.1f} s, {r['output_tok_s']:.1f} "
+                  f"output tok/s, {r['cached_share']:.0%} of prompt tokens cached")
+        print(f"mixed: prefix order / file order output tok/s = {result['speedup_tok_s']:.2f}x")
+        return
     for mode in ("cache_on", "cache_off", "http"):
         r = result.get(mode)
         if r is None:

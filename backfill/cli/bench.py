@@ -70,12 +70,15 @@ def _fill_prefix(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="coserve", help="scheduling policy of the in-process engine")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the in-process engine (unset: "
                                                               "torch's default, every core)")
-    p.add_argument("--scenarios", nargs="+", choices=["batch", "coserve", "stream"], default=["batch"],
+    p.add_argument("--scenarios", nargs="+", choices=["batch", "coserve", "stream", "mixed"], default=["batch"],
                    help="batch: a Batch file sharing a system prompt; coserve: online and offline each sharing "
-                        "one; stream: offline distinct prefixes beside a steady online system prompt")
+                        "one; stream: offline distinct prefixes beside a steady online system prompt; mixed: a "
+                        "Batch file cycling through --prompts system prompts, through the Batch API in prefix "
+                        "order and in file order")
     p.add_argument("--caching", nargs="+", choices=["on", "off"], default=["on", "off"],
                    help="run with the prefix cache on, off, or both (in turn)")
-    p.add_argument("--lines", type=int, default=64, help="batch: lines in the file")
+    p.add_argument("--lines", type=int, default=64, help="batch, mixed: lines in the file")
+    p.add_argument("--prompts", type=int, default=8, help="mixed: system prompts the file's lines cycle through")
     p.add_argument("--system-tokens", type=int, default=1024, help="the offline lines' shared system prompt, tokens")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per offline line")
     p.add_argument("--concurrency", type=int, default=64, help="batch: lines in flight (the Batch worker's 64)")
@@ -92,9 +95,11 @@ def _fill_prefix(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_prefix(args: argparse.Namespace) -> int:
-    from backfill.bench.prefix_bench import print_summary, run_batch_scenario, run_coserve_scenario, write_json
+    from backfill.bench.prefix_bench import (print_summary, run_batch_scenario, run_coserve_scenario,
+                                             run_mixed_batch_scenario, write_json)
 
-    for name in ("lines", "concurrency", "system_tokens", "max_tokens", "online_system_tokens", "online_max_tokens"):
+    for name in ("lines", "prompts", "concurrency", "system_tokens", "max_tokens", "online_system_tokens",
+                 "online_max_tokens"):
         if getattr(args, name) < 1:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 1")
     if args.duration_s <= 0 or args.online_rate <= 0:
@@ -110,6 +115,9 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
         if scenario == "batch":
             result = run_batch_scenario(cfg, args.lines, args.system_tokens, args.max_tokens, args.concurrency,
                                         caching, args.url, args.served_model, args.api_key)
+        elif scenario == "mixed":
+            result = run_mixed_batch_scenario(cfg, args.lines, args.prompts, args.system_tokens, args.max_tokens,
+                                              args.concurrency)
         else:
             result = run_coserve_scenario(cfg, scenario, args.duration_s, args.online_rate,
                                           args.online_system_tokens, args.system_tokens, args.online_max_tokens,

@@ -10,8 +10,8 @@ import time
 import pytest
 import uvicorn
 
-from backfill.bench.prefix_bench import (_batch_http, _batch_inprocess, _coserve, chat_body, iter_questions, questions,
-                                        system_prompt)
+from backfill.bench.prefix_bench import (_batch_api, _batch_http, _batch_inprocess, _coserve, chat_body, iter_questions,
+                                        mixed_batch_file, questions, system_prompt)
 from backfill.engine.byte_tokenizer import ByteTokenizer
 from backfill.server.app import create_app
 from backfill.server.config import ServerConfig
@@ -58,6 +58,20 @@ def test_coserving_counts_offline_tokens_streamed_in_the_window():
     # 64 lines in flight stream tokens whether or not they finish in the window.
     assert result["offline"]["output_tokens"] > 300 * result["offline"]["lines_finished"]
     assert result["offline"]["output_tok_s"] == pytest.approx(result["offline"]["output_tokens"] / 2.0)
+
+
+def test_a_mixed_file_through_the_batch_api_caches_more_in_prefix_order(tmp_path):
+    """Two system prompts, one line in flight, a pool that holds one prompt's blocks: in file order
+    each line evicts the other prompt; in the server's prefix order the second line of each finds it."""
+    serving = ServingConfig(policy="fcfs", kv_cache_gb=24 * 16 * 1024 / 2**30, max_model_len=512)
+    content = mixed_batch_file(ByteTokenizer(), lines=4, prompts=2, system_tokens=200, max_tokens=2)
+    assert len(content.splitlines()) == 4
+    results = {order: asyncio.run(_batch_api(build_tiny_engine(serving), content, 1, tmp_path / f"{order}.db",
+                                             order == "prefix", order))
+               for order in ("prefix", "file")}
+    for r in results.values():
+        assert r["status"] == "completed" and r["requests"] == 4 and r["output_tokens"] == 8
+    assert results["prefix"]["cached_tokens"] >= 2 * 12 * 16 > results["file"]["cached_tokens"]
 
 
 @pytest.fixture()
