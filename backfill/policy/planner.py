@@ -53,11 +53,11 @@ class PlanBuilder:
         self.shape = BatchShape()
         # Per scheduled entry: its blocks, the protected blocks among them, the shape before it.
         self._undo: list[tuple[int, int, BatchShape]] = []
-        # Next prompt blocks being computed, by address: by the plan, or by a prompt already on the
-        # device (a suspended step's, or one the budget leaves out of this step).
-        self._on_device = {s.seq_id for s in state.seqs if s.next_block_key is not None and s.running}
-        self._computing: dict[bytes, str] = {s.next_block_key: s.seq_id for s in state.seqs
-                                             if s.seq_id in self._on_device}
+        # Next prompt blocks being computed, by address: by prompts of this plan, and by prompts already
+        # on the device (a suspended step's, or one the budget leaves out of this step).
+        self._planned_keys: dict[bytes, str] = {}
+        self._device_prompts = [s for s in state.seqs if s.next_block_key is not None and s.running]
+        self._device_keys = self._keys_on_device()
 
     @property
     def tokens_left(self) -> int:
@@ -75,9 +75,12 @@ class PlanBuilder:
         if seq.seq_id in self.scheduled_ids or seq.seq_id in self.preempted or len(self.scheduled) >= self.max_seqs:
             return 0
         key = seq.next_block_key
-        if key is not None and not seq.running and key in self._computing:
-            # HyGen: a prompt whose next blocks another prompt computes (in this step, or one on the
-            # device) waits and maps them from the prefix cache instead of computing them twice.
+        # HyGen: a prompt whose next block another prompt computes (in this step, or one on the device)
+        # waits and maps it from the prefix cache instead of computing it twice; an online prompt
+        # waits for an online one only, as the policy may advance an offline prompt slowly.
+        if key is not None and not seq.running and (
+                key in self._planned_keys
+                or (key in self._device_keys and (self._device_keys[key] or not seq.is_online))):
             return 0
         n = min(seq.num_pending_tokens, self.chunk_tokens, self.tokens_left)
         if token_cap is not None:
@@ -99,7 +102,7 @@ class PlanBuilder:
         self.tokens += n
         self.shape = self.shape.plus(n, seq.num_context_tokens)
         if key is not None:
-            self._computing.setdefault(key, seq.seq_id)
+            self._planned_keys.setdefault(key, seq.seq_id)
         return n
 
     def mark(self) -> int:
@@ -115,8 +118,7 @@ class PlanBuilder:
             self.protected_blocks += protected_taken
             self.scheduled_ids.discard(item.seq_id)
             self.tokens -= item.num_tokens
-        self._computing = {k: v for k, v in self._computing.items()
-                           if v in self.scheduled_ids or (v in self._on_device and v not in self.preempted)}
+        self._planned_keys = {k: v for k, v in self._planned_keys.items() if v in self.scheduled_ids}
         self.shape = self._undo[mark][2]
         del self.scheduled[mark:], self._undo[mark:]
 
@@ -126,7 +128,16 @@ class PlanBuilder:
             return
         self.preempted.append(seq.seq_id)
         self.free_blocks += seq.num_blocks
-        self._computing = {k: v for k, v in self._computing.items() if v != seq.seq_id}
+        self._device_keys = self._keys_on_device()
+
+    def _keys_on_device(self) -> dict[bytes, bool]:
+        """The next prompt block of each prompt on the device (not preempted by this plan), by address:
+        whether an online prompt computes it."""
+        keys: dict[bytes, bool] = {}
+        for s in self._device_prompts:
+            if s.seq_id not in self.preempted:
+                keys[s.next_block_key] = keys.get(s.next_block_key, False) or s.is_online
+        return keys
 
     def make_room(self, seq: SeqView, n: int, victims: list[SeqView]) -> None:
         """Preempt victims (in order) until seq's next n tokens fit in free blocks."""

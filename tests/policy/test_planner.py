@@ -65,6 +65,22 @@ def test_a_prompt_waits_for_the_block_a_suspended_step_computes():
     assert plan.add(twin) == 0
 
 
+def test_an_online_prompt_does_not_wait_for_an_offline_one_on_the_device():
+    offline = SeqView("off", OFFLINE, 0.0, 1000, 1000, 512, 32, True, next_block_key=b"k32")
+    online = SeqView("on", RequestClass.ONLINE, 1.0, 1000, 1000, 0, 0, False, num_cached_tokens=512,
+                     next_block_key=b"k32")
+    twin = SeqView("twin", OFFLINE, 2.0, 1000, 1000, 0, 0, False, num_cached_tokens=512, next_block_key=b"k32")
+    plan = PlanBuilder(_state(offline, online, twin), 512, 8, 512)
+    assert plan.add(twin) == 0 and plan.add(online) == 488
+    # Once a prompt of the plan computes the block, everybody waits for it.
+    later = SeqView("later", RequestClass.ONLINE, 3.0, 1000, 1000, 0, 0, False, num_cached_tokens=512,
+                    next_block_key=b"k32")
+    assert plan.add(later) == 0
+    # An online prompt on the device holds back an online one too.
+    on_device = SeqView("first", RequestClass.ONLINE, 0.0, 1000, 1000, 512, 32, True, next_block_key=b"k32")
+    assert PlanBuilder(_state(on_device, online), 512, 8, 512).add(online) == 0
+
+
 def test_offline_allocations_leave_online_cached_blocks_alone():
     """Echo: free blocks an online request's prefix left cached are not offline's to take."""
     oldest = SeqView("oldest", OFFLINE, 0.0, 200, 200, 100, 7, True)
