@@ -114,6 +114,14 @@ class KVBlockPool:
         """Free blocks still holding a cached prefix (reclaimable: evicted when memory is needed)."""
         return sum(len(lru) for lru in self._evictable)
 
+    # The eviction classes of free cached blocks, in the order they are evicted (for reports).
+    CACHED_FREE_CLASSES = ("offline", "online_computed", "online_reused")
+
+    @property
+    def num_cached_free_by_class(self) -> dict[str, int]:
+        """Free blocks holding a cached prefix, per eviction class (CACHED_FREE_CLASSES)."""
+        return {name: len(lru) for name, lru in zip(self.CACHED_FREE_CLASSES, self._evictable)}
+
     @property
     def num_online_reused_free(self) -> int:
         """Free cached blocks an online request found cached (Echo: evicted last; the policies' plans

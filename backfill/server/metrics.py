@@ -335,6 +335,17 @@ class _EngineCollector(Collector):
         kv_usage = engine.kv_usage
         yield _gauge("backfill_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["model_name"], [model],
                      kv_usage)
+        pool = engine.kv_pool
+        cached_free = GaugeMetricFamily("backfill_prefix_cache_free_blocks", "Free KV blocks still holding a cached "
+                                        "prefix, by eviction class (evicted in this order: offline, "
+                                        "online_computed, online_reused)", labels=["model_name", "class"])
+        for name, count in pool.num_cached_free_by_class.items():
+            cached_free.add_metric([model, name], count)
+        yield cached_free
+        evictions = CounterMetricFamily("backfill_prefix_cache_evictions", "Cached KV blocks evicted to make room "
+                                        "for new KV", labels=["model_name"])
+        evictions.add_metric([model], pool.evictions)
+        yield evictions
         yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
                      ["model_name", "engine"], per_engine, sum(running.values()))
         yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",

@@ -57,6 +57,19 @@ def test_a_shared_system_prompt_is_reported_cached(client, server):
     assert _counter(server, "backfill_prefix_cache_hits_total", "online") == hits + 2 * cached
 
 
+def test_metrics_show_the_cached_free_blocks_by_eviction_class(client, server):
+    model = server.state.engine.model_name
+    for question in ("Is it blue?", "Is it wide?"):   # the second finds the system prompt cached
+        client.chat.completions.create(model=model, messages=_chat(question), max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics").text
+    found = {m.group(1): float(m.group(2)) for m in
+             re.finditer(r'^backfill_prefix_cache_free_blocks\{[^}]*class="(\w+)"[^}]*\} (\S+)$', text, re.MULTILINE)}
+    pool = server.state.engine.kv_pool
+    assert set(found) == {"offline", "online_computed", "online_reused"}
+    assert found["online_reused"] >= 1 and sum(found.values()) <= pool.num_cached_free
+    assert re.search(r'^backfill_prefix_cache_evictions_total\{[^}]*\} \d', text, re.MULTILINE)
+
+
 def test_batch_output_lines_report_cached_tokens(client, server):
     lines = [chat_line(f"q{i}", f"question number {i}?", messages=_chat(f"question number {i}?")) for i in range(4)]
     batch = client.batches.create(input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
