@@ -110,8 +110,12 @@ PACKED_DECODE_BUCKETS = (64, 32, 16, 48, 24, 128)
 # count, traced at this many: padding them to a bucket would cost matmuls, and eager they pay
 # for unfused norms, RoPE and SiLU.
 LARGE_STEP_EXAMPLE_ROWS = 257
+# Their weight matmuls run through the kernel the choice takes at this many rows (a step of the
+# coserve policy's 512-token budget): oneDNN where it is faster (on AMX tiles, say), else the
+# small-batch kernel, fused in the pieces as in the buckets (on AVX2 it outruns oneDNN there too).
+LARGE_STEP_CHOICE_ROWS = 512
 # Every size the packed pieces run at, where the kernel choice times both paths.
-CHOICE_ROWS = tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)))
+CHOICE_ROWS = tuple(sorted(set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS))) + (LARGE_STEP_CHOICE_ROWS,)
 
 
 def _gemv(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +322,7 @@ class CompiledDecode:
         # Padded buckets, filled by compile_buckets (dict stores are atomic: the engine thread
         # reads it while a background thread adds to it).
         self.buckets: dict[int, DecodePieces] = {}
-        # Steps larger than every bucket, any row count (the matmuls all through the model's Linear).
+        # Steps larger than every bucket, any row count (the matmuls as chosen at LARGE_STEP_CHOICE_ROWS).
         self.large: DecodePieces | None = None
         self.pad_large_steps = True
         self._bucket_thread: threading.Thread | None = None
@@ -335,7 +339,7 @@ class CompiledDecode:
     def _choice_signature(self) -> dict:
         return {"what": "compiled-decode", "hidden": self.hidden_size, "intermediate": self.intermediate_size,
                 "out_features": self.out_features, "dtype": str(self.lm_head.dtype), "layers": len(self.layers),
-                "rows": list(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS),
+                "rows": list(CHOICE_ROWS),
                 "small_batch_kernel": small_batch_kernel_digest()}
 
     def time_matmuls(self, rows: tuple[int, ...]) -> KernelChoice | None:
@@ -357,7 +361,9 @@ class CompiledDecode:
         """A step's matmuls through `path` on `rows` random rows, in a step's order: (name, call)."""
         dtype = self.lm_head.dtype
         x = {name: torch.randn(rows, n, dtype=dtype) * 0.1 for name, n in self.in_features.items()}
-        weights = [(li, name) for li in range(len(self.layers)) for name in LAYER_WEIGHTS] + [(None, "lm_head")]
+        # A large step's pieces leave the LM head to the model (a prompt chunk wants few rows' logits).
+        lm_head = [(None, "lm_head")] if rows <= max(PACKED_DECODE_BUCKETS) else []
+        weights = [(li, name) for li in range(len(self.layers)) for name in LAYER_WEIGHTS] + lm_head
         calls = []
         for li, name in weights:
             if path == kernel_choice.LINEAR:
@@ -425,9 +431,11 @@ class CompiledDecode:
         bucket thread calls it after the buckets."""
         if not self.ready or self.large is not None or not self.linears:
             return
+        outside = frozenset(LAYER_WEIGHTS) if self.kernel_choice is None else \
+            self.kernel_choice.linear_names(LARGE_STEP_CHOICE_ROWS) & frozenset(LAYER_WEIGHTS)
         try:
-            self.large = self._compile_pieces(LARGE_STEP_EXAMPLE_ROWS, lm_head=False,
-                                              outside=frozenset(LAYER_WEIGHTS), dynamic_rows=True)
+            self.large = self._compile_pieces(LARGE_STEP_EXAMPLE_ROWS, lm_head=False, outside=outside,
+                                              dynamic_rows=True, choice_rows=LARGE_STEP_CHOICE_ROWS)
         except Exception as exc:  # as a bucket: large steps stay eager
             log.warning("compiled pieces for large steps unavailable, they stay eager: %s", exc)
 
@@ -486,11 +494,12 @@ class CompiledDecode:
         return _packed_matmul(self.out_features[name], tiles)
 
     def _compile_pieces(self, batch: int, lm_head: bool = True, outside: frozenset[str] | None = None,
-                        dynamic_rows: bool = False) -> DecodePieces:
+                        dynamic_rows: bool = False, choice_rows: int | None = None) -> DecodePieces:
         """Compile every piece now, on inputs of the shapes decode will use (the weights are real);
         without lm_head, the model's own LM head takes the final-normed rows. A piece whose matmul
         runs outside (the model's Linear; by default as the kernel choice says for this size)
-        compiles only what follows its matmul. dynamic_rows: for any row count, traced at batch."""
+        compiles only what follows its matmul. dynamic_rows: for any row count, traced at batch;
+        choice_rows: the size whose chosen kernels the pieces take (default: batch)."""
         hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
@@ -500,7 +509,7 @@ class CompiledDecode:
         eps, n_q, n_kv = self.eps, self.num_heads, self.num_kv_heads
 
         def mm(name: str) -> Matmul:
-            return self.matmul(name, batch)
+            return self.matmul(name, choice_rows or batch)
 
         layer = self.layers[0]
         act = torch.zeros(batch, self.intermediate_size, dtype=dtype, device=device)

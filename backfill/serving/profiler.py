@@ -29,8 +29,9 @@ DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # (docs/benchmarks.md). The policy must see what an offline token added to such a step costs,
 # and the bench sizes its online load from it.
 DEFAULT_DECODE_GRID = (1, 2, 3, 4, 8, 16, 32, 64)
-# Saved profiles carry this in their file name: a changed grid or method measures anew.
-PROFILE_FORMAT = 6
+# Saved profiles carry this in their file name: a changed grid or method, or steps that now run
+# other kernels (large steps taking the kernel choice), measures anew.
+PROFILE_FORMAT = 7
 # A measurement further than this many median absolute deviations above the median is a stall
 # (another process, a first call's allocation or kernel pick), not the step's cost.
 OUTLIER_MADS = 3.0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from backfill.engine import kernel_choice
-from backfill.engine.compiled_decode import DECODE_BATCH_SIZES, PACKED_DECODE_BATCH_SIZES, PACKED_DECODE_BUCKETS
+from backfill.engine.compiled_decode import (DECODE_BATCH_SIZES, LARGE_STEP_CHOICE_ROWS, PACKED_DECODE_BATCH_SIZES,
+                                           PACKED_DECODE_BUCKETS)
 from backfill.engine.config import ModelConfig
 from backfill.engine.kernel_choice import LINEAR, SMALL_BATCH, TILES, KernelChoice
 from backfill.engine.kv_pool import KVBlockPool
@@ -98,8 +99,10 @@ def test_kernel_choice_is_printed_per_weight_and_rows(runners):
         pytest.skip("no small-batch kernel on this CPU")
     table = choice.table()
     sizes = set(PACKED_DECODE_BATCH_SIZES + PACKED_DECODE_BUCKETS)
-    assert {(row["weight"], row["rows"]) for row in table} == {(w, n) for w in ("qkv", "o", "gate_up", "down",
-                                                                                 "lm_head") for n in sizes}
+    # Large steps' kernels are chosen at LARGE_STEP_CHOICE_ROWS; their LM head is the model's own.
+    expected = {(w, n) for w in ("qkv", "o", "gate_up", "down", "lm_head") for n in sizes}
+    expected |= {(w, LARGE_STEP_CHOICE_ROWS) for w in ("qkv", "o", "gate_up", "down")}
+    assert {(row["weight"], row["rows"]) for row in table} == expected
     for row in table:
         assert row["small-batch_us"] > 0 and row["linear_us"] > 0
         assert row["choice"] == choice.path(row["weight"], row["rows"])
@@ -367,6 +370,26 @@ def test_large_steps_run_the_dynamic_pieces_and_match_eager(large_steps, monkeyp
     assert rows and set(rows) == {191}  # the step ran the dynamic pieces at its own row count
     for fast, slow in zip(*outs):
         torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("faster", ["small-batch", "linear"])
+def test_large_steps_multiply_as_the_choice_at_their_size_says(tiny_config, weights, faster):
+    """The pieces for large steps fuse the small-batch kernel where the choice timed it faster at
+    LARGE_STEP_CHOICE_ROWS, else leave the matmuls to the model's Linear; both match eager."""
+    compiled = LlamaModel(tiny_config, weights, compile_decode=True)
+    fast = compiled.compiled_decode
+    if fast.kernel_choice is None:
+        pytest.skip("no small-batch kernel on this CPU")
+    slow_us = {SMALL_BATCH: 2.0, LINEAR: 1.0} if faster == "linear" else {SMALL_BATCH: 1.0, LINEAR: 2.0}
+    times = {name: {**cells, LARGE_STEP_CHOICE_ROWS: dict(slow_us)} for name, cells in fast.kernel_choice.times_us.items()
+             if name != "lm_head"}
+    fast.kernel_choice = KernelChoice(times, fast.kernel_choice.linear_name)
+    fast.compile_large_steps()
+    assert fast.large.outside == (frozenset(("qkv", "o", "gate_up", "down")) if faster == "linear" else frozenset())
+    eager = ModelRunner(LlamaModel(tiny_config, weights), KVBlockPool(tiny_config, 32, 8))
+    runner = ModelRunner(compiled, KVBlockPool(tiny_config, 32, 8))
+    expected, got = _large_step(eager)[2], _large_step(runner)[2]
+    torch.testing.assert_close(got.logits, expected.logits, atol=2e-4, rtol=1e-3)
 
 
 def test_large_steps_padded_to_the_measured_multiple_match_eager(large_steps, monkeypatch):
