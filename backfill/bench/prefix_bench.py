@@ -22,6 +22,7 @@ validation, the usage object), so cached_tokens is read as a client reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
@@ -29,7 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 from backfill.progress import Heartbeat
 from backfill.server.completions import CompletionService, collect
@@ -37,6 +38,9 @@ from backfill.server.metrics import ServerMetrics
 from backfill.serving.async_engine import AsyncEngine
 from backfill.serving.config import ServingConfig
 from backfill.types import RequestClass
+
+if TYPE_CHECKING:
+    from backfill.server.store import Store
 
 WORDS = ("harbour", "ledger", "quartz", "meadow", "lantern", "orbit", "cedar", "violet", "canyon", "ember",
          "glacier", "pepper", "saddle", "tundra", "walnut", "zephyr", "anchor", "bramble", "cobalt", "dune",
@@ -146,23 +150,32 @@ def _class_summary(results: list[Result], cls: str, window_s: float) -> dict:
             "cached_share": sum(r.cached_tokens for r in mine) / prompt if prompt else 0.0}
 
 
-# --- the batch scenario -----------------------------------------------------------------------------
-
-async def _batch_inprocess(engine: AsyncEngine, bodies: list[dict], concurrency: int) -> dict:
+@contextlib.asynccontextmanager
+async def _serving(engine: AsyncEngine, warm_up_class: RequestClass,
+                   warm_up_body: dict | None = None) -> AsyncIterator[tuple[CompletionService, Result]]:
+    """The engine started and warm, as a server reports ready only then (the background compile
+    would take a core from the run), with first-use costs (kernels, the template) paid on one
+    request served alone (default: one sharing nothing with the workload); stopped on exit."""
     service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     await engine.start()
     try:
-        # As a server reports ready only then: the background compile would take a core from the run.
         await asyncio.to_thread(engine.wait_until_warm)
-        # First-use costs (kernels, the template) outside the figures, on a prompt sharing nothing.
-        await _one(service, chat_body("warm up", "hello", 4), RequestClass.OFFLINE, None, time.monotonic())
+        warm_up = await _one(service, warm_up_body or chat_body("warm up", "hello", 4), warm_up_class, None,
+                             time.monotonic())
+        yield service, warm_up
+    finally:
+        await engine.stop()
+
+
+# --- the batch scenario -----------------------------------------------------------------------------
+
+async def _batch_inprocess(engine: AsyncEngine, bodies: list[dict], concurrency: int) -> dict:
+    async with _serving(engine, RequestClass.OFFLINE) as (service, _):
         semaphore = asyncio.Semaphore(concurrency)
         origin = time.monotonic()
         results = await asyncio.gather(*(_one(service, body, RequestClass.OFFLINE, semaphore, origin)
                                          for body in bodies))
         wall_s = time.monotonic() - origin
-    finally:
-        await engine.stop()
     summary = _class_summary(list(results), "offline", wall_s)
     return {"completion_s": wall_s, **summary}
 
@@ -231,46 +244,51 @@ async def _batch_api(engine: AsyncEngine, content: bytes, concurrency: int, db_p
                      label: str) -> dict:
     """One Batch file through the server's Batch worker and store; prefix_order False gives every line
     an empty prefix key, so the worker takes them in file order."""
-    from backfill.errors import WorkloadError
-    from backfill.server.batches import BatchWorker, parse_batch_input
     from backfill.server.store import Store
 
     endpoint = "/v1/chat/completions"
-    service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
     store = Store(db_path)
-    await engine.start()
     try:
-        await asyncio.to_thread(engine.wait_until_warm)   # as a server reports ready only then
-        await _one(service, chat_body("warm up", "hello", 4), RequestClass.OFFLINE, None, time.monotonic())
-        lines, failures, errors = parse_batch_input(content, endpoint, lambda body: service.validate("chat", body))
-        if errors or failures:
-            raise WorkloadError(f"the mixed batch file does not validate: {(errors or failures)[0]}")
-        if not prefix_order:
-            lines = [(number, custom_id, body, "") for number, custom_id, body, _ in lines]
-        batch_id = store.create_batch(store.create_file("batch", "mixed.jsonl", content)["id"], endpoint, "24h",
-                                      None)["id"]
-        store.start_batch(batch_id, lines, [])
-        worker = BatchWorker(store, service, max_in_flight=concurrency, poll_interval_s=0.05)
-        origin = time.monotonic()
-        worker.start()
-        try:
-            with Heartbeat(print, label, lambda: f"{store.get_batch(batch_id)['request_counts']['completed']}/"
-                                                 f"{len(lines)} lines done"):
-                while store.get_batch(batch_id)["status"] not in ("completed", "failed", "expired", "cancelled"):
-                    await asyncio.sleep(0.1)
-            wall_s = time.monotonic() - origin
-        finally:
-            await worker.stop(time.monotonic() + 5)
-        batch = store.get_batch(batch_id)
+        async with _serving(engine, RequestClass.OFFLINE) as (service, _):
+            batch = await _run_batch_file(service, store, endpoint, content, concurrency, prefix_order, label)
     finally:
-        await engine.stop()
         store.close()
     usage = batch["usage"]
     cached = usage["input_tokens_details"]["cached_tokens"]
-    return {"status": batch["status"], "completion_s": wall_s, "requests": batch["request_counts"]["completed"],
-            "output_tokens": usage["output_tokens"], "output_tok_s": usage["output_tokens"] / wall_s,
+    return {"status": batch["status"], "completion_s": batch["completion_s"],
+            "requests": batch["request_counts"]["completed"],
+            "output_tokens": usage["output_tokens"], "output_tok_s": usage["output_tokens"] / batch["completion_s"],
             "prompt_tokens": usage["input_tokens"], "cached_tokens": cached,
             "cached_share": cached / usage["input_tokens"] if usage["input_tokens"] else 0.0}
+
+
+async def _run_batch_file(service: CompletionService, store: Store, endpoint: str, content: bytes, concurrency: int,
+                          prefix_order: bool, label: str) -> dict:
+    """Validate the file, store its lines (with their prefix keys, or none) and run them to the end
+    through the Batch worker: the final Batch object, with the run's completion_s."""
+    from backfill.errors import WorkloadError
+    from backfill.server.batches import BatchWorker, parse_batch_input
+
+    lines, failures, errors = parse_batch_input(content, endpoint, lambda body: service.validate("chat", body))
+    if errors or failures:
+        raise WorkloadError(f"the mixed batch file does not validate: {(errors or failures)[0]}")
+    if not prefix_order:
+        lines = [(number, custom_id, body, "") for number, custom_id, body, _ in lines]
+    batch_id = store.create_batch(store.create_file("batch", "mixed.jsonl", content)["id"], endpoint, "24h",
+                                  None)["id"]
+    store.start_batch(batch_id, lines, [])
+    worker = BatchWorker(store, service, max_in_flight=concurrency, poll_interval_s=0.05)
+    origin = time.monotonic()
+    worker.start()
+    try:
+        with Heartbeat(print, label, lambda: f"{store.get_batch(batch_id)['request_counts']['completed']}/"
+                                             f"{len(lines)} lines done"):
+            while store.get_batch(batch_id)["status"] not in ("completed", "failed", "expired", "cancelled"):
+                await asyncio.sleep(0.1)
+        wall_s = time.monotonic() - origin
+    finally:
+        await worker.stop(time.monotonic() + 5)
+    return {**store.get_batch(batch_id), "completion_s": wall_s}
 
 
 def mixed_batch_file(tokenizer, lines: int, prompts: int, system_tokens: int, max_tokens: int) -> bytes:
@@ -310,13 +328,8 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
     worker's concurrency; offline throughput counts the output tokens streamed in the window (as
     bench coserve), and the lines finished in it are counted apart. warm_up_body: the request served
     alone before the window (default: one sharing nothing with the trace)."""
-    service = CompletionService(engine, ServerMetrics(engine, engine.model_name), engine.model_name)
-    await engine.start()
     rng = random.Random(seed)
-    try:
-        await asyncio.to_thread(engine.wait_until_warm)   # as a server reports ready only then
-        warm_up = await _one(service, warm_up_body or chat_body("warm up", "hello", 4), RequestClass.ONLINE, None,
-                             time.monotonic())
+    async with _serving(engine, RequestClass.ONLINE, warm_up_body) as (service, warm_up):
         origin = time.monotonic()
         stats = engine.stats
         queries0, hits0 = dict(stats.prefix_cache_queries), dict(stats.prefix_cache_hits)
@@ -350,8 +363,6 @@ async def _coserve(engine: AsyncEngine, online_bodies: list[dict], online_rate: 
         await asyncio.gather(*workers, return_exceptions=True)
         queries = {k: v - queries0[k] for k, v in stats.prefix_cache_queries.items()}
         hits = {k: v - hits0[k] for k, v in stats.prefix_cache_hits.items()}
-    finally:
-        await engine.stop()
     offline = _class_summary(offline_done, "offline", duration_s)
     offline["lines_finished"] = offline.pop("requests")
     offline["output_tokens"], offline["output_tok_s"] = offline_tokens, offline_tokens / duration_s

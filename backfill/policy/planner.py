@@ -128,7 +128,8 @@ class PlanBuilder:
             return
         self.preempted.append(seq.seq_id)
         self.free_blocks += seq.num_blocks
-        self._device_keys = self._keys_on_device()
+        if seq.next_block_key is not None:   # it no longer computes its prompt's next block
+            self._device_keys = self._keys_on_device()
 
     def _keys_on_device(self) -> dict[bytes, bool]:
         """The next prompt block of each prompt on the device (not preempted by this plan), by address:

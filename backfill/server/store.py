@@ -91,7 +91,6 @@ CREATE TABLE IF NOT EXISTS batch_lines (
     prefix_key TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (batch_id, line)
 );
-CREATE INDEX IF NOT EXISTS batch_lines_pending ON batch_lines (batch_id, done, line);
 CREATE TABLE IF NOT EXISTS batch_results (
     batch_id TEXT NOT NULL,
     line INTEGER NOT NULL,
@@ -464,10 +463,12 @@ def _add_cached_tokens_column(conn: sqlite3.Connection) -> None:
 
 
 def _add_prefix_key_column(conn: sqlite3.Connection) -> None:
-    """A database made before lines ran in prefix order gains the column ('' : its lines keep file order)."""
+    """A database made before lines ran in prefix order gains the column ('' : its lines keep file order).
+    The index pending_lines walks replaces the one by line, which would only cost every write."""
     if "prefix_key" not in {row[1] for row in conn.execute("PRAGMA table_info(batch_lines)")}:
         conn.execute("ALTER TABLE batch_lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''")
     conn.execute("CREATE INDEX IF NOT EXISTS batch_lines_prefix_order ON batch_lines (batch_id, done, prefix_key, line)")
+    conn.execute("DROP INDEX IF EXISTS batch_lines_pending")
 
 
 def _file_object(row: sqlite3.Row) -> dict:
