@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backfill.bench.driver import run_workload
 from backfill.bench.metrics import RequestRecord
@@ -35,6 +36,9 @@ from backfill.bench.target import Target
 from backfill.bench.workload import Workload, make_requests
 from backfill.errors import WorkloadError
 from backfill.progress import PROGRESS_EVERY_S, Heartbeat
+
+if TYPE_CHECKING:
+    from backfill.serving.config import ServingConfig
 
 DEFAULT_LEVELS = (1, 8, 32, 64)
 
@@ -166,9 +170,12 @@ def _tokenizer(model: str | None):
     return load_model(model).tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_command(argv: list[str] | None = None) -> tuple[argparse.Namespace, BurstShape, tuple[int, ...],
+                                                          ServingConfig]:
+    """The command line: its flags, the burst shape, the levels and the engine config --in-process
+    builds (`backfill serve`'s defaults where no flag says otherwise)."""
     from backfill.options import add_arguments, build, given, options_of
-    from backfill.serving.config import ServingConfig
+    from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 
     parser = argparse.ArgumentParser(prog="python -m backfill.bench.concurrency_burst", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -184,11 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default=None, help="name of this run in the JSON")
     parser.add_argument("--json", default=None, help="write the results to this file")
     engine_options = options_of(ServingConfig, "engine") + options_of(ServingConfig, "serving")
-    add_arguments(parser, engine_options)
+    add_arguments(parser, engine_options, COMMAND_DEFAULTS)  # --in-process runs what `backfill serve` runs
     args = parser.parse_args(argv)
     shape = BurstShape(args.prompt_tokens, args.output_tokens, args.bursts)
     levels = tuple(args.concurrency)
     serving = build(ServingConfig, given(args, engine_options))
+    return args, shape, levels, serving
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, shape, levels, serving = parse_command(argv)
     if args.url:
         from backfill.bench.http_target import HttpTarget, served_model
 

@@ -80,3 +80,16 @@ def test_cpu_of_a_missing_process_is_a_typed_error():
     with pytest.raises(WorkloadError, match="no process"):
         process_cpu_s(2**22 + 12345)
     assert process_cpu_s(os.getpid()) > 0
+
+
+def test_in_process_runs_what_backfill_serve_runs():
+    """--in-process builds `backfill serve`'s defaults (auto dtype, compiled steps on CPU), so its
+    figures are the server's minus HTTP; flags still override them."""
+    from backfill.bench.concurrency_burst import parse_command
+    from backfill.serving.config import COMMAND_DEFAULTS
+
+    _, shape, levels, serving = parse_command(["--in-process", "--concurrency", "1", "8"])
+    assert (serving.dtype, serving.compile_decode) == (COMMAND_DEFAULTS["dtype"], COMMAND_DEFAULTS["compile_decode"])
+    assert levels == (1, 8) and shape.bursts == BurstShape.bursts
+    _, _, _, eager = parse_command(["--in-process", "--dtype", "float32", "--no-compile-decode"])
+    assert (eager.dtype, eager.compile_decode) == ("float32", False)
