@@ -214,14 +214,17 @@ def cmd_finetune_run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
+    from backfill.finetune.data import load_training_file
     from backfill.finetune.job import FinetuneJob
     from backfill.serving.build import build_runner
 
-    # Training never reads the paged KV cache, so no paged-attention kernel to build.
-    serving, loaded = _load_model(args, decode_attention="sdpa", prompt_attention="sdpa")
+    # Training never decodes nor reads the paged KV cache: no compiled steps, no paged-attention
+    # kernel to build.
+    serving, loaded = _load_model(args, decode_attention="sdpa", prompt_attention="sdpa", compile_decode=False)
     config = config_from_args(args, base_model=loaded.config.name)  # bad values fail before the model is built
+    samples = load_training_file(args.training_file, loaded.tokenizer, config.max_seq_len)  # and a bad file
     runner = build_runner(loaded.config, loaded.weights, serving)
-    job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out)
+    job = FinetuneJob(runner.model, loaded.tokenizer, args.training_file, config, args.out, samples=samples)
     print(f"finetuning {loaded.config.name}: {len(job.samples)} examples, {job.total_steps} steps "
           f"(from step {job.steps_done}), rank {config.rank}, targets {','.join(config.target_modules)}", flush=True)
     started, started_unix_s, printed = time.perf_counter(), time.time(), len(job.events)

@@ -24,7 +24,7 @@ import torch
 from backfill.engine.model import LlamaModel
 from backfill.errors import CheckpointError
 from backfill.finetune.config import FinetuneConfig
-from backfill.finetune.data import collate, load_training_file, step_samples
+from backfill.finetune.data import Sample, collate, load_training_file, step_samples
 from backfill.finetune.layerwise import embed, head_loss_sum, layer_forward, target_slices
 from backfill.finetune.lora import TrainableLoraAdapter
 
@@ -36,11 +36,14 @@ KEEP_CHECKPOINTS = 3  # older ones are deleted (the final adapter is kept apart)
 
 class FinetuneJob:
     def __init__(self, model: LlamaModel, tokenizer, training_file: Path, config: FinetuneConfig,
-                 out_dir: Path) -> None:
+                 out_dir: Path, samples: list[Sample] | None = None) -> None:
+        """samples: training_file already read (load_training_file with the same tokenizer and
+        config.max_seq_len), where the caller checked it before building the model."""
         self.model = model
         self.config = config
         self.out_dir = Path(out_dir)
-        self.samples = load_training_file(Path(training_file), tokenizer, config.max_seq_len)
+        self.samples = samples if samples is not None else load_training_file(Path(training_file), tokenizer,
+                                                                                config.max_seq_len)
         self.pad_id = 0
         num_batches = -(-len(self.samples) // config.batch_size)
         self.total_steps = config.max_steps or config.epochs * num_batches
