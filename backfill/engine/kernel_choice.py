@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from backfill.engine.native_build import cpu_key
+from backfill.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,6 @@ LARGE_STEP_ROW_MULTIPLE = 16
 # How much faster the padded counts must be, by the geometric mean of the pairs' ratios: the
 # penalty differs between counts (1.05x to 1.3x here), and the margin keeps noise from padding.
 LARGE_STEP_MARGIN = 1.05
-
-
-def cache_root() -> Path:
-    """backfill's cache directory ($BACKFILL_CACHE_DIR, else ~/.cache/backfill)."""
-    return Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
 
 
 @dataclass

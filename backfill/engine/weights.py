@@ -25,6 +25,7 @@ from backfill.engine.loaded_model import LoadedModel, expected_weight_shapes, va
 from backfill.engine.shapes import RANDOM_PREFIX, random_model_name, shape_config
 from backfill.engine.tokenizer import Tokenizer
 from backfill.errors import CorruptModelError, ModelLoadError, UnsupportedModelError
+from backfill.paths import cache_root
 
 # Bump when the cached layout or the GGUF conversion changes, so stale caches are not reused.
 CACHE_FORMAT_VERSION = 1
@@ -51,11 +52,6 @@ def random_model(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         else:
             weights[name] = torch.randn(shape, generator=generator) * 0.02
     return weights
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("BACKFILL_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "backfill"
 
 
 def gguf_cache_key(path: Path) -> str:
@@ -93,7 +89,7 @@ def load_model(path: str | Path | None = None, *, cache_dir: Path | None = None)
     path = _model_path(path)
     if path.is_dir():
         return load_hf_dir(path)
-    return _load_gguf_cached(path.resolve(), cache_dir if cache_dir is not None else default_cache_dir())
+    return _load_gguf_cached(path.resolve(), cache_dir if cache_dir is not None else cache_root())
 
 
 def read_model_config(path: str | Path | None = None) -> ModelConfig:
@@ -261,7 +257,7 @@ def default_tokenizer() -> Tokenizer | None:
             raise ModelLoadError(f"${TOKENIZER_ENV}={override} names no tokenizer.json")
         return Tokenizer.from_hf_dir(directory)
     path = default_model_path().resolve()
-    entry = _cache_entry(path, default_cache_dir())
+    entry = _cache_entry(path, cache_root())
     if (entry / "tokenizer.json").is_file():
         try:
             return Tokenizer.from_hf_dir(entry)

@@ -301,9 +301,9 @@ def attach_finetune_partitioned(engine: AsyncEngine, job: FinetuneJob, policy, p
 
 
 def harli_profile_path(model_name: str) -> Path:
-    import os
+    from backfill.paths import cache_root
 
-    root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
+    root = cache_root()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
     return root / "profiles" / f"harli-{safe}.json"
 

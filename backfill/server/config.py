@@ -15,6 +15,7 @@ from pathlib import Path
 
 from backfill.errors import ServerConfigError
 from backfill.options import Option, add_arguments, build, knob, options_of
+from backfill.paths import cache_root
 from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 from backfill.validation import check_int, check_non_negative, check_positive
 
@@ -29,8 +30,7 @@ TINY_KV_CACHE_GB = 0.0625   # the tiny test model needs a few MiB of KV, not the
 def default_db_path(port: int) -> Path:
     """One database per port under the cache dir: a restart on the same port finds its batches,
     and two servers on different ports never run each other's."""
-    root = Path(os.environ.get("BACKFILL_CACHE_DIR", Path.home() / ".cache" / "backfill"))
-    return root / f"server-{port}.db"
+    return cache_root() / f"server-{port}.db"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.engine.kernel_choice import cache_root
+from backfill.paths import cache_root
 from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.native_build import isa_capped_below_avx512

@@ -20,7 +20,7 @@ import pytest
 
 from server_helpers import ServerProcess, assert_error
 
-from backfill.engine.kernel_choice import cache_root
+from backfill.paths import cache_root
 
 DRAIN_TIMEOUT_S = 3.0
 # The process's own exit after the drain (interpreter teardown) may take a moment past the deadline.
