@@ -69,7 +69,8 @@ struct Fp32Single {
 // Outputs [n_block * 16, (n_block + C) * 16) for M rows of x: one pass over those C blocks.
 template <typename K, int M, int C>
 inline void column_blocks(const typename K::Weight* weight, const typename K::Step* x_steps, float* out,
-                          int64_t n_block, int64_t steps, int64_t out_features) {
+                          int64_t n_block, int64_t steps, int64_t out_features,
+                          const typename K::Weight* next = nullptr) {
   __m512 acc[M][C];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < C; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -77,6 +78,8 @@ inline void column_blocks(const typename K::Weight* weight, const typename K::St
   const int64_t block_elems = steps * step_elems;
   const typename K::Weight* w = weight + n_block * block_elems;
   for (int64_t p = 0; p < steps; ++p) {
+    if (next != nullptr)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_elems + p * step_elems);
     decltype(K::load(w)) wv[C];
     for (int c = 0; c < C; ++c) wv[c] = K::load(w + c * block_elems + p * step_elems);
     for (int m = 0; m < M; ++m) {
@@ -141,7 +144,7 @@ struct Bf16Pairs {
 // does GCC keep them in registers rather than write them back to the stack on every step.
 template <typename K, int M, int C>
 inline void column_blocks(const typename K::Weight* weight, const float* x, float* out, int64_t n_block,
-                          int64_t steps, int64_t out_features) {
+                          int64_t steps, int64_t out_features, const typename K::Weight* next = nullptr) {
   constexpr int F = K::kFeaturesPerStep;
   const int64_t in_features = steps * F;
   __m256 lo[M * C], hi[M * C];
@@ -151,6 +154,8 @@ inline void column_blocks(const typename K::Weight* weight, const float* x, floa
   const int64_t block_elems = steps * step_elems;
   const typename K::Weight* w = weight + n_block * block_elems;
   for (int64_t p = 0; p < steps; ++p) {
+    if (next != nullptr)
+      for (int c = 0; c < C; ++c) __builtin_prefetch(next + c * block_elems + p * step_elems);
     __m256 wlo[C * F], whi[C * F];
     #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) K::load(w + c * block_elems + p * step_elems, wlo + c * F, whi + c * F);
@@ -226,9 +231,9 @@ void rows_against_weight(const typename K::Weight* weight, const X* x, float* ou
 
 template <typename K, typename X, int M>
 void chunk_against_tile(const typename K::Weight* weight, const X* x, float* out, int64_t first, int64_t last,
-                        int64_t steps, int64_t out_features) {
+                        int64_t steps, int64_t out_features, const typename K::Weight* next) {
   if (last - first == kTiledColumns) {
-    column_blocks<K, M, kTiledColumns>(weight, x, out, first, steps, out_features);
+    column_blocks<K, M, kTiledColumns>(weight, x, out, first, steps, out_features, next);
   } else {
     for (int64_t b = first; b < last; ++b) column_blocks<K, M, 1>(weight, x, out, b, steps, out_features);
   }
@@ -236,7 +241,8 @@ void chunk_against_tile(const typename K::Weight* weight, const X* x, float* out
 
 template <typename K, typename X, int... Ms>
 constexpr auto chunk_fns(std::integer_sequence<int, Ms...>) {
-  using ChunkFn = void (*)(const typename K::Weight*, const X*, float*, int64_t, int64_t, int64_t, int64_t);
+  using ChunkFn = void (*)(const typename K::Weight*, const X*, float*, int64_t, int64_t, int64_t, int64_t,
+                           const typename K::Weight*);
   return std::array<ChunkFn, sizeof...(Ms)>{chunk_against_tile<K, X, Ms + 1>...};
 }
 
@@ -259,9 +265,13 @@ void many_rows(const typename K::Weight* weight, const X* x, float* out, int64_t
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kTiledColumns, last = std::min(blocks, first + kTiledColumns);
+      // The first pass reads the tile from memory; it also asks for the next tile a line per step, so
+      // that the weight streams in beside the multiply-adds instead of between tiles.
+      const typename K::Weight* next = last < blocks ? weight + last * steps * K::kFeaturesPerStep * kLanes : nullptr;
       for (int64_t row = 0; row < rows; row += kMaxRows) {
         const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
-        kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features);
+        kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features,
+                             row == 0 ? next : nullptr);
       }
     }
   });
