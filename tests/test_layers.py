@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "backfill"
 
 # Lowest first. A module on floor n may import floors <= n; same-floor packages may import each other.
 FLOORS: dict[str, int] = {
-    "types": 0, "sampling_params": 0, "errors": 0, "options": 0, "validation": 0, "progress": 0,
+    "types": 0, "sampling_params": 0, "errors": 0, "options": 0, "validation": 0, "progress": 0, "paths": 0,
     "engine": 1, "memory": 1,
     "policy": 2,
     "serving": 3,
