@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from backfill.errors import FinetuneError, LatencyProfileError
 from backfill.finetune.job import FinetuneJob
 from backfill.finetune.memory import KVLease, inference_demand_blocks, reserve_blocks
+from backfill.paths import cache_root
 from backfill.policy.harli import ColocationPolicy, ColoState, HarliLatencyModel, HarliPolicy, PauseOnlyPolicy
 
 if TYPE_CHECKING:
@@ -301,11 +302,8 @@ def attach_finetune_partitioned(engine: AsyncEngine, job: FinetuneJob, policy, p
 
 
 def harli_profile_path(model_name: str) -> Path:
-    from backfill.paths import cache_root
-
-    root = cache_root()
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return root / "profiles" / f"harli-{safe}.json"
+    return cache_root() / "profiles" / f"harli-{safe}.json"
 
 
 def load_saved_latency(model_name: str) -> HarliLatencyModel | None:

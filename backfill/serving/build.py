@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +13,6 @@ import torch
 from backfill.engine.config import ModelConfig
 from backfill.engine.cuda_graphs import DecodeGraphs
 from backfill.engine.kv_pool import KVBlockPool
-from backfill.paths import cache_root
 from backfill.engine.linear import matmul_kernel_for
 from backfill.engine.model import LlamaModel
 from backfill.engine.native_build import isa_capped_below_avx512
@@ -22,6 +20,7 @@ from backfill.engine.paged_attention import kernel_digest, prompt_kernel_digest
 from backfill.engine.runner import ModelRunner
 from backfill.engine.small_batch_matmul import load_small_batch_matmul
 from backfill.engine.small_batch_matmul import kernel_digest as small_batch_digest
+from backfill.paths import cache_root
 from backfill.policy import registry
 from backfill.progress import Heartbeat
 from backfill.policy.checkpoint import AdaptiveCheckpointPolicy
