@@ -22,6 +22,22 @@ def tiny_config() -> ModelConfig:
     return ModelConfig.tiny()
 
 
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """HF transformers' own reading of the embedded default model's GGUF (float32, eval, no grads):
+    the reference the real-model tests compare with. Loaded once a session, since transformers
+    dequantizes the GGUF in Python (about 20 s on 2 cores). Tests only run it, never change it."""
+    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
+    transformers = pytest.importorskip("transformers")
+    from backfill.engine.default_model import default_model_path
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    return model
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_torch():
     torch.manual_seed(0)

@@ -69,18 +69,13 @@ def test_transformers_loads_the_export_like_the_gguf(tiny_loaded, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_model_export_matches_transformers_gguf(tmp_path):
-    pytest.importorskip("accelerate")
+def test_real_model_export_matches_transformers_gguf(tmp_path, hf_default_model):
     from transformers import AutoModelForCausalLM
-
-    from backfill.engine.default_model import default_model_path
 
     loaded = load_model(None, cache_dir=tmp_path / "cache")
     out = export_hf_dir(loaded, tmp_path / "hf")
-    path = default_model_path()
     ids = torch.tensor([loaded.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])])
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
-        want = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                    dtype=torch.float32).eval()(ids).logits
+        want = hf_default_model(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -309,16 +309,11 @@ def test_default_model_path():
 
 
 @pytest.mark.slow
-def test_real_model_matches_transformers(tmp_path):
-    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
+def test_real_model_matches_transformers(tmp_path, hf_default_model):
     loaded = load_model(None, cache_dir=tmp_path)
     assert loaded.config.vocab_size == 49152 and loaded.config.num_layers == 30
     assert loaded.config.num_kv_heads == 3 and loaded.config.rope_theta == 100000.0
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    state = reference.state_dict()
+    state = hf_default_model.state_dict()
     for name, tensor in loaded.weights.items():
         torch.testing.assert_close(tensor, state[name].float(), rtol=0, atol=0, msg=name)
     cached = load_model(None, cache_dir=tmp_path)

@@ -32,15 +32,6 @@ def server(tmp_path_factory):
         yield live
 
 
-@pytest.fixture(scope="module")
-def hf_model():
-    from backfill.engine.default_model import default_model_path
-
-    path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-
-
 def hf_reference(hf_model, prompt_ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy decoding with HF's own repetition-penalty processor plus OpenAI's frequency/presence
     formula (logit - count x frequency - [count > 0] x presence, output tokens only); logprobs of
@@ -63,14 +54,14 @@ def hf_reference(hf_model, prompt_ids: list[int], n: int) -> tuple[list[int], li
     return out, logprobs
 
 
-def test_greedy_penalties_and_logprobs_match_transformers(server, hf_model):
+def test_greedy_penalties_and_logprobs_match_transformers(server, hf_default_model):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
     messages = [{"role": "user", "content": PROMPT}]
     out = client.chat.completions.create(model=None, messages=messages, max_tokens=NUM_TOKENS, temperature=0,
                                          logprobs=True, top_logprobs=2,
                                          extra_body={"ignore_eos": True, **PENALTIES})
     prompt_ids = list(server.state.engine.tokenizer.encode_chat(messages))
-    expected_ids, expected_logprobs = hf_reference(hf_model, prompt_ids, NUM_TOKENS)
+    expected_ids, expected_logprobs = hf_reference(hf_default_model, prompt_ids, NUM_TOKENS)
     tokenizer = server.state.engine.tokenizer
     assert out.choices[0].message.content == tokenizer.decode(expected_ids)
     got = [entry.logprob for entry in out.choices[0].logprobs.content]
