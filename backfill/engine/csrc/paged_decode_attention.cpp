@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_for.h"
 #include "tile_attention.h"
 
 namespace {
@@ -764,17 +765,16 @@ void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const 
   const auto output_of = [&](int64_t pair) {
     return out + ((pair / s.n_kv) * s.n_q + (pair % s.n_kv) * s.group) * s.head_dim;
   };
-  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(s);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t pair = task / splits, split = task % splits;
-      const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
-      const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size;
-      const Partial part = partial(pair, split);
-      attend_blocks<T, kHeadDim>(s, q + seq * s.q_stride, k_pool, v_pool, tables + seq * s.width, lens[seq],
-                    split * blocks / splits, (split + 1) * blocks / splits, head, scratch, part);
-      if (splits == 1) merge_and_write(s, &part, 1, output_of(pair));  // the whole context: write it now
-    }
+  std::vector<Scratch> scratches(std::max(1, at::get_num_threads()), Scratch(s));
+  balanced::parallel_for(pairs * splits, [&](int64_t task, int64_t) {
+    const int64_t pair = task / splits, split = task % splits;
+    const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
+    const int64_t blocks = (lens[seq] + s.block_size - 1) / s.block_size;
+    const Partial part = partial(pair, split);
+    attend_blocks<T, kHeadDim>(s, q + seq * s.q_stride, k_pool, v_pool, tables + seq * s.width, lens[seq],
+                               split * blocks / splits, (split + 1) * blocks / splits, head,
+                               scratches[at::get_thread_num()], part);
+    if (splits == 1) merge_and_write(s, &part, 1, output_of(pair));  // the whole context: write it now
   });
   if (splits == 1) return;
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {

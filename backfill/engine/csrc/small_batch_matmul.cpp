@@ -36,6 +36,8 @@
 #include <cstring>
 #include <utility>
 
+#include "balanced_for.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 namespace {
@@ -262,17 +264,16 @@ void many_rows(const typename K::Weight* weight, const X* x, float* out, int64_t
   const int64_t x_row = steps * kXPerStep<K>;
   const int64_t blocks = (out_features + kLanes - 1) / kLanes;
   const int64_t groups = (blocks + kTiledColumns - 1) / kTiledColumns;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kTiledColumns, last = std::min(blocks, first + kTiledColumns);
-      // The first pass reads the tile from memory; it also asks for the next tile a line per step, so
-      // that the weight streams in beside the multiply-adds instead of between tiles.
-      const typename K::Weight* next = last < blocks ? weight + last * steps * K::kFeaturesPerStep * kLanes : nullptr;
-      for (int64_t row = 0; row < rows; row += kMaxRows) {
-        const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
-        kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features,
-                             row == 0 ? next : nullptr);
-      }
+  balanced::parallel_for(groups, [&](int64_t g, int64_t next_group) {
+    const int64_t first = g * kTiledColumns, last = std::min(blocks, first + kTiledColumns);
+    // The first pass reads the tile from memory; it also asks for the next tile a line per step, so
+    // that the weight streams in beside the multiply-adds instead of between tiles.
+    const typename K::Weight* next =
+        next_group >= 0 ? weight + next_group * kTiledColumns * steps * K::kFeaturesPerStep * kLanes : nullptr;
+    for (int64_t row = 0; row < rows; row += kMaxRows) {
+      const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
+      kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features,
+                           row == 0 ? next : nullptr);
     }
   });
 }
