@@ -20,6 +20,7 @@ import torch
 
 from backfill.engine.step import SeqChunk
 from backfill.engine.weights import load_model
+from backfill.progress import Heartbeat
 from backfill.serving.build import build_runner
 from backfill.serving.config import ServingConfig
 
@@ -64,12 +65,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    loaded = load_model()
-    runner = build_runner(loaded.config, loaded.weights, ServingConfig(dtype="auto", compile_decode=True))
-    runner.wait_until_warm()
-    figures = {"decode1_ms": decode_ms(runner, 1, 60), "decode64_ms": decode_ms(runner, 64, 40),
-               "decode32_ms": decode_ms(runner, 32, 40), "decode8_ms": decode_ms(runner, 8, 40),
-               "prompt4x128_ms": prompt_ms(runner, 4, 128, 6)}
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    with Heartbeat(log, "building the model and its compiled steps"):
+        loaded = load_model()
+        runner = build_runner(loaded.config, loaded.weights, ServingConfig(dtype="auto", compile_decode=True))
+        runner.wait_until_warm()
+    steps = {"decode1_ms": lambda: decode_ms(runner, 1, 60), "decode64_ms": lambda: decode_ms(runner, 64, 40),
+             "decode32_ms": lambda: decode_ms(runner, 32, 40), "decode8_ms": lambda: decode_ms(runner, 8, 40),
+             "prompt4x128_ms": lambda: prompt_ms(runner, 4, 128, 6)}
+    figures = {}
+    for name, measure in steps.items():
+        with Heartbeat(log, f"timing {name[:-3]}"):
+            figures[name] = measure()
     print(" ".join(f"{name} {value:.1f}" for name, value in figures.items()))
     if args.json:
         with open(args.json, "w") as f:
