@@ -17,11 +17,13 @@ def _request(i: int) -> GenerationRequest:
                              request_id=f"r{i}")
 
 
-async def _first_token_times(engine, gaps_s: float, n: int = 4) -> list[float]:
+async def _first_token_times(engine, gaps_s: float, n: int = 4) -> tuple[list[float], list[float]]:
+    """The time each request was submitted, and the time of its first token."""
     await engine.start()
     try:
-        streams = []
+        streams, submitted = [], []
         for i in range(n):
+            submitted.append(time.monotonic())
             streams.append(engine.submit(_request(i)))
             time.sleep(gaps_s)   # arrivals spaced like parsed HTTP requests, the loop held meanwhile
 
@@ -33,7 +35,7 @@ async def _first_token_times(engine, gaps_s: float, n: int = 4) -> list[float]:
                         pass
                     return t
             raise AssertionError("no token")
-        return await asyncio.gather(*(first(s) for s in streams))
+        return submitted, list(await asyncio.gather(*(first(s) for s in streams)))
     finally:
         await engine.stop()
 
@@ -43,12 +45,13 @@ def test_an_idle_engine_gathers_requests_arriving_together(monkeypatch, gather_s
     monkeypatch.setattr(async_engine, "ARRIVAL_QUIET_S", 0.05)   # far above the arrival gaps below
     engine = build_tiny_engine(ServingConfig(policy="fcfs"))
     engine.arrival_gather_s = gather_s
-    times = asyncio.run(_first_token_times(engine, gaps_s=0.005))
-    spread_s = max(times) - min(times)
+    submitted, times = asyncio.run(_first_token_times(engine, gaps_s=0.005))
     if gather_s:
-        assert spread_s < 0.004   # one first step prefilled all four (a tiny model's step is about 1 ms)
+        assert max(times) - min(times) < 0.004   # one first step prefilled all four (a tiny model's step is about 1 ms)
+        assert min(times) > submitted[-1]
     else:
-        assert spread_s > 0.01    # each arrival, 5 ms after the last, was stepped on its own
+        # Not gathered: the first arrival was stepped at once, before the last arrived 15 ms later.
+        assert times[0] < submitted[-1]
 
 
 def test_gathering_stops_when_arrivals_stop_or_at_the_deadline(monkeypatch):
