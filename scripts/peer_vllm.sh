@@ -43,7 +43,7 @@
 # LLAMA_SERVER (llama-server's path, for part llamacpp), ENGINE_FLAGS (backfill's engine flags; empty:
 # `backfill serve` as a user starts it), DURATION_S (coserve
 # seconds of trace per run, 60; COSERVE=0 runs the bursts alone), WARMUP_S (in-process coserve
-# warm-up, 10), BURSTS (measured bursts per level, 2), OVERHEAD_PAIRS (paired bursts per level,
+# warm-up, 10), BURSTS (measured bursts per level, 2; 0 leaves the bursts out), OVERHEAD_PAIRS (paired bursts per level,
 # 8), TORCH_EXTENSIONS_DIR, VLLM_VENV (/tmp/vllm-venv), VLLM_KV_GB (vLLM's CPU KV cache, 1),
 # VLLM_AVX2_DTYPES (part vllm-avx2's dtypes, "bfloat16 float32"), VLLM_DTYPE (vLLM's dtype in parts vllm,
 # vllm-1core and prefix, bfloat16; float32 on a CPU without AVX-512, where vLLM's bf16 runs emulated and slower).
@@ -103,6 +103,7 @@ wait_healthy() {  # URL LOG TIMEOUT_S [PROBE_PATH, default /health]
 # The client's coserve run derives the online rate from the latency profile; both servers get
 # the same trace because the client always uses the same profile (measured once if absent).
 bursts() {  # NAME URL MODEL
+    [[ $BURSTS == 0 ]] && return 0
     echo "== $1: bursts at concurrency $LEVELS"
     "$PY" -m backfill.bench.concurrency_burst --url "$2" --served-model "$3" --concurrency $LEVELS \
         --bursts "$BURSTS" --label "$1" --json "$OUT/burst-$1.json" $ENGINE_FLAGS
