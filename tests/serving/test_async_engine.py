@@ -42,15 +42,17 @@ async def _first_token_times(engine, gaps_s: float, n: int = 4) -> tuple[list[fl
 
 @pytest.mark.parametrize("gather_s", [0.0, 0.5])
 def test_an_idle_engine_gathers_requests_arriving_together(monkeypatch, gather_s):
-    monkeypatch.setattr(async_engine, "ARRIVAL_QUIET_S", 0.05)   # far above the arrival gaps below
+    # Arrivals 50 ms apart, far longer than a tiny model's step (about 1 ms, tens on a loaded
+    # machine); gathering waits for a quiet gap of 200 ms, far above them.
+    monkeypatch.setattr(async_engine, "ARRIVAL_QUIET_S", 0.2)
     engine = build_tiny_engine(ServingConfig(policy="fcfs"))
     engine.arrival_gather_s = gather_s
-    submitted, times = asyncio.run(_first_token_times(engine, gaps_s=0.005))
+    submitted, times = asyncio.run(_first_token_times(engine, gaps_s=0.05))
     if gather_s:
-        assert max(times) - min(times) < 0.004   # one first step prefilled all four (a tiny model's step is about 1 ms)
+        assert max(times) - min(times) < 0.004   # one first step prefilled all four
         assert min(times) > submitted[-1]
     else:
-        # Not gathered: the first arrival was stepped at once, before the last arrived 15 ms later.
+        # Not gathered: the first arrival was stepped at once, before the last arrived 150 ms later.
         assert times[0] < submitted[-1]
 
 
