@@ -765,7 +765,9 @@ void attend(const Shape& s, const T* q, const T* k_pool, const T* v_pool, const 
   const auto output_of = [&](int64_t pair) {
     return out + ((pair / s.n_kv) * s.n_q + (pair % s.n_kv) * s.group) * s.head_dim;
   };
-  std::vector<Scratch> scratches(std::max(1, at::get_num_threads()), Scratch(s));
+  // One per thread that may run a task; called inside a parallel region the loop runs on this
+  // thread alone, whose number can exceed the thread count reported there.
+  std::vector<Scratch> scratches(std::max(at::get_num_threads(), at::get_thread_num() + 1), Scratch(s));
   balanced::parallel_for(pairs * splits, [&](int64_t task, int64_t) {
     const int64_t pair = task / splits, split = task % splits;
     const int64_t seq = pair / s.n_kv, head = pair % s.n_kv;
