@@ -150,14 +150,15 @@ from backfill.serving.config import COMMAND_DEFAULTS, ServingConfig
 
 cfg = ServingConfig(**COMMAND_DEFAULTS)   # ENGINE_FLAGS empty: the commands' defaults
 path = default_profile_path(load_model(cfg.model).config.name, cfg)
-seed = os.environ["SEED_BF16" if cfg.resolved_dtype == "bfloat16" else "SEED_FP32"]
+import torch
+seed = os.environ["SEED_BF16" if cfg.compute_dtype == torch.bfloat16 else "SEED_FP32"]
 if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(seed, path)
     print(f"seeded {path} from {seed}")
 PYEOF
 }
-# auto dtype is float32 where the CPU lacks bf16 matmul kernels (AVX2 only, or AVX2 forced).
+# The auto dtype computes in float32 where the CPU lacks bf16 matmul kernels (AVX2 only, or AVX2 forced).
 FP32_PROFILE=$ROOT/docs/results/profile-cpu-zen5-avx2-fp32-cd.json
 seed_profile "$ROOT/docs/results/profile-cpu-zen5-bf16-cd-p6.json" "$FP32_PROFILE" || exit 1
 
@@ -254,7 +255,7 @@ fi
 if [[ " $PARTS " == *" vllm-avx2 "* ]] && install_vllm; then
     # vLLM as a CPU without AVX-512 runs it: PyTorch and oneDNN held to AVX2 as for backfill-avx2, and
     # torch.cpu's AVX-512 and AMX probes answering no, which is how vLLM picks its _C_AVX2 kernels and
-    # its AMX-only paths. bf16 (its default) and fp32 (what backfill's auto dtype is there) both run.
+    # its AMX-only paths. bf16 (its default) and fp32 (what backfill's auto dtype computes in there) both run.
     AVX2_SITE=$OUT/vllm-avx2-site
     mkdir -p "$AVX2_SITE"
     cat > "$AVX2_SITE/sitecustomize.py" <<'PYEOF'

@@ -64,11 +64,12 @@ def prompt_ms(runner, sequences: int, length: int, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--dtype", default="auto", help="the model's dtype, as `backfill serve --dtype` (auto)")
     args = parser.parse_args()
     log = lambda line: print(line, flush=True)  # noqa: E731
     with Heartbeat(log, "building the model and its compiled steps"):
         loaded = load_model()
-        runner = build_runner(loaded.config, loaded.weights, ServingConfig(dtype="auto", compile_decode=True))
+        runner = build_runner(loaded.config, loaded.weights, ServingConfig(dtype=args.dtype, compile_decode=True))
         runner.wait_until_warm()
     steps = {"decode1_ms": lambda: decode_ms(runner, 1, 60), "decode64_ms": lambda: decode_ms(runner, 64, 40),
              "decode32_ms": lambda: decode_ms(runner, 32, 40), "decode8_ms": lambda: decode_ms(runner, 8, 40),
@@ -80,7 +81,8 @@ def main() -> None:
     print(" ".join(f"{name} {value:.1f}" for name, value in figures.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**figures, "threads": torch.get_num_threads(), "machine": platform.machine()}, f, indent=1)
+            json.dump({**figures, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                       "machine": platform.machine()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -201,8 +201,8 @@ def run_device_burst(cfg: DeviceBurstConfig = DeviceBurstConfig(), log=print,
     try:
         if "cfs-lent" in cfg.modes or cfg.transfer_blocks:
             neighbour = Neighbour(int(cfg.lend_mb * 2**20), cfg.device)
-        runner = ModelRunner(build_eager_model(config, random_model(config, cfg.seed), cfg.dtype, cfg.device),
-                             KVBlockPool(config, cfg.kv_blocks, cfg.block_size, dtype, cfg.device))
+        model = build_eager_model(config, random_model(config, cfg.seed), cfg.dtype, cfg.device)
+        runner = ModelRunner(model, KVBlockPool(config, cfg.kv_blocks, cfg.block_size, model.dtype, cfg.device))
         out: dict[str, Any] = {"config": json.loads(json.dumps(asdict(cfg))), "model": config.name,
                                "kv_bytes": runner.kv.nbytes, "link": read_link_peak(_index(cfg.device)).as_dict(),
                                "modes": {}, "partial": True, "skipped": []}

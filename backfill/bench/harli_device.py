@@ -52,7 +52,7 @@ def build_runner(shape: str, device: str, dtype: torch.dtype, kv_gb: float):
             weights[name] = torch.randn(dims, generator=g, dtype=dtype, device=device) * 0.02
     model = build_eager_model(config, weights, str(dtype).removeprefix("torch."), device)
     del weights
-    kv = KVBlockPool.for_memory(config, int(kv_gb * 2**30), 16, dtype, device)
+    kv = KVBlockPool.for_memory(config, int(kv_gb * 2**30), 16, model.dtype, device)
     return ModelRunner(model, kv)
 
 

@@ -104,7 +104,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         from backfill.engine.paged_attention import shared_prefix_tiles_available
 
-        tiles = cfg.torch_dtype == torch.bfloat16 and shared_prefix_tiles_available()
+        tiles = cfg.compute_dtype == torch.bfloat16 and shared_prefix_tiles_available()
         print("decode attention over shared prefix blocks: " + ("AMX tiles" if tiles else "vector FMAs"))
     latency = profile_latency(runner, model_name=loaded.config.name)
     path = Path(args.out) if args.out else default_profile_path(loaded.config.name, cfg)

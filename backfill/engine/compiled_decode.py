@@ -292,8 +292,12 @@ class CompiledDecode:
     def __init__(self, layers: list[DecodeLayer], lm_head: torch.Tensor, eps: float, num_heads: int,
                  num_kv_heads: int, head_dim: int, small_batch_kernel: bool = True,
                  linears: list[dict] | None = None, lm_head_linear: Callable | None = None,
-                 linear_name: str = "linear") -> None:
+                 linear_name: str = "linear", dtype: torch.dtype | None = None) -> None:
+        """dtype: the activations' (default: the weights'); fp32 activations over bf16 weights are a bf16
+        model on a CPU without bf16 matmul kernels (engine/linear.py), whose small steps still read
+        the weights at two bytes."""
         self.eps = eps
+        self.dtype = dtype or lm_head.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.hidden_size = lm_head.shape[1]
         self.out_features = {name: getattr(layers[0], name).shape[0] for name in LAYER_WEIGHTS}
@@ -309,7 +313,7 @@ class CompiledDecode:
                             "down": self.intermediate_size, "lm_head": self.hidden_size}
         # The weights the tile kernel also takes (bf16, inputs in whole tiles), on a CPU with AMX.
         self.tiled = frozenset(name for name, n in self.in_features.items() if tiles_take(lm_head.dtype, n)) \
-            if self.packed and load_tiles_matmul() else frozenset()
+            if self.packed and self.dtype == lm_head.dtype and load_tiles_matmul() else frozenset()
         self.linears = linears or []
         self.lm_head_linear = lm_head_linear
         # Which weights run through the model's Linear at which batch size; none without linears.
@@ -336,9 +340,15 @@ class CompiledDecode:
             self.pieces.clear()
             self.ready = False
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the pieces read the matmul weights in (the model's, which may be below the activations')."""
+        return self.lm_head.dtype
+
     def _choice_signature(self) -> dict:
         return {"what": "compiled-decode", "hidden": self.hidden_size, "intermediate": self.intermediate_size,
-                "out_features": self.out_features, "dtype": str(self.lm_head.dtype), "layers": len(self.layers),
+                "out_features": self.out_features, "dtype": str(self.lm_head.dtype),
+                "activations": str(self.dtype), "layers": len(self.layers),
                 "rows": list(CHOICE_ROWS),
                 "small_batch_kernel": small_batch_kernel_digest()}
 
@@ -359,7 +369,7 @@ class CompiledDecode:
 
     def _step_matmuls(self, path: str, rows: int) -> list[tuple[str, Callable[[], object]]]:
         """A step's matmuls through `path` on `rows` random rows, in a step's order: (name, call)."""
-        dtype = self.lm_head.dtype
+        dtype = self.dtype
         x = {name: torch.randn(rows, n, dtype=dtype) * 0.1 for name, n in self.in_features.items()}
         # A large step's pieces leave the LM head to the model (a prompt chunk wants few rows' logits).
         lm_head = [(None, "lm_head")] if rows <= max(PACKED_DECODE_BUCKETS) else []
@@ -377,7 +387,7 @@ class CompiledDecode:
 
     def _layer_matmuls_at(self, rows: int) -> Callable[[], object]:
         """Layer 0's four matmuls through the model's Linear on `rows` rows (a large step's)."""
-        linears, dtype = self.linears[0], self.lm_head.dtype
+        linears, dtype = self.linears[0], self.dtype
         x = torch.randn(rows, self.hidden_size, dtype=dtype) * 0.1
         attn = torch.randn(rows, self.num_heads * self.head_dim, dtype=dtype) * 0.1
         act = torch.randn(rows, self.intermediate_size, dtype=dtype) * 0.1
@@ -500,7 +510,7 @@ class CompiledDecode:
         runs outside (the model's Linear; by default as the kernel choice says for this size)
         compiles only what follows its matmul. dynamic_rows: for any row count, traced at batch;
         choice_rows: the size whose chosen kernels the pieces take (default: batch)."""
-        hidden_size, dtype, device = self.hidden_size, self.lm_head.dtype, self.lm_head.device
+        hidden_size, dtype, device = self.hidden_size, self.dtype, self.lm_head.device
         h = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
         attn = torch.zeros(batch, self.num_heads * self.head_dim, dtype=dtype, device=device)
         norm = torch.ones(hidden_size, dtype=dtype, device=device)

@@ -80,8 +80,9 @@ class MatmulKernel:
 def matmul_kernel_for(device: torch.device, dtype: torch.dtype) -> MatmulKernel:
     compute_dtype = dtype
     if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16_matmul():
-        # No bf16 GEMM on this CPU: keep bf16 activations and KV cache but multiply in fp32,
-        # which is far faster than PyTorch's bf16 fallback.
+        # No bf16 GEMM on this CPU: the model keeps its weights' bf16 values but computes in fp32
+        # (activations and KV cache too, engine/model.py), far faster than PyTorch's bf16 fallback;
+        # the compiled steps' small-batch kernel still reads the bf16 weights at two bytes.
         compute_dtype = torch.float32
     return MatmulKernel(onednn_packing_enabled(device, compute_dtype), compute_dtype,
                         dtype if compute_dtype != dtype else None)

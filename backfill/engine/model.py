@@ -83,8 +83,11 @@ class LlamaModel:
             raise ValueError(f"cuda_kernels must be torch or triton, got {cuda_kernels!r}")
         self.config = config
         self.cuda_kernels = cuda_kernels
-        self.dtype = dtype
         self.device = torch.device(device)
+        kernel = matmul_kernel_for(self.device, dtype)
+        # Activations and the KV cache are in the matmuls' dtype: a bf16 model on a CPU without bf16
+        # matmul kernels keeps its weights' bf16 values and computes in fp32 (engine/linear.py).
+        self.weight_dtype, self.dtype = dtype, kernel.compute_dtype
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
             # PyTorch may send SDPA to cuDNN, which builds a plan for every new shape, and prefill
             # spans come in every length: a step of unseen lengths costs several planned ones
@@ -92,16 +95,20 @@ class LlamaModel:
             log.info("turning off cuDNN attention: it plans every new prefill shape anew")
             torch.backends.cuda.enable_cudnn_sdp(False)
 
-        def w(name: str) -> torch.Tensor:
+        def weight(name: str) -> torch.Tensor:
+            """A weight in the model's dtype (matmul weights: the Linears and compiled pieces take them so)."""
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        kernel = matmul_kernel_for(self.device, dtype)
+        def w(name: str) -> torch.Tensor:
+            """A weight as the activations use it (embeddings, norms): its dtype's values, in theirs."""
+            return weight(name).to(self.dtype)
+
         self.matmul_kernel = kernel.name
         if kernel.upcast:
-            log.warning("this CPU has no %s matmul kernels; weight matmuls run in %s", dtype, kernel.compute_dtype)
+            log.info("no %s matmul kernels on this CPU: %s weights, computed in %s", dtype, dtype, kernel.compute_dtype)
 
-        def linear(weight: torch.Tensor) -> Linear:
-            return Linear(weight, kernel.packed, kernel.compute_dtype)
+        def linear(matrix: torch.Tensor) -> Linear:
+            return Linear(matrix, kernel.packed, kernel.compute_dtype)
 
         self.embed = w("model.embed_tokens.weight")
         lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
@@ -116,25 +123,25 @@ class LlamaModel:
             p = f"model.layers.{i}."
             # Fusing q/k/v and gate/up into one matmul each halves the kernel launches per layer.
             plain = dict(
-                qkv=torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                               w(p + "self_attn.v_proj.weight")]),
-                o=w(p + "self_attn.o_proj.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"))
+                qkv=torch.cat([weight(p + "self_attn.q_proj.weight"), weight(p + "self_attn.k_proj.weight"),
+                               weight(p + "self_attn.v_proj.weight")]),
+                o=weight(p + "self_attn.o_proj.weight"),
+                gate_up=torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")]),
+                down=weight(p + "mlp.down_proj.weight"))
             self.layers.append(dict(attn_norm=w(p + "input_layernorm.weight"),
                                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                                    **{name: linear(weight) for name, weight in plain.items()},
+                                    **{name: linear(matrix) for name, matrix in plain.items()},
                                     **self._attention_extras(p, w)))
             if compile_decode:
                 plain_layers.append(plain)
         t = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(t, config.rope_inv_freq())  # Llama 3's scaling, where the model has it
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.rope_cos = emb.cos().to(device=self.device, dtype=dtype)
-        self.rope_sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.rope_cos = emb.cos().to(device=self.device, dtype=self.dtype)
+        self.rope_sin = emb.sin().to(device=self.device, dtype=self.dtype)
         self.compiled_decode: CompiledDecode | None = None
         if compile_decode:
-            self.compiled_decode = self._build_compiled_decode(plain_layers, lm_head)
+            self.compiled_decode = self._build_compiled_decode(plain_layers, lm_head.to(dtype))
         # Decode attention straight from the paged pool (CPU kernel); None: gather + SDPA.
         self.paged_decode_attention: PagedDecodeAttention | None = None
         if paged_attention_kernel and self.device.type == "cpu":
@@ -195,7 +202,8 @@ class LlamaModel:
         linears = [{name: layer[name] for name in plain} for layer, plain in zip(self.layers, plain_layers)]
         compiled = CompiledDecode([DecodeLayer(**plain) for plain in plain_layers], lm_head, cfg.rms_norm_eps,
                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, linears=linears,
-                                  lm_head_linear=self.lm_head_logits, linear_name=self.matmul_kernel)
+                                  lm_head_linear=self.lm_head_logits, linear_name=self.matmul_kernel,
+                                  dtype=self.dtype)
         return compiled if compiled.ready else None
 
     @property
@@ -225,9 +233,13 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes one decode step reads from the weights: every matmul's (in its compute dtype) and the norms'."""
+        """Bytes a decode step of one sequence reads from the weights: every matmul's (as the compiled
+        pieces hold them where they run it: bf16 over fp32 activations reads two bytes a weight, else
+        in the Linears' compute dtype) and the norms'."""
         tensors = [t for layer in self.layers for t in layer.values()] + self.lm_head_slices + [self.final_norm]
-        return sum(t.nbytes if isinstance(t, Linear) else t.numel() * t.element_size() for t in tensors)
+        matmul_dtype = self.compiled_decode.weight_dtype if self.compiled_decode is not None else None
+        return sum((t.numel() * matmul_dtype.itemsize if matmul_dtype is not None else t.nbytes)
+                   if isinstance(t, Linear) else t.numel() * t.element_size() for t in tensors)
 
     def _write_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv: KVBlockPool) -> None:
         kv.k_slots[li].index_copy_(0, meta.slot_mapping, k)

@@ -76,6 +76,10 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVBlockPool, decode_graphs: DecodeGraphs | None = None) -> None:
         """decode_graphs: run the decode steps that fit it through captured CUDA graphs
         (backfill/engine/cuda_graphs.py); None runs every step eagerly."""
+        if kv.dtype != model.dtype:
+            # A bf16 model on a CPU without bf16 matmul kernels computes in fp32 (engine/linear.py).
+            raise ValueError(f"the KV cache is {kv.dtype} but the model computes in {model.dtype}: "
+                             f"build the pool with the model's dtype")
         self.model = model
         self.kv = kv
         self.device = model.device
@@ -88,12 +92,10 @@ class ModelRunner:
     def adapters(self) -> AdapterRegistry:
         """The LoRA adapters this runner serves, by name (created on first use)."""
         if self._adapters is None:
-            from backfill.engine.linear import matmul_kernel_for
             from backfill.engine.lora import AdapterRegistry
 
-            # In the weight matmuls' dtype: a bf16 model on a CPU without bf16 GEMMs multiplies in fp32.
-            compute_dtype = matmul_kernel_for(self.device, self.model.dtype).compute_dtype
-            self._adapters = AdapterRegistry(self.config, compute_dtype, self.device)
+            # In the activations' dtype: a bf16 model on a CPU without bf16 GEMMs computes in fp32.
+            self._adapters = AdapterRegistry(self.config, self.model.dtype, self.device)
         return self._adapters
 
     @property

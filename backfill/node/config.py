@@ -87,9 +87,9 @@ class ModelEntry:
     prompt_attention: str = knob("sdpa", "attention of prompt chunks: auto (a C++ kernel reading the paged KV cache "
                                  "in place, built on first use) or sdpa", choices=ATTENTION_CHOICES)
     profile_path: str | None = knob(None, "coserve latency profile; unset: the cached one (measured on first use)")
-    # As `backfill serve` (COMMAND_DEFAULTS): bf16 where the CPU has bf16 matmul kernels, compiled steps on CPU.
-    dtype: str = knob(str(COMMAND_DEFAULTS["dtype"]), "weights, activations and KV; auto: bfloat16 on CUDA and on "
-                      "CPUs with bf16 matmul kernels, else float32", choices=DTYPE_CHOICES)
+    # As `backfill serve` (COMMAND_DEFAULTS): bf16 (auto_dtype), compiled steps on CPU.
+    dtype: str = knob(str(COMMAND_DEFAULTS["dtype"]), "weights, activations and KV; auto: as `backfill serve`'s "
+                      "--dtype", choices=DTYPE_CHOICES)
     compile_decode: bool = knob(bool(COMMAND_DEFAULTS["compile_decode"]),
                                 "CPU: steps of a few tokens through compiled pieces, as `backfill serve`")
 

@@ -106,10 +106,10 @@ def build_kv_pool(model_config: ModelConfig, cfg: ServingConfig, *, num_blocks: 
     (memory shared with the node's other engines)."""
     if num_blocks is None and planes is None:
         return KVBlockPool.for_memory(model_config, int(cfg.kv_cache_gb * 2**30), cfg.block_size,
-                                      cfg.torch_dtype, cfg.resolved_device(), prefix_caching=cfg.prefix_caching)
+                                      cfg.compute_dtype, cfg.resolved_device(), prefix_caching=cfg.prefix_caching)
     if num_blocks is None:
         raise ValueError("KV planes need num_blocks")
-    return KVBlockPool(model_config, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.resolved_device(), planes,
+    return KVBlockPool(model_config, num_blocks, cfg.block_size, cfg.compute_dtype, cfg.resolved_device(), planes,
                        prefix_caching=cfg.prefix_caching)
 
 

@@ -23,19 +23,25 @@ ATTENTION_CHOICES = ("auto", "sdpa")
 CUDA_KERNELS_CHOICES = ("torch", "triton")
 
 
-def auto_dtype(device: str) -> str:
-    """The fastest sound dtype on the device: bf16 on CUDA and on CPUs with bf16 matmul kernels, else fp32."""
+def auto_dtype(device: str, compile_decode: bool = True) -> str:
+    """The fastest sound dtype on the device: bf16 on CUDA and on CPUs with bf16 matmul kernels. On a
+    CPU without them, bf16 weights computed in fp32 where compiled steps read them through the
+    small-batch kernel (AVX2 with FMA): a decode step of a few sequences reads half the bytes, and
+    larger steps run as fast as fp32's (engine/linear.py). Else fp32."""
     import torch
 
     from backfill.engine.linear import cpu_has_bf16_matmul
+    from backfill.engine.small_batch_matmul import kernel_isa
 
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if cpu_has_bf16_matmul() else "float32"
+    if cpu_has_bf16_matmul() or (compile_decode and kernel_isa() is not None):
+        return "bfloat16"
+    return "float32"
 
 
 # What `backfill serve`, a node's models and every command run unless told: the fastest sound
-# settings (bf16 where the CPU has bf16 matmul kernels, compiled steps on CPU). The dataclass keeps
+# settings (bf16 as auto_dtype says, compiled steps on CPU). The dataclass keeps
 # float32 and eager for the Python API and the tests, whose outputs must not change with the CPU;
 # `--dtype float32 --no-compile-decode` gives those on the command line.
 COMMAND_DEFAULTS: dict[str, object] = {"dtype": "auto", "compile_decode": True}
@@ -45,8 +51,10 @@ COMMAND_DEFAULTS: dict[str, object] = {"dtype": "auto", "compile_decode": True}
 class ServingConfig:
     model: str | None = knob(None, "GGUF file or HF directory; unset: the embedded SmolLM2-135M-Instruct",
                              group="engine")
-    dtype: str = knob("float32", "weights and activations; auto: bfloat16 on CUDA and on CPUs with bf16 "
-                      "matmul kernels, else float32", group="engine", choices=DTYPE_CHOICES)
+    dtype: str = knob("float32", "weights and activations (a CPU without bf16 matmul kernels computes bfloat16 "
+                      "weights in float32); auto: bfloat16 on CUDA, on CPUs with bf16 matmul kernels, and with "
+                      "compiled steps on the small-batch kernel (AVX2), else float32", group="engine",
+                      choices=DTYPE_CHOICES)
     device: str = knob("auto", "auto (cuda when present, else cpu), cpu or cuda[:N]", group="engine")
     kv_cache_gb: float = knob(1.0, "KV cache size, GiB", group="engine")
     # CPU: steps of a few tokens (up to 8 where the small-batch kernel builds, else 3) run
@@ -130,13 +138,23 @@ class ServingConfig:
 
     @property
     def resolved_dtype(self) -> str:
-        return auto_dtype(self.resolved_device()) if self.dtype == "auto" else self.dtype
+        return auto_dtype(self.resolved_device(), self.compile_decode) if self.dtype == "auto" else self.dtype
 
     @property
     def torch_dtype(self):
         import torch
 
         return getattr(torch, self.resolved_dtype)
+
+    @property
+    def compute_dtype(self):
+        """The dtype of the activations and the KV cache: the weights', except bf16 on a CPU without bf16
+        matmul kernels, which computes in fp32 over bf16 weights (engine/linear.py)."""
+        import torch
+
+        from backfill.engine.linear import matmul_kernel_for
+
+        return matmul_kernel_for(torch.device(self.resolved_device()), self.torch_dtype).compute_dtype
 
     def resolved_device(self) -> str:
         if self.device == "auto":

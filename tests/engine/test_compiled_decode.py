@@ -80,7 +80,7 @@ def test_tile_kernel_decodes_as_the_small_batch_kernel(tiny_config, weights):
             mp.setattr(kernel_choice, "load_or_measure", lambda signature, measure, p=path: forced_choice(p))
             model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True)
         model.compiled_decode.compile_buckets(background=False)
-        runners[path] = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=torch.bfloat16))
+        runners[path] = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=model.dtype))
     fast = runners[TILES].model.compiled_decode
     assert fast.tiled == frozenset({"qkv", "o", "gate_up", "down", "lm_head"})
     assert fast.buckets[16].lm_head_logits is not None  # a bucket's LM head on the tiles too
@@ -290,10 +290,10 @@ def test_abort_at_safepoint_then_rerun_equals_no_abort(runners):
 
 
 def test_bfloat16_compiled_decode_close_to_eager(tiny_config, weights):
-    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16),
-                        KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
-    compiled = ModelRunner(LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True),
-                           KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16))
+    eager_model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16)
+    compiled_model = LlamaModel(tiny_config, weights, dtype=torch.bfloat16, compile_decode=True)
+    eager = ModelRunner(eager_model, KVBlockPool(tiny_config, 16, 8, dtype=eager_model.dtype))
+    compiled = ModelRunner(compiled_model, KVBlockPool(tiny_config, 16, 8, dtype=compiled_model.dtype))
     ids = _prompt(15, 4)
     # The same tokens fed to both: bf16 rounding may flip a greedy choice between near-equal logits.
     forced = _prompt(4, 6)

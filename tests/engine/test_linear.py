@@ -54,7 +54,8 @@ def test_bf16_packing_needs_bf16_kernels(monkeypatch):
 
 
 def test_bf16_without_bf16_kernels_multiplies_in_fp32(monkeypatch):
-    """An AVX2-only CPU keeps bf16 activations but runs the matmuls in fp32 (no 8-50x bf16 fallback)."""
+    """An AVX2-only CPU runs a bf16 model's matmuls in fp32 (no 8-50x bf16 fallback); a Linear given
+    bf16 rows still answers in bf16."""
     monkeypatch.setattr(linear_module, "cpu_has_bf16_matmul", lambda: False)
     kernel = matmul_kernel_for(CPU, torch.bfloat16)
     assert kernel.compute_dtype == torch.float32
@@ -106,7 +107,7 @@ def test_the_runner_says_at_which_batch_a_decode_runs():
     config = ModelConfig.tiny()
     for dtype in (torch.float32, torch.bfloat16):
         model = LlamaModel(config, random_model(config, 0), dtype=dtype)
-        runner = ModelRunner(model, KVBlockPool.for_memory(config, 2**20, 16, dtype, "cpu"))
+        runner = ModelRunner(model, KVBlockPool.for_memory(config, 2**20, 16, model.dtype, "cpu"))
         kernel = matmul_kernel_for(CPU, dtype)
         want = (3,) if kernel.packed and kernel.compute_dtype == torch.bfloat16 else ()
         assert runner.decode_run_batches == model.decode_run_batches == want

@@ -140,8 +140,8 @@ def test_lm_head_has_safepoints_and_aborts_cleanly(setup, tiny_config):
 
 def test_bfloat16_close_to_fp32(setup, tiny_config, device):
     hf, _ = setup
-    runner = ModelRunner(LlamaModel(tiny_config, dict(hf.state_dict()), dtype=torch.bfloat16, device=device),
-                         KVBlockPool(tiny_config, 16, 8, dtype=torch.bfloat16, device=device))
+    model = LlamaModel(tiny_config, dict(hf.state_dict()), dtype=torch.bfloat16, device=device)
+    runner = ModelRunner(model, KVBlockPool(tiny_config, 16, 8, dtype=model.dtype, device=device))
     ids = _prompt(12, 4)
     out = runner.execute([SeqChunk("b", ids, 0, runner.kv.allocate(2))])
     ref = _hf_logits(hf, ids)[-1]

@@ -9,7 +9,7 @@ from backfill.engine.kv_pool import KVBlockPool
 from backfill.engine.model import LlamaModel
 from backfill.engine.runner import ModelRunner
 from backfill.engine.step import SeqChunk
-from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, can_tile, load_small_batch_matmul,
+from backfill.engine.small_batch_matmul import (COLUMN_BLOCK, can_pack, can_tile, kernel_isa, load_small_batch_matmul,
                                                 load_tiles_matmul, pack_for_small_batches, packed_matmul,
                                                 packed_matmul_tiles)
 from tests.conftest import prefill_then_decode, random_weights
@@ -42,15 +42,20 @@ def test_weights_the_kernel_cannot_take_are_refused(weight):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype, x_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("out_features,in_features", [(3072, 576), (37, 64), (5, 2)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16, 27, 64])
-def test_products_match_fp32_matmul(dtype, out_features, in_features, rows):
+def test_products_match_fp32_matmul(dtype, x_dtype, out_features, in_features, rows):
+    """Each row regime (one pass, chunks against a tile: on AVX2 a bf16 tile widened once), fp32 rows
+    against bf16 weights too (a bf16 model computing in fp32 on a CPU without bf16 matmul kernels)."""
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
-    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(x_dtype)
     out = packed_matmul(pack_for_small_batches(weight), x, out_features)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    if dtype == torch.bfloat16 and kernel_isa() == "avx512-bf16":
+        x = x.to(torch.bfloat16)  # VDPBF16PS multiplies bf16 pairs: fp32 rows are rounded first
     torch.testing.assert_close(out, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
 
 
@@ -92,9 +97,9 @@ def test_tile_kernel_refuses_what_it_cannot_multiply():
 @needs_kernel
 def test_bad_inputs_raise_clear_errors():
     packed = pack_for_small_batches(torch.ones(32, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="of the same dtype"):
-        packed_matmul(packed, torch.ones(1, 8), 32)
-    with pytest.raises(RuntimeError, match="of the same dtype"):
+    with pytest.raises(RuntimeError, match="x of its dtype or fp32"):
+        packed_matmul(packed.float(), torch.ones(1, 8, dtype=torch.bfloat16), 32)
+    with pytest.raises(RuntimeError, match="x of its dtype or fp32"):
         packed_matmul(packed.half(), torch.ones(1, 8, dtype=torch.float16), 32)
     with pytest.raises(RuntimeError, match="does not match"):
         packed_matmul(packed, torch.ones(1, 10, dtype=torch.bfloat16), 32)
@@ -108,8 +113,9 @@ def test_compiled_decode_runs_up_to_eight_sequences_on_the_kernel(tiny_config, d
     weights = random_weights(tiny_config, seed=5)
     model = LlamaModel(tiny_config, weights, dtype=dtype, compile_decode=True)
     assert model.compiled_decode.packed and model.compiled_decode.batch_sizes == PACKED_DECODE_BATCH_SIZES
-    runners = [ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 48, 8, dtype=dtype)),
-               ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=dtype))]
+    eager = LlamaModel(tiny_config, weights, dtype=dtype)
+    runners = [ModelRunner(eager, KVBlockPool(tiny_config, 48, 8, dtype=eager.dtype)),
+               ModelRunner(model, KVBlockPool(tiny_config, 48, 8, dtype=model.dtype))]
     if dtype == torch.bfloat16:  # the yardstick: the eager path in fp32
         runners.append(ModelRunner(LlamaModel(tiny_config, weights), KVBlockPool(tiny_config, 48, 8)))
     batch = 8
@@ -196,8 +202,9 @@ def test_padded_buckets_match_eager_for_larger_decode_batches(tiny_config):
     assert model.compiled_decode.pieces_for(8)[0] == 8 and model.compiled_decode.pieces_for(65)[0] == 128
     # Past the largest bucket, the pieces compiled for any row count, unpadded.
     assert model.compiled_decode.pieces_for(129) == (129, model.compiled_decode.large)
-    eager = ModelRunner(LlamaModel(tiny_config, weights, dtype=dtype), KVBlockPool(tiny_config, 160, 8, dtype=dtype))
-    fast = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=dtype))
+    eager_model = LlamaModel(tiny_config, weights, dtype=dtype)
+    eager = ModelRunner(eager_model, KVBlockPool(tiny_config, 160, 8, dtype=eager_model.dtype))
+    fast = ModelRunner(model, KVBlockPool(tiny_config, 160, 8, dtype=model.dtype))
     calls = []
     real = model._forward_compiled
     model._forward_compiled = lambda *a, **k: calls.append(k.get("padded_to")) or real(*a, **k)

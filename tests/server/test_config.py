@@ -108,14 +108,21 @@ def test_tiny_is_hidden_from_help():
 
 
 def test_auto_dtype_resolves_per_device(monkeypatch):
-    from backfill.engine import linear
+    import torch
+
+    from backfill.engine import linear, small_batch_matmul
 
     config = parse("--dtype", "auto", "--device", "cpu")
     assert config.serving.dtype == "auto"
     monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(small_batch_matmul, "kernel_isa", lambda: None)
     assert config.serving.resolved_dtype == "float32" and config.serving.torch_dtype.is_floating_point
+    # AVX2: bf16 weights that compiled steps read at two bytes, computed (and cached) in fp32.
+    monkeypatch.setattr(small_batch_matmul, "kernel_isa", lambda: "avx2")
+    assert config.serving.resolved_dtype == "bfloat16" and config.serving.compute_dtype == torch.float32
+    assert parse("--dtype", "auto", "--device", "cpu", "--no-compile-decode").serving.resolved_dtype == "float32"
     monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: True)
-    assert config.serving.resolved_dtype == "bfloat16"
+    assert config.serving.resolved_dtype == "bfloat16" and config.serving.compute_dtype == torch.bfloat16
     assert parse("--dtype", "float16").serving.resolved_dtype == "float16"
 
 

@@ -34,7 +34,9 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "balanced_for.h"
 
@@ -90,7 +92,7 @@ inline void column_blocks(const typename K::Weight* weight, const typename K::St
     }
   }
   for (int c = 0; c < C; ++c) {
-    const int64_t col = (n_block + c) * kLanes;
+    const int64_t col = ((out_block < 0 ? n_block : out_block) + c) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, out_features - col);
     const __mmask16 mask = valid == kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1);
     for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(out + m * out_features + col, mask, acc[m][c]);
@@ -144,9 +146,11 @@ struct Bf16Pairs {
 
 // Accumulators in flat arrays (row-major [M][C]) and every loop over them unrolled early: only then
 // does GCC keep them in registers rather than write them back to the stack on every step.
+// out_block: the output columns' block, where it is not n_block (a tile widened into a buffer of its own).
 template <typename K, int M, int C>
 inline void column_blocks(const typename K::Weight* weight, const float* x, float* out, int64_t n_block,
-                          int64_t steps, int64_t out_features, const typename K::Weight* next = nullptr) {
+                          int64_t steps, int64_t out_features, const typename K::Weight* next = nullptr,
+                          int64_t out_block = -1) {
   constexpr int F = K::kFeaturesPerStep;
   const int64_t in_features = steps * F;
   __m256 lo[M * C], hi[M * C];
@@ -176,7 +180,7 @@ inline void column_blocks(const typename K::Weight* weight, const float* x, floa
   }
   #pragma GCC unroll 16
   for (int c = 0; c < C; ++c) {
-    const int64_t col = (n_block + c) * kLanes;
+    const int64_t col = ((out_block < 0 ? n_block : out_block) + c) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, out_features - col);
     #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
@@ -201,6 +205,29 @@ constexpr int64_t kXPerStep = K::kFeaturesPerStep;
 // Column blocks per pass at M rows: 2 * M * C accumulators of the 16 registers.
 template <int M>
 constexpr int columns_per_pass() { return M <= 1 ? 4 : (M <= 3 ? 2 : 1); }
+
+// A bf16 column block ([steps][16][2]) widened to fp32 in Fp32Single's layout ([2 * steps][16]): for more
+// rows than one pass serves, each chunk of rows would widen the same tile again, and from a few chunks
+// the shifts and masks cost more than the multiply-adds leave room for. Widened once into a buffer
+// that stays in L2, the chunks run at fp32's rate while the weight still crosses the bus at two bytes.
+inline void widen_block(const c10::BFloat16* block, float* wide, int64_t steps, const c10::BFloat16* next) {
+  constexpr int64_t kStepElems = 2 * kLanes;
+  for (int64_t p = 0; p < steps; ++p) {
+    if (next != nullptr) __builtin_prefetch(next + p * kStepElems);
+    __m256 lo[2], hi[2];
+    Bf16Pairs::load(block + p * kStepElems, lo, hi);
+    float* even = wide + 2 * p * kLanes;
+    _mm256_storeu_ps(even, lo[0]);
+    _mm256_storeu_ps(even + 8, hi[0]);
+    _mm256_storeu_ps(even + kLanes, lo[1]);
+    _mm256_storeu_ps(even + kLanes + 8, hi[1]);
+  }
+}
+
+#define BACKFILL_WIDEN_BF16_TILES 1
+// Widened from this many chunks of rows up: for two, widening the tile (and reading the fp32 copy, over
+// L1's size, from L2) costs more than the second widening it saves (8 rows: 0.8x the rate unwidened).
+constexpr int64_t kWidenFromChunks = 3;
 
 // x as fp32 (the kernel's input type on AVX2): bf16 rows are widened once per call.
 inline const float* fp32_rows(const at::Tensor& x, at::Tensor& holder) {
@@ -248,6 +275,21 @@ constexpr auto chunk_fns(std::integer_sequence<int, Ms...>) {
   return std::array<ChunkFn, sizeof...(Ms)>{chunk_against_tile<K, X, Ms + 1>...};
 }
 
+#if defined(BACKFILL_WIDEN_BF16_TILES)
+// A chunk of M rows against a widened column block (see widen_block), written to the block's columns.
+template <typename X, int M>
+void chunk_against_wide(const float* wide, const X* x, float* out, int64_t block, int64_t steps,
+                        int64_t out_features) {
+  column_blocks<Fp32Single, M, 1>(wide, x, out, 0, steps, out_features, nullptr, block);
+}
+
+template <typename X, int... Ms>
+constexpr auto wide_chunk_fns(std::integer_sequence<int, Ms...>) {
+  using WideFn = void (*)(const float*, const X*, float*, int64_t, int64_t, int64_t);
+  return std::array<WideFn, sizeof...(Ms)>{chunk_against_wide<X, Ms + 1>...};
+}
+#endif
+
 template <typename K, typename X, int... Ms>
 constexpr auto rows_fns(std::integer_sequence<int, Ms...>) {
   using RowsFn = void (*)(const typename K::Weight*, const X*, float*, int64_t, int64_t);
@@ -270,6 +312,23 @@ void many_rows(const typename K::Weight* weight, const X* x, float* out, int64_t
     // that the weight streams in beside the multiply-adds instead of between tiles.
     const typename K::Weight* next =
         next_group >= 0 ? weight + next_group * kTiledColumns * steps * K::kFeaturesPerStep * kLanes : nullptr;
+#if defined(BACKFILL_WIDEN_BF16_TILES)
+    if constexpr (std::is_same_v<K, Bf16Pairs>) {
+      static_assert(kTiledColumns == 1, "a widened tile is one column block");
+      if (rows > (kWidenFromChunks - 1) * kMaxRows) {
+        static constexpr auto kWideFns = wide_chunk_fns<X>(std::make_integer_sequence<int, kMaxRows>{});
+        thread_local std::vector<float> wide;
+        wide.resize(2 * steps * kLanes);
+        widen_block(weight + first * steps * 2 * kLanes, wide.data(), steps, next);
+        for (int64_t row = 0; row < rows; row += kMaxRows) {
+          const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
+          kWideFns[count - 1](wide.data(), x + row * x_row, out + row * out_features, first, 2 * steps,
+                              out_features);
+        }
+        return;
+      }
+    }
+#endif
     for (int64_t row = 0; row < rows; row += kMaxRows) {
       const int64_t count = std::min<int64_t>(kMaxRows, rows - row);
       kChunkFns[count - 1](weight, x + row * x_row, out + row * out_features, first, last, steps, out_features,
@@ -441,16 +500,16 @@ void tiles_four_row_tiles(const c10::BFloat16* weight, const c10::BFloat16* x, f
 #endif  // AMX tiles
 
 // x [M, K] and a weight packed by pack_for_small_batches (small_batch_matmul.py): [ceil(N/16), K * 16],
-// both bf16 or both fp32. Returns x @ W.T in fp32, [M, N].
+// both bf16, both fp32, or fp32 x with bf16 weights. Returns x @ W.T in fp32, [M, N].
 at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, int64_t out_features) {
   TORCH_CHECK(x.device().is_cpu() && packed_weight.device().is_cpu(), "packed_matmul runs on CPU");
-  TORCH_CHECK(x.scalar_type() == packed_weight.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "packed_matmul takes a bf16 or fp32 x and weight of the same dtype, got ", x.scalar_type(), " and ",
-              packed_weight.scalar_type());
+  const bool bf16 = packed_weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || packed_weight.scalar_type() == at::kFloat) &&
+                  (x.scalar_type() == packed_weight.scalar_type() || x.scalar_type() == at::kFloat),
+              "packed_matmul takes a bf16 or fp32 weight and x of its dtype or fp32, got x ", x.scalar_type(),
+              " and weight ", packed_weight.scalar_type());
   TORCH_CHECK(x.dim() == 2 && packed_weight.dim() == 2, "packed_matmul takes 2-D x and a packed weight");
   const int64_t in_features = x.size(1);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!bf16 || in_features % 2 == 0, "bf16 in_features must be even, got ", in_features);
   TORCH_CHECK(packed_weight.size(0) == (out_features + kLanes - 1) / kLanes &&
                   packed_weight.size(1) == in_features * kLanes,
@@ -458,7 +517,8 @@ at::Tensor packed_matmul(const at::Tensor& packed_weight, const at::Tensor& x, i
   const at::Tensor wc = packed_weight.contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const at::Tensor xc = x.contiguous();
+  // bf16 weights multiply bf16 pairs of x here: fp32 rows (a model whose activations are fp32) are rounded.
+  const at::Tensor xc = bf16 ? x.to(at::kBFloat16).contiguous() : x.contiguous();
   if (bf16) {
     all_rows<Bf16Pairs>(wc.data_ptr<c10::BFloat16>(), reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>()),
                         out.data_ptr<float>(), x.size(0), out_features, in_features / 2);
