@@ -87,7 +87,7 @@ class LlamaModel:
         kernel = matmul_kernel_for(self.device, dtype)
         # Activations and the KV cache are in the matmuls' dtype: a bf16 model on a CPU without bf16
         # matmul kernels keeps its weights' bf16 values and computes in fp32 (engine/linear.py).
-        self.weight_dtype, self.dtype = dtype, kernel.compute_dtype
+        self.dtype = kernel.compute_dtype
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
             # PyTorch may send SDPA to cuDNN, which builds a plan for every new shape, and prefill
             # spans come in every length: a step of unseen lengths costs several planned ones
