@@ -36,6 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     if not load_small_batch_matmul():
         raise SystemExit("the small-batch kernel does not build on this CPU")
+    print(f"timing {len(args.rows)} row counts, {args.pairs} pairs each (about a minute; a line per row count)",
+          flush=True)
     g = torch.Generator().manual_seed(0)
     weights = {dtype: {name: [pack_for_small_batches(torch.randn(*shape, generator=g).to(dtype)) for _ in range(n)]
                        for name, (shape, n) in SHAPES.items()} for dtype in DTYPES}

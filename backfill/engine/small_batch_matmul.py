@@ -16,11 +16,9 @@ oneDNN's rate, and serves the padded decode buckets of compiled_decode.py.
 The instruction set follows the CPU (and ATEN_CPU_CAPABILITY, which holds it lower): AVX-512 BF16
 where present, else AVX2 with FMA, where a pass serves four rows (half the registers) and bf16
 weights are widened to fp32 in registers, so they still cross the memory bus at two bytes; from
-three passes of rows up, each tile is widened once into an fp32 buffer the passes share. There the
-rows may be fp32 (a bf16 model on a CPU without bf16 matmul kernels computes in fp32): on a
-2-core Zen 3, a step's matmuls of the default model took 0.53-0.66x fp32 weights' time at 1-6
-rows, 0.75-0.81x at 8 and 0.97-1.08x (median about 1.02x) from 13 to 128
-(`scripts/small_batch_dtypes.py`, docs/models.md).
+three passes of rows up, each tile is widened once into an fp32 buffer the passes share, so those
+run at fp32's rate. There the rows may be fp32: a bf16 model on a CPU without bf16 matmul kernels
+computes in fp32 and reads its weights here at two bytes (docs/models.md has the figures).
 
 On a CPU with AMX tiles (Intel Xeon from Sapphire Rapids) the same packed bf16 weight also
 multiplies on them (`torch.ops.backfill.packed_matmul_tiles`): sixteen pair-steps of a column
